@@ -1,0 +1,1 @@
+"""llamarl executors and the code they share."""

@@ -1,0 +1,80 @@
+"""Command-line flags from config dataclasses.
+
+Each field becomes ``--field-name``; its help text is the docstring written under the
+field (read from the class source once), so the dataclass stays the single place where
+an option is named, typed, documented and validated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from typing import Any, Literal, Sequence, TypeVar
+
+T = TypeVar("T")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass ``cls``."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: Any, doc: str) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    default = f.default if f.default is not dataclasses.MISSING else None
+    required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    kwargs: dict[str, Any] = {"dest": f.name, "help": f"{doc} (default: {default!r})", "required": required}
+    if typing.get_origin(hint) is Literal:
+        kwargs.update(choices=list(typing.get_args(hint)), type=type(typing.get_args(hint)[0]))
+    elif hint is bool:
+        kwargs.update(action=argparse.BooleanOptionalAction)
+        del kwargs["required"]
+    elif typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)][0]
+        kwargs.update(type=inner)
+    else:
+        kwargs.update(type=hint)
+    parser.add_argument(flag, **kwargs)
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__, inspect.getdoc(cls) or None)
+    for f in dataclasses.fields(cls):
+        _add_field(group, f, hints[f.name], docs.get(f.name, ""))  # type: ignore[arg-type]
+
+
+def config_from_args(args: argparse.Namespace, cls: type[T]) -> T:
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return cls(**given)
+
+
+def parse(argv: Sequence[str] | None, *classes: type, description: str = "") -> list[Any]:
+    """Parse ``argv`` into one instance of each config class (flags must not clash)."""
+    parser = argparse.ArgumentParser(description=description)
+    for cls in classes:
+        add_config_args(parser, cls)
+    args = parser.parse_args(argv)
+    try:
+        return [config_from_args(args, cls) for cls in classes]
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)

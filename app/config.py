@@ -1,0 +1,118 @@
+"""Typed configs of the executors. Each executor owns one; the single-process loop
+(``app.local``) takes the trainer's and the generator's together.
+
+Runtime objects (models, stores, process groups) never live here: they are built from
+these values when an executor starts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from app.rl import StepConfig
+from app.sampler import SamplingParams
+
+
+def parse_levels(levels: str) -> tuple[int, ...]:
+    if not re.fullmatch(r"[123](,[123])*", levels):
+        raise ValueError(f"levels must be a comma-separated list of 1, 2 and 3, got {levels!r}")
+    return tuple(int(x) for x in levels.split(","))
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The trainer: consumes scored rollouts, steps the optimizer, publishes weights."""
+
+    policy: str = "warmstart"
+    """A local Hugging Face causal-LM directory, or 'warmstart': the embedded default
+    policy after the supervised warm start (made once and cached in checkpoints/)."""
+    steps: int = 30
+    """RL steps (optimizer updates) to run."""
+    prompts_per_step: int = 16
+    """Prompts whose groups make one training batch."""
+    group_size: int = 8
+    """Completions sampled per prompt (G)."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    loss: Literal["aipo", "ppo"] = "aipo"
+    """Policy loss: AIPO (truncated importance weights) or PPO-clip."""
+    rho_max: float = 4.0
+    """AIPO truncation of the importance ratio pi/mu (2 to 10 in the paper)."""
+    clip_eps: float = 0.2
+    """PPO-clip epsilon (loss=ppo only)."""
+    normaliser: Literal["token", "sequence"] = "token"
+    """Loss normaliser: mean over all tokens, or mean over sequences of per-sequence means."""
+    normalize_std: bool = False
+    """Divide group-relative advantages by the group's reward std."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the starting policy (0 disables it and the reference copy)."""
+    max_staleness: int = 1
+    """Largest lag (trainer version - rollout version) a rollout may have; 0 is synchronous."""
+    rewards: str = "math_verifier"
+    """Reward spec: comma-separated name[=weight] (see README, Rewards)."""
+    reward_timeout_s: float = 30.0
+    """Deadline of one reward call; a rollout whose reward misses it is quarantined."""
+    levels: str = "1,2,3"
+    """Difficulty levels of training and evaluation problems."""
+    eval_every: int = 10
+    """Held-out greedy accuracy every N steps (and at the start and the end)."""
+    eval_size: int = 200
+    """Held-out problems per evaluation."""
+    micro_batch: int = 64
+    """Rollouts per forward/backward pass (gradient accumulation above it)."""
+    runs_dir: str = "runs"
+    """Where run directories are created."""
+    run_id: str = ""
+    """Run directory name; empty makes one from the time."""
+    seed: int = 0
+    """Seed of the data order and of the reference loop's sampler."""
+    threads: int = 0
+    """torch threads for this process (0 keeps torch's default)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "group_size", "eval_every", "eval_size", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError("group_size must be >= 2: group-relative advantages need a group")
+        if self.lr <= 0 or self.rho_max <= 0 or self.clip_eps <= 0:
+            raise ValueError("lr, rho_max and clip_eps must be > 0")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        parse_levels(self.levels)
+
+    def step_config(self, temperature: float) -> StepConfig:
+        return StepConfig(loss=self.loss, rho_max=self.rho_max, clip_eps=self.clip_eps,
+                          normaliser=self.normaliser, kl_coef=self.kl_coef,
+                          temperature=temperature, micro_batch=self.micro_batch)
+
+
+@dataclass(kw_only=True)
+class GeneratorConfig:
+    """A generator: samples completions with the newest weights it has."""
+
+    max_new_tokens: int = 48
+    """Longest completion, EOS included."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0: RL needs a stochastic behaviour policy)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    gen_batch_prompts: int = 8
+    """Prompts per decode batch of a distributed generator (each sampled group_size times)."""
+    gen_seed: int = 0
+    """Sampling seed (each generator replica adds its index)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature}")
+        if self.gen_batch_prompts < 1:
+            raise ValueError(f"gen_batch_prompts must be >= 1, got {self.gen_batch_prompts}")
+        self.sampling()  # validates max_new_tokens and top_p
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              top_p=self.top_p)

@@ -1,0 +1,216 @@
+"""Metrics schema, events and the run directory's SQLite writer.
+
+Every executor turns what it measures into small JSON-able *events* (plain dicts);
+they travel to trainer replica 0, the only process that opens ``metrics.db`` for
+writing. The dashboard reads the same file through ``dashboard.data`` and imports
+nothing from ``app`` but this module, so it stays free of torch and process groups.
+
+Tables (schema version ``SCHEMA_VERSION``):
+
+- ``meta(key, value)``: ``schema_version``, ``run_id``, ``started_at``, ``config`` (JSON).
+- ``scalars(t, step, role, replica, name, value)``: every number over time: throughput
+  (``gen/tokens_per_s``, ``train/tokens_per_s``, ...), learning (``loss``, ``reward/<c>``,
+  ``eval/accuracy``, ``aipo/ratio_mean`` ...), queue depths (``queue/<name>``), idle
+  fractions (``idle_fraction``).
+- ``intervals(role, replica, kind, what, t0, t1)``: busy and idle intervals of each
+  executor, for the timeline (``kind`` is ``busy`` or ``idle``).
+- ``staleness(t, step, version, staleness, used)``: one row per consumed rollout;
+  ``used`` is 0 for a rollout dropped for exceeding ``max_staleness``.
+- ``weight_sync(t, version, receiver, bytes, seconds)``: one row per sync per receiver
+  (``receiver`` is ``trainer`` for the sender's own view).
+- ``rewards(t, step, component, value)``: the score of each reward component per
+  rollout (``value`` NULL and ``reason`` set when the rollout was quarantined).
+
+Times are Unix seconds (``time.time()``), so rows from different hosts line up.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+SCHEMA_VERSION = 1
+DB_NAME = "metrics.db"
+
+EVENT_TYPES = ("scalar", "interval", "staleness", "weight_sync", "reward")
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS scalars (
+    t REAL NOT NULL, step INTEGER, role TEXT NOT NULL, replica INTEGER NOT NULL,
+    name TEXT NOT NULL, value REAL);
+CREATE INDEX IF NOT EXISTS scalars_name_t ON scalars (name, t);
+CREATE TABLE IF NOT EXISTS intervals (
+    role TEXT NOT NULL, replica INTEGER NOT NULL, kind TEXT NOT NULL,
+    what TEXT NOT NULL, t0 REAL NOT NULL, t1 REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS intervals_t0 ON intervals (t0);
+CREATE TABLE IF NOT EXISTS staleness (
+    t REAL NOT NULL, step INTEGER NOT NULL, version INTEGER NOT NULL,
+    staleness INTEGER NOT NULL, used INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS staleness_step ON staleness (step);
+CREATE TABLE IF NOT EXISTS weight_sync (
+    t REAL NOT NULL, version INTEGER NOT NULL, receiver TEXT NOT NULL,
+    bytes INTEGER NOT NULL, seconds REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS rewards (
+    t REAL NOT NULL, step INTEGER, component TEXT NOT NULL, value REAL, reason TEXT);
+CREATE INDEX IF NOT EXISTS rewards_component_t ON rewards (component, t);
+"""
+
+# Column order of each event type's table; events are dicts with these keys plus "type".
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "scalar": ("t", "step", "role", "replica", "name", "value"),
+    "interval": ("role", "replica", "kind", "what", "t0", "t1"),
+    "staleness": ("t", "step", "version", "staleness", "used"),
+    "weight_sync": ("t", "version", "receiver", "bytes", "seconds"),
+    "reward": ("t", "step", "component", "value", "reason"),
+}
+TABLES = {
+    "scalar": "scalars",
+    "interval": "intervals",
+    "staleness": "staleness",
+    "weight_sync": "weight_sync",
+    "reward": "rewards",
+}
+
+
+def scalar(name: str, value: float, *, role: str, replica: int = 0, step: int | None = None,
+           t: float | None = None) -> dict[str, Any]:
+    return {"type": "scalar", "t": time.time() if t is None else t, "step": step,
+            "role": role, "replica": replica, "name": name, "value": float(value)}
+
+
+def scalars(values: dict[str, float], *, role: str, replica: int = 0,
+            step: int | None = None) -> list[dict[str, Any]]:
+    now = time.time()
+    return [scalar(k, v, role=role, replica=replica, step=step, t=now) for k, v in values.items()]
+
+
+def interval(kind: Literal["busy", "idle"], what: str, t0: float, t1: float, *, role: str,
+             replica: int = 0) -> dict[str, Any]:
+    return {"type": "interval", "role": role, "replica": replica, "kind": kind, "what": what,
+            "t0": t0, "t1": t1}
+
+
+def staleness(step: int, version: int, lag: int, used: bool) -> dict[str, Any]:
+    return {"type": "staleness", "t": time.time(), "step": step, "version": version,
+            "staleness": lag, "used": int(used)}
+
+
+def weight_sync(version: int, receiver: str, nbytes: int, seconds: float) -> dict[str, Any]:
+    return {"type": "weight_sync", "t": time.time(), "version": version, "receiver": receiver,
+            "bytes": int(nbytes), "seconds": float(seconds)}
+
+
+def reward(component: str, value: float | None, *, step: int | None = None,
+           reason: str | None = None) -> dict[str, Any]:
+    return {"type": "reward", "t": time.time(), "step": step, "component": component,
+            "value": value, "reason": reason}
+
+
+def new_run_dir(runs_dir: str | Path, run_id: str, config: dict[str, Any]) -> Path:
+    """``<runs_dir>/<run_id>/`` with ``config.json`` and ``logs/``; a name from the time
+    when ``run_id`` is empty. An existing run directory is never overwritten."""
+    run_id = run_id or time.strftime("%Y%m%d-%H%M%S")
+    path = Path(runs_dir) / run_id
+    if (path / DB_NAME).exists():
+        raise FileExistsError(f"run directory {path} already holds a run; pick another run id")
+    (path / "logs").mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    return path
+
+
+class MetricsWriter:
+    """The single writer of ``<run_dir>/metrics.db`` (trainer replica 0 only).
+
+    WAL mode lets the dashboard read while the run writes. Events are inserted in one
+    transaction per ``write`` call; an event of unknown type raises rather than vanish.
+    """
+
+    def __init__(self, run_dir: str | Path, *, run_id: str, config: dict[str, Any]) -> None:
+        self.path = Path(run_dir) / DB_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_DDL)
+        with self._db:
+            self._db.executemany(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                [("schema_version", str(SCHEMA_VERSION)), ("run_id", run_id),
+                 ("started_at", repr(time.time())), ("config", json.dumps(config, default=str))],
+            )
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._db:
+            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    def write(self, events: Iterable[dict[str, Any]]) -> int:
+        rows: dict[str, list[tuple]] = {k: [] for k in COLUMNS}
+        for ev in events:
+            kind = ev.get("type")
+            if kind not in COLUMNS:
+                raise ValueError(f"unknown metrics event type {kind!r}; expected one of {EVENT_TYPES}")
+            rows[kind].append(tuple(ev.get(c) for c in COLUMNS[kind]))
+        n = 0
+        with self._db:
+            for kind, batch in rows.items():
+                if batch:
+                    cols = COLUMNS[kind]
+                    self._db.executemany(
+                        f"INSERT INTO {TABLES[kind]} ({', '.join(cols)}) "
+                        f"VALUES ({', '.join('?' for _ in cols)})", batch)
+                    n += len(batch)
+        return n
+
+    def close(self, *, finished: bool = True) -> None:
+        """Close the database; ``finished`` records ``finished_at`` so readers know the
+        run is over (a crashed run leaves it unset)."""
+        if finished:
+            self.set_meta("finished_at", repr(time.time()))
+        self._db.close()
+
+
+class Timeline:
+    """Records the busy and idle intervals of one executor as ``interval`` events.
+
+    ``with timeline.busy("generate"): ...`` and ``with timeline.idle("wait_rollouts"): ...``;
+    ``drain()`` hands over the events recorded since the last call, and
+    ``idle_fraction()`` the share of idle time among them.
+    """
+
+    def __init__(self, role: str, replica: int = 0) -> None:
+        self.role, self.replica = role, replica
+        self._events: list[dict[str, Any]] = []
+
+    def busy(self, what: str) -> "_Span":
+        return _Span(self, "busy", what)
+
+    def idle(self, what: str) -> "_Span":
+        return _Span(self, "idle", what)
+
+    def record(self, kind: Literal["busy", "idle"], what: str, t0: float, t1: float) -> None:
+        self._events.append(interval(kind, what, t0, t1, role=self.role, replica=self.replica))
+
+    def idle_fraction(self) -> float:
+        total = sum(e["t1"] - e["t0"] for e in self._events)
+        idle = sum(e["t1"] - e["t0"] for e in self._events if e["kind"] == "idle")
+        return idle / total if total > 0 else 0.0
+
+    def drain(self) -> list[dict[str, Any]]:
+        events, self._events = self._events, []
+        return events
+
+
+class _Span:
+    def __init__(self, timeline: Timeline, kind: Literal["busy", "idle"], what: str) -> None:
+        self.timeline, self.kind, self.what = timeline, kind, what
+
+    def __enter__(self) -> "_Span":
+        self.t0 = time.time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.timeline.record(self.kind, self.what, self.t0, time.time())

@@ -1,0 +1,54 @@
+"""Rule-based built-in rewards: the GSM8K answer verifier, a format reward, a length penalty.
+
+Each is a plain reward function ``fn(prompt, completion, meta) -> float``. The model-based
+built-ins live in ``app.rewards.models``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.tasks import extract_answer, has_format, is_correct
+
+
+def math_verifier(prompt: str, completion: str, meta: dict) -> float:
+    """1.0 when the number after the last ``####`` equals ``meta["answer"]``, else 0.0.
+
+    A sample without ``meta["answer"]`` raises KeyError, so it is quarantined rather than
+    silently scored 0.
+    """
+    return 1.0 if is_correct(completion, meta["answer"]) else 0.0
+
+
+def format_reward(prompt: str, completion: str, meta: dict) -> float:
+    """1.0 when the completion ends with a ``#### <number>`` line; 0.5 when such a marker
+    appears but not as the last line (the model kept writing after its answer); else 0.0."""
+    if has_format(completion):
+        return 1.0
+    return 0.5 if extract_answer(completion) is not None else 0.0
+
+
+@dataclass(kw_only=True, frozen=True)
+class LengthPenalty:
+    """``-min(max_penalty, scale * max(0, words - target))`` with ``words`` the number of
+    whitespace-separated tokens of the completion: 0 up to ``target`` words, then linearly
+    more negative, floored at ``-max_penalty``. Whitespace words, not policy tokens, so the
+    score does not depend on the policy's tokenizer."""
+
+    target: int = 64
+    """Words allowed before the penalty starts."""
+    scale: float = 0.01
+    """Penalty per word over ``target``."""
+    max_penalty: float = 1.0
+    """The penalty never goes below ``-max_penalty``."""
+
+    def __post_init__(self) -> None:
+        if self.target < 0:
+            raise ValueError(f"length_penalty target must be >= 0, got {self.target}")
+        if self.scale < 0 or self.max_penalty < 0:
+            raise ValueError(f"length_penalty scale and max_penalty must be >= 0, "
+                             f"got scale={self.scale}, max_penalty={self.max_penalty}")
+
+    def __call__(self, prompt: str, completion: str, meta: dict) -> float:
+        over = max(0, len(completion.split()) - self.target)
+        return -min(self.max_penalty, self.scale * over)

@@ -1,0 +1,216 @@
+"""What every RL loop in llamarl shares: rollouts, the trainer's forward pass, one
+policy-gradient step, and held-out evaluation.
+
+The single-process loop (``app.local``) and the distributed trainer (``app.trainer``)
+both call ``train_step`` on batches of ``Rollout``: the synchronous reference and the
+asynchronous app differ only in where rollouts come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from app import losses, tasks
+from app.policy import encode_prompts
+from app.rewards import CompositeReward, RewardResult, Sample
+from app.sampler import SamplingParams, sample
+
+
+@dataclass
+class Rollout:
+    """One sampled completion and everything the trainer needs to learn from it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]
+    """log mu(y_t) recorded by the generator, one per completion token."""
+    version: int
+    """Policy version of the weights that sampled it."""
+    group: str
+    """Id of the prompt it answers; the G rollouts of one prompt share it."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Task metadata: reference ``answer``, ``solution``, ``level``, the prompt text..."""
+    reward: float | None = None
+    rewards: dict[str, float] = field(default_factory=dict)
+    advantage: float | None = None
+
+
+@dataclass(kw_only=True)
+class StepConfig:
+    """The knobs of one policy-gradient step (a slice of the trainer's config)."""
+
+    loss: Literal["aipo", "ppo"] = "aipo"
+    rho_max: float = 4.0
+    clip_eps: float = 0.2
+    normaliser: losses.Normaliser = "token"
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+    micro_batch: int = 64
+    max_grad_norm: float = 1.0
+
+
+def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_id: int,
+                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(y_t | x, y_<t) of each completion token under ``model``, right-padded.
+
+    Returns ``(logp_BT, mask_BT)`` with T the longest completion. Logits are divided by
+    the sampling temperature, matching what the sampler recorded.
+    """
+    device = next(model.parameters()).device
+    seqs = [r.prompt_ids + r.completion_ids for r in rollouts]
+    L = max(len(s) for s in seqs)
+    T = max(len(r.completion_ids) for r in rollouts)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros_like(ids)
+    # index of the logit that predicts completion token t of row b: prompt_len - 1 + t
+    gather_pos = torch.zeros((len(seqs), T), dtype=torch.long, device=device)
+    targets = torch.full((len(seqs), T), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(seqs), T), dtype=torch.float32, device=device)
+    for b, (s, r) in enumerate(zip(seqs, rollouts)):
+        ids[b, : len(s)] = torch.tensor(s, device=device)
+        attn[b, : len(s)] = 1
+        n, p = len(r.completion_ids), len(r.prompt_ids)
+        gather_pos[b, :n] = torch.arange(p - 1, p - 1 + n, device=device)
+        targets[b, :n] = torch.tensor(r.completion_ids, device=device)
+        mask[b, :n] = 1
+    logits_BLV = model(input_ids=ids, attention_mask=attn).logits
+    logits_BTV = logits_BLV.gather(1, gather_pos[:, :, None].expand(-1, -1, logits_BLV.shape[-1]))
+    logits_BTV = logits_BTV.float() / (temperature if temperature > 0 else 1.0)
+    logp_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, targets[:, :, None]).squeeze(-1)
+    return logp_BT * mask, mask
+
+
+def _padded(rows: list[list[float]], T: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros((len(rows), T), dtype=torch.float32, device=device)
+    for b, r in enumerate(rows):
+        out[b, : len(r)] = torch.tensor(r, dtype=torch.float32, device=device)
+    return out
+
+
+def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollouts: list[Rollout],
+               cfg: StepConfig, *, pad_id: int,
+               ref_model: PreTrainedModel | None = None) -> dict[str, float]:
+    """One optimizer step on ``rollouts`` (advantages already set), in micro-batches.
+
+    The loss of each micro-batch is weighted by its share of the batch's normaliser
+    (tokens or sequences), so the accumulated gradient equals the full-batch gradient.
+    """
+    if not rollouts:
+        raise ValueError("train_step needs at least one rollout")
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    total_tokens = sum(len(r.completion_ids) for r in rollouts)
+    sums: dict[str, float] = {}
+    ratio_max = 0.0
+    for i in range(0, len(rollouts), cfg.micro_batch):
+        chunk = rollouts[i: i + cfg.micro_batch]
+        logp_BT, mask_BT = completion_logprobs(model, chunk, pad_id=pad_id, temperature=cfg.temperature)
+        mu_BT = _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device)
+        adv_B = torch.tensor([r.advantage for r in chunk], dtype=torch.float32, device=logp_BT.device)
+        if cfg.loss == "aipo":
+            loss, m = losses.aipo_loss(logp_BT, mu_BT, adv_B, mask_BT, rho_max=cfg.rho_max,
+                                       normaliser=cfg.normaliser)
+        else:
+            loss, m = losses.ppo_clip_loss(logp_BT, mu_BT, adv_B, mask_BT, clip_eps=cfg.clip_eps,
+                                           normaliser=cfg.normaliser)
+        if cfg.kl_coef > 0 and ref_model is not None:
+            with torch.no_grad():
+                ref_BT, _ = completion_logprobs(ref_model, chunk, pad_id=pad_id, temperature=cfg.temperature)
+            kl, km = losses.kl_penalty(logp_BT, ref_BT, mask_BT, normaliser=cfg.normaliser)
+            loss = loss + cfg.kl_coef * kl
+            m = {**m, **km}
+        share = (mask_BT.sum().item() / total_tokens if cfg.normaliser == "token"
+                 else len(chunk) / len(rollouts))
+        (loss * share).backward()
+        sums["loss"] = sums.get("loss", 0.0) + loss.item() * share
+        for k, v in m.items():
+            if k == "ratio_max":
+                ratio_max = max(ratio_max, v)
+            else:
+                sums[k] = sums.get(k, 0.0) + v * share
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+    return {**sums, "ratio_max": ratio_max, "grad_norm": float(grad_norm),
+            "response_len": total_tokens / len(rollouts)}
+
+
+def score_rollouts(rollouts: list[Rollout], reward: CompositeReward,
+                   timeout_s: float | None = None) -> list[RewardResult]:
+    """Set each rollout's total and per-component rewards. Quarantined rollouts keep
+    ``reward = None``; the caller drops them and logs the results' reasons."""
+    samples = [Sample(prompt=r.meta.get("prompt", ""), completion=r.meta.get("completion", ""),
+                      meta=r.meta) for r in rollouts]
+    results = reward.score(samples, timeout_s)
+    for r, res in zip(rollouts, results):
+        r.reward, r.rewards = res.total, dict(res.components)
+    return results
+
+
+def set_group_advantages(rollouts: list[Rollout], *, normalize_std: bool) -> dict[str, float]:
+    """Group-relative advantages within each prompt's group (groups may differ in size
+    when some rollouts were quarantined; a group of one has advantage 0)."""
+    groups: dict[str, list[Rollout]] = {}
+    for r in rollouts:
+        groups.setdefault(r.group, []).append(r)
+    zero_var = 0
+    for g in groups.values():
+        rewards_1G = torch.tensor([[r.reward for r in g]], dtype=torch.float32)
+        adv_1G, m = losses.group_advantages(rewards_1G, normalize_std=normalize_std)
+        zero_var += m["frac_zero_var"]
+        for r, a in zip(g, adv_1G[0].tolist()):
+            r.advantage = a
+    rewards = [r.reward for r in rollouts]
+    return {"frac_zero_var": zero_var / max(1, len(groups)),
+            "reward/mean": sum(rewards) / max(1, len(rewards))}
+
+
+def generate_rollouts(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                      problems: list[tasks.Problem], *, group_size: int, params: SamplingParams,
+                      version: int, generator: torch.Generator | None = None,
+                      group_prefix: str = "") -> list[Rollout]:
+    """G completions for each problem, tagged with ``version``."""
+    model.eval()
+    prompts = encode_prompts(tokenizer, [tasks.format_prompt(p.question) for p in problems])
+    repeated = [ids for ids in prompts for _ in range(group_size)]
+    out = sample(model, repeated, params, eos_id=tokenizer.eos_token_id,
+                 pad_id=tokenizer.pad_token_id, generator=generator)
+    rollouts = []
+    for i, ids in enumerate(repeated):
+        p = problems[i // group_size]
+        n = int(out.lengths_B[i])
+        rollouts.append(Rollout(
+            prompt_ids=ids, completion_ids=out.tokens_BT[i, :n].tolist(),
+            behaviour_logprobs=out.logprobs_BT[i, :n].tolist(), version=version,
+            group=f"{group_prefix}{i // group_size}",
+            meta={"answer": p.answer, "solution": p.solution, "level": p.level,
+                  "prompt": tasks.format_prompt(p.question),
+                  "completion": tokenizer.decode(out.tokens_BT[i, :n], skip_special_tokens=True)}))
+    return rollouts
+
+
+def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[tasks.Problem],
+             *, max_new_tokens: int, temperature: float = 0.0, batch_size: int = 128,
+             generator: torch.Generator | None = None) -> dict[str, float]:
+    """Held-out accuracy overall and per level, and the share of well-formed answers,
+    greedy (``temperature=0``) or sampled at ``temperature`` (one sample per problem)."""
+    model.eval()
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    correct: dict[int, list[bool]] = {}
+    formatted = 0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i: i + batch_size]
+        prompts = encode_prompts(tokenizer, [tasks.format_prompt(p.question) for p in chunk])
+        out = sample(model, prompts, params, eos_id=tokenizer.eos_token_id,
+                     pad_id=tokenizer.pad_token_id, generator=generator)
+        for j, p in enumerate(chunk):
+            text = tokenizer.decode(out.completion_ids(j), skip_special_tokens=True)
+            correct.setdefault(p.level, []).append(tasks.is_correct(text, p.answer))
+            formatted += tasks.has_format(text)
+    flat = [c for cs in correct.values() for c in cs]
+    metrics = {"accuracy": sum(flat) / max(1, len(flat)), "format": formatted / max(1, len(problems))}
+    metrics.update({f"accuracy_level{k}": sum(v) / len(v) for k, v in sorted(correct.items())})
+    return metrics

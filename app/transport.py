@@ -1,0 +1,495 @@
+"""Control and data plane: authenticated messages, bounded queues and control keys.
+
+Everything here rides on the one ``torch.distributed.TCPStore`` hosted by trainer
+replica 0 (see DESIGN.md, "Planes"). Three layers, top to bottom:
+
+- ``encode``/``decode``: a message (a dict of JSON-able values and tensors) becomes a
+  binary frame that carries an HMAC-SHA256 tag under the app's shared secret. Decoding
+  checks the tag before it parses a single byte, and the format holds only JSON and raw
+  tensor bytes, so nothing that arrives over the network can execute code.
+- ``StoreQueue``: a FIFO over the store's ``queue_push``/``queue_pop`` with backpressure
+  (``push`` waits while the queue holds ``maxlen`` messages) and waits that always end:
+  by a timeout, or by ``should_stop`` becoming true.
+- ``Control``: the policy version, the stop flag, membership, heartbeats and failure
+  flags, under key names kept in ``Keys``.
+
+Frame layout (all integers little-endian)::
+
+    magic b"LRL\\x00" (4) | format version (1) | HMAC-SHA256 tag (32) | header length (4)
+    | header: UTF-8 JSON | tensor bytes, back to back
+
+The tag covers every byte except itself. The header is ``{"msg": ..., "tensors": [...]}``
+where each tensor in ``msg`` is replaced by ``{"__tensor__": i}`` and ``tensors[i]``
+records its dtype, shape, offset and byte count in the payload.
+
+Why no blocking ``queue_pop``: the store's blocking pop uses the connection's timeout,
+logs a warning on every expiry and cannot be interrupted, so waits here poll the
+non-blocking calls with short, growing sleeps.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import json
+import math
+import os
+import secrets
+import struct
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "AuthenticationError",
+    "Control",
+    "Keys",
+    "MAX_FRAME_BYTES",
+    "SECRET_ENV",
+    "StoreQueue",
+    "Stopped",
+    "connect_store",
+    "decode",
+    "encode",
+    "host_store",
+    "new_secret",
+    "secret_from_env",
+]
+
+SECRET_ENV = "LLAMARL_SECRET"
+
+_MAGIC = b"LRL\x00"
+_FORMAT_VERSION = 1
+_TAG_BYTES = 32
+_PREFIX = struct.Struct("<4sB32sI")  # magic, format version, tag, header length
+_TENSOR_MARK = "__tensor__"
+
+# The store's libuv server drops the connection of a client that sends a value over
+# 8 MiB; refuse such frames before they reach it, with a message that says why.
+MAX_FRAME_BYTES = 8 * 1024 * 1024 - 1024
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.float8_e4m3fn, torch.float8_e5m2,
+        torch.complex64, torch.complex128,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+        torch.uint16, torch.uint32, torch.uint64, torch.bool,
+    )
+}
+
+
+class AuthenticationError(Exception):
+    """A frame's HMAC tag is missing or does not match: wrong secret or tampered bytes."""
+
+
+class Stopped(Exception):
+    """A wait was cut short because ``should_stop()`` became true (the run is stopping)."""
+
+
+# --------------------------------------------------------------------------- secrets
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def secret_from_env(var: str = SECRET_ENV) -> bytes:
+    """The shared secret, passed to every role as hex in ``$LLAMARL_SECRET``."""
+    value = os.environ.get(var)
+    if not value:
+        raise RuntimeError(
+            f"${var} is not set: every llamarl role needs the run's shared secret "
+            f"(hex, from app.transport.new_secret().hex())")
+    try:
+        secret = bytes.fromhex(value.strip())
+    except ValueError:
+        raise RuntimeError(f"${var} is not valid hex ({len(value)} characters)") from None
+    if len(secret) < 16:
+        raise RuntimeError(f"${var} holds {len(secret)} bytes; a secret needs at least 16")
+    return secret
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _check_secret(secret: bytes) -> None:
+    if not isinstance(secret, (bytes, bytearray)) or not secret:
+        raise ValueError("the message secret must be non-empty bytes")
+
+
+def _tag(secret: bytes, frame: memoryview, header_start: int) -> bytes:
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    mac.update(frame[:5])  # magic + format version
+    mac.update(frame[5 + _TAG_BYTES:header_start])  # header length
+    mac.update(frame[header_start:])
+    return mac.digest()
+
+
+def encode(msg: dict[str, Any], secret: bytes) -> bytes:
+    """One frame for ``msg``: JSON-able values plus CPU or CUDA tensors, nested or not."""
+    _check_secret(secret)
+    if not isinstance(msg, dict):
+        raise TypeError(f"a message is a dict, got {type(msg).__name__}")
+    tensors: list[torch.Tensor] = []
+    meta: list[dict[str, Any]] = []
+    offset = 0
+
+    def lift(value: Any) -> Any:
+        nonlocal offset
+        if isinstance(value, torch.Tensor):
+            name = str(value.dtype).removeprefix("torch.")
+            if name not in _DTYPES:
+                raise TypeError(f"tensors of dtype {value.dtype} cannot be sent")
+            t = value.detach().to("cpu").contiguous()
+            nbytes = t.numel() * t.element_size()
+            meta.append({"dtype": name, "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
+            tensors.append(t)
+            offset += nbytes
+            return {_TENSOR_MARK: len(tensors) - 1}
+        if isinstance(value, dict):
+            if _TENSOR_MARK in value:
+                raise ValueError(f"the key {_TENSOR_MARK!r} is reserved by the message format")
+            for key in value:
+                if not isinstance(key, str):
+                    raise TypeError(f"message dict keys must be str, got {type(key).__name__}")
+            return {k: lift(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [lift(v) for v in value]
+        if value is None or isinstance(value, (str, bool, int, float)):
+            return value
+        raise TypeError(f"cannot encode a value of type {type(value).__name__} "
+                        "(JSON-able values and torch.Tensor only)")
+
+    header = json.dumps({"msg": lift(msg), "tensors": meta}, separators=(",", ":")).encode()
+    header_start = _PREFIX.size
+    frame = bytearray(header_start + len(header) + offset)
+    view = memoryview(frame)
+    view[header_start:header_start + len(header)] = header
+    cursor = header_start + len(header)
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            # A uint8 view of the tensor's storage: one memcpy, no per-element Python.
+            view[cursor:cursor + n] = t.reshape(-1).view(torch.uint8).numpy().data
+        cursor += n
+    _PREFIX.pack_into(frame, 0, _MAGIC, _FORMAT_VERSION, b"\0" * _TAG_BYTES, len(header))
+    frame[5:5 + _TAG_BYTES] = _tag(secret, view, header_start)
+    return bytes(frame)
+
+
+def decode(data: bytes, secret: bytes) -> dict[str, Any]:
+    """The message in ``data``; raises ``AuthenticationError`` before parsing if the tag is bad."""
+    _check_secret(secret)
+    view = memoryview(data)
+    if len(view) < _PREFIX.size:
+        raise ValueError(f"malformed frame: {len(view)} bytes is shorter than the "
+                         f"{_PREFIX.size}-byte frame prefix")
+    magic, version, tag, header_len = _PREFIX.unpack_from(view, 0)
+    if magic != _MAGIC:
+        raise ValueError(f"malformed frame: bad magic {bytes(magic)!r} (not a llamarl message)")
+    if version != _FORMAT_VERSION:
+        raise ValueError(f"malformed frame: format version {version}, expected {_FORMAT_VERSION}")
+    if not hmac.compare_digest(tag, _tag(secret, view, _PREFIX.size)):
+        raise AuthenticationError("message authentication failed: the frame was tampered with "
+                                  "or signed with another secret")
+    header_end = _PREFIX.size + header_len
+    if header_end > len(view):
+        raise ValueError("malformed frame: header runs past the end of the frame")
+    try:
+        header = json.loads(bytes(view[_PREFIX.size:header_end]))
+        metas = header["tensors"]
+        body = header["msg"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"malformed frame header: {e}") from None
+    payload = view[header_end:]
+    tensors = [_tensor_from(payload, m) for m in metas]
+
+    def lower(value: Any) -> Any:
+        if isinstance(value, dict):
+            if _TENSOR_MARK in value:
+                idx = value[_TENSOR_MARK]
+                if not isinstance(idx, int) or not 0 <= idx < len(tensors):
+                    raise ValueError(f"malformed frame: bad tensor reference {idx!r}")
+                return tensors[idx]
+            return {k: lower(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [lower(v) for v in value]
+        return value
+
+    msg = lower(body)
+    if not isinstance(msg, dict):
+        raise ValueError("malformed frame: the message is not a dict")
+    return msg
+
+
+def _tensor_from(payload: memoryview, meta: Any) -> torch.Tensor:
+    try:
+        dtype = _DTYPES[meta["dtype"]]
+        shape = [int(s) for s in meta["shape"]]
+        offset, nbytes = int(meta["offset"]), int(meta["nbytes"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"malformed frame: bad tensor record {meta!r} ({e})") from None
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if any(s < 0 for s in shape) or math.prod(shape) * itemsize != nbytes:
+        raise ValueError(f"malformed frame: tensor record {meta!r} is inconsistent")
+    if offset < 0 or offset + nbytes > len(payload):
+        raise ValueError(f"malformed frame: tensor record {meta!r} runs past the payload")
+    raw = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        # Copy out of the (read-only) frame so the caller gets a writable tensor it owns.
+        raw.numpy()[:] = np.frombuffer(payload[offset:offset + nbytes], dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+# --------------------------------------------------------------------------- store
+
+
+def host_store(port: int, world_size: int | None = None, timeout_s: float = 300.0,
+               host: str = "0.0.0.0") -> dist.TCPStore:
+    """Host the control store (trainer replica 0). ``port=0`` picks a free port: read ``.port``."""
+    return dist.TCPStore(host, port, world_size, is_master=True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def connect_store(addr: str, timeout_s: float = 300.0) -> dist.TCPStore:
+    """Connect to the control store at ``"host:port"``; the client retries until ``timeout_s``."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"control store address must be 'host:port', got {addr!r}")
+    host = host.strip("[]")  # "[::1]:29500"
+    t0 = time.monotonic()
+    try:
+        return dist.TCPStore(host, int(port), None, is_master=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except (dist.DistError, RuntimeError, OSError) as e:
+        raise ConnectionError(
+            f"could not reach the llamarl control store at {host}:{port} after "
+            f"{time.monotonic() - t0:.0f} s (timeout {timeout_s:g} s): {e}") from None
+
+
+def _sleep_or_stop(delay_s: float, should_stop: Callable[[], bool] | None, what: str) -> None:
+    if should_stop is not None and should_stop():
+        raise Stopped(f"stopped while waiting for {what}")
+    time.sleep(delay_s)
+
+
+class _Backoff:
+    """Poll delays: quick first checks for latency, then longer sleeps to spare the CPU."""
+
+    def __init__(self, first_s: float = 0.0005, max_s: float = 0.01) -> None:
+        self.delay_s, self.max_s = first_s, max_s
+
+    def next(self) -> float:
+        d = self.delay_s
+        self.delay_s = min(self.delay_s * 2, self.max_s)
+        return d
+
+
+class StoreQueue:
+    """A bounded FIFO of messages in the control store, shared by any number of processes.
+
+    ``maxlen`` is a soft bound: producers check the length and then push, so with P
+    producers racing the queue can hold up to ``maxlen + P - 1`` messages.
+    """
+
+    def __init__(self, store: dist.Store, name: str, secret: bytes, maxlen: int) -> None:
+        if maxlen < 1:
+            raise ValueError(f"queue {name!r}: maxlen must be >= 1, got {maxlen}")
+        _check_secret(secret)
+        self.store, self.name, self.secret, self.maxlen = store, name, secret, maxlen
+        self.key = Keys.queue(name)
+
+    def depth(self) -> int:
+        return int(self.store.queue_len(self.key))
+
+    def push(self, msg: dict[str, Any], timeout_s: float,
+             should_stop: Callable[[], bool] | None = None) -> None:
+        """Append ``msg``; waits while the queue is full, ``TimeoutError`` after ``timeout_s``."""
+        frame = encode(msg, self.secret)
+        if len(frame) > MAX_FRAME_BYTES:
+            raise ValueError(f"queue {self.name!r}: a {len(frame)}-byte message exceeds the "
+                             f"control store's limit of {MAX_FRAME_BYTES} bytes per value")
+        deadline = time.monotonic() + timeout_s
+        backoff = _Backoff()
+        while (depth := self.depth()) >= self.maxlen:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"queue {self.name!r} stayed full ({depth} of maxlen {self.maxlen} messages) "
+                    f"for {timeout_s:g} s: its consumer is not keeping up or is gone")
+            _sleep_or_stop(backoff.next(), should_stop, f"room in queue {self.name!r}")
+        self.store.queue_push(self.key, frame)
+
+    def pop(self, timeout_s: float,
+            should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+        """The oldest message, or ``None`` if none arrived within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        backoff = _Backoff()
+        while True:
+            frame = self._try_pop()
+            if frame is not None:
+                return decode(frame, self.secret)
+            if time.monotonic() >= deadline:
+                return None
+            _sleep_or_stop(backoff.next(), should_stop, f"a message on queue {self.name!r}")
+
+    def pop_many(self, max_n: int, timeout_s: float,
+                 should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+        """Wait up to ``timeout_s`` for one message, then take up to ``max_n`` without waiting."""
+        first = self.pop(timeout_s, should_stop)
+        if first is None:
+            return []
+        out = [first]
+        while len(out) < max_n and (frame := self._try_pop()) is not None:
+            out.append(decode(frame, self.secret))
+        return out
+
+    def _try_pop(self) -> bytes | None:
+        try:
+            return self.store.queue_pop(self.key, block=False)
+        except dist.QueueEmptyError:
+            return None
+
+
+# --------------------------------------------------------------------------- control
+
+
+class Keys:
+    """Every control-store key name, in one place."""
+
+    VERSION = "llamarl/version"
+    STOP = "llamarl/stop"
+    MEMBERS = "llamarl/members"  # append-only "role/replica;" list
+    FAILED = "llamarl/failed"  # append-only "role/replica;" list
+
+    @staticmethod
+    def member(role: str, replica: int) -> str:
+        if "/" in role or ";" in role or not role:
+            raise ValueError(f"role names may not be empty or contain '/' or ';': {role!r}")
+        return f"{role}/{int(replica)}"
+
+    @staticmethod
+    def heartbeat(member: str) -> str:
+        return f"llamarl/heartbeat/{member}"
+
+    @staticmethod
+    def failure(member: str) -> str:
+        return f"llamarl/failure/{member}"
+
+    @staticmethod
+    def queue(name: str) -> str:
+        return f"llamarl/queue/{name}"
+
+
+def _split_list(raw: bytes) -> list[str]:
+    return list(dict.fromkeys(m for m in raw.decode().split(";") if m))
+
+
+class Control:
+    """Policy version, stop flag, membership, heartbeats and failures in the control store.
+
+    Heartbeats are counters, not timestamps: the observer (the trainer) times how long
+    since it last saw each counter move with its own clock, so host clock skew does not
+    matter. A dead peer shows up either as a stale heartbeat (``dead_members``) or as an
+    explicit failure flag (``failures``), which ``mark_failed`` also turns into a stop.
+    """
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self._seen: dict[str, tuple[int, float]] = {}  # member -> (beat count, local time seen)
+
+    def _get(self, key: str) -> bytes | None:
+        # ``get`` blocks until the key exists, so ask first.
+        return self.store.get(key) if self.store.check([key]) else None
+
+    # policy version -----------------------------------------------------------------
+    def set_version(self, version: int) -> None:
+        self.store.set(Keys.VERSION, str(int(version)))
+
+    def version(self) -> int:
+        raw = self._get(Keys.VERSION)
+        return int(raw) if raw is not None else 0
+
+    # stop ---------------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        """Ask every role to stop; the first reason given wins."""
+        self.store.compare_set(Keys.STOP, "", reason or "stop requested")
+
+    def stop_reason(self) -> str | None:
+        raw = self._get(Keys.STOP)
+        return raw.decode() if raw is not None else None
+
+    def stopped(self) -> bool:
+        """For ``should_stop=`` arguments: one store round trip."""
+        return self.store.check([Keys.STOP])
+
+    # membership and health ------------------------------------------------------------
+    def register(self, role: str, replica: int) -> None:
+        member = Keys.member(role, replica)
+        self.store.add(Keys.heartbeat(member), 1)
+        self.store.append(Keys.MEMBERS, member + ";")
+
+    def members(self) -> list[str]:
+        raw = self._get(Keys.MEMBERS)
+        return _split_list(raw) if raw is not None else []
+
+    def wait_for_members(self, expected: dict[str, int], timeout_s: float,
+                         should_stop: Callable[[], bool] | None = None) -> list[str]:
+        """Wait until replicas ``0..n-1`` of each role in ``expected`` have registered."""
+        deadline = time.monotonic() + timeout_s
+        backoff = _Backoff(first_s=0.005, max_s=0.1)
+        while True:
+            present = set(self.members())
+            missing = [Keys.member(role, r) for role, n in expected.items() for r in range(n)
+                       if Keys.member(role, r) not in present]
+            if not missing:
+                return sorted(present)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"llamarl members missing after {timeout_s:g} s: {', '.join(missing)} "
+                    f"(expected {expected}; registered: {', '.join(sorted(present)) or 'none'})")
+            _sleep_or_stop(backoff.next(), should_stop, "members to register")
+
+    def heartbeat(self, role: str, replica: int) -> None:
+        self.store.add(Keys.heartbeat(Keys.member(role, replica)), 1)
+
+    def last_heartbeats(self) -> dict[str, float]:
+        """Seconds since this observer last saw each member's heartbeat move, by member."""
+        members = self.members()
+        if not members:
+            return {}
+        counts = self.store.multi_get([Keys.heartbeat(m) for m in members])
+        now = time.monotonic()
+        ages: dict[str, float] = {}
+        for member, raw in zip(members, counts):
+            count = int(raw)
+            seen = self._seen.get(member)
+            if seen is None or seen[0] != count:
+                self._seen[member] = seen = (count, now)
+            ages[member] = now - seen[1]
+        return ages
+
+    def dead_members(self, max_age_s: float) -> list[str]:
+        """Members that failed explicitly or whose heartbeat has not moved for ``max_age_s``."""
+        failed = set(self.failures())
+        stale = {m for m, age in self.last_heartbeats().items() if age > max_age_s}
+        return sorted(failed | stale)
+
+    def mark_failed(self, role: str, replica: int, error: str) -> None:
+        member = Keys.member(role, replica)
+        self.store.set(Keys.failure(member), error[:4000])
+        self.store.append(Keys.FAILED, member + ";")
+        self.request_stop(f"{member} failed: {error[:500]}")
+
+    def failures(self) -> dict[str, str]:
+        raw = self._get(Keys.FAILED)
+        if raw is None:
+            return {}
+        members = _split_list(raw)
+        errors = self.store.multi_get([Keys.failure(m) for m in members])
+        return {m: e.decode(errors="replace") for m, e in zip(members, errors)}

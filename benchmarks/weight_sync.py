@@ -1,0 +1,224 @@
+"""Weight sync: bucketed broadcast (WeightSender/WeightReceiver) vs a bare broadcast vs files.
+
+One trainer and ``--generators`` generator processes on this host (gloo, loopback) share
+a ~``--params`` fp32 model with Llama-like shapes. Each method is timed from the moment
+the trainer starts until every generator holds the bytes, with the same store-counter
+handshake around all three, and repeated ``--repeats`` times (median reported):
+
+- ``ours``: ``WeightSender.send`` -> ``WeightReceiver.recv`` (into staging), per
+  ``--bucket-mb`` value; ``apply`` (staging -> live) is timed separately on the receivers;
+- ``raw``: one ``broadcast`` of a flat tensor of the same byte count in the same group;
+- ``files``: ``torch.save(state_dict)`` by the trainer, then ``torch.load(weights_only=True)``
+  plus a copy into the live params by every generator.
+
+    python benchmarks/weight_sync.py --json out.json [--params 100e6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from app.transport import connect_store, host_store
+from app.weight_sync import WeightReceiver, WeightSender, init_weight_group
+
+HIDDEN, INTERMEDIATE, VOCAB = 768, 2048, 32000
+
+
+def llama_like_params(n_params: float) -> list[tuple[str, torch.Tensor]]:
+    """fp32 tensors shaped like a small Llama (tied embeddings), about ``n_params`` in all."""
+    per_layer = 4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTERMEDIATE + 2 * HIDDEN
+    vocab = VOCAB if n_params > 2 * VOCAB * HIDDEN else max(1000, int(n_params / 2 / HIDDEN))
+    n_layers = max(1, round((n_params - vocab * HIDDEN - HIDDEN) / per_layer))
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, HIDDEN))]
+    for i in range(n_layers):
+        pre = f"model.layers.{i}"
+        shapes += [(f"{pre}.input_layernorm.weight", (HIDDEN,)),
+                   (f"{pre}.self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
+                   (f"{pre}.self_attn.k_proj.weight", (HIDDEN, HIDDEN)),
+                   (f"{pre}.self_attn.v_proj.weight", (HIDDEN, HIDDEN)),
+                   (f"{pre}.self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+                   (f"{pre}.post_attention_layernorm.weight", (HIDDEN,)),
+                   (f"{pre}.mlp.gate_proj.weight", (INTERMEDIATE, HIDDEN)),
+                   (f"{pre}.mlp.up_proj.weight", (INTERMEDIATE, HIDDEN)),
+                   (f"{pre}.mlp.down_proj.weight", (HIDDEN, INTERMEDIATE))]
+    shapes.append(("model.norm.weight", (HIDDEN,)))
+    return [(name, torch.randn(shape)) for name, shape in shapes]
+
+
+class _Steps:
+    """Store counters that line the trainer and generators up around each timed step."""
+
+    def __init__(self, store, n_generators: int) -> None:
+        self.store, self.n = store, n_generators
+
+    def arrive(self, key: str) -> None:
+        self.store.add(key, 1)
+
+    def wait_all(self, key: str, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while int(self.store.add(key, 0)) < self.n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"benchmark: generators did not reach {key!r} in {timeout_s} s")
+            time.sleep(0.0005)
+
+    def wait_key(self, key: str, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"benchmark: trainer did not publish {key!r} in {timeout_s} s")
+            time.sleep(0.0005)
+
+
+def role(rank: int, world_size: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
+    torch.set_num_threads(1)  # 3 processes on a few cores: no oversubscription
+    store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
+    steps = _Steps(store, world_size - 1)
+    group = init_weight_group(store, rank, world_size, torch.device("cpu"), timeout_s=600)
+    torch.manual_seed(rank)
+    params = llama_like_params(args.params)
+    nbytes = sum(p.numel() * p.element_size() for _, p in params)
+    trainer = rank == 0
+    result: dict[str, list[float]] = {}
+
+    def timed(name: str, rep: int, trainer_fn, generator_fn) -> None:
+        key = f"bench/{name}/{rep}"
+        if trainer:
+            steps.wait_all(key + "/ready")
+            t0 = time.perf_counter()
+            trainer_fn(rep)
+            steps.wait_all(key + "/done")
+            result.setdefault(name, []).append(time.perf_counter() - t0)
+        else:
+            steps.arrive(key + "/ready")
+            generator_fn(rep)
+            steps.arrive(key + "/done")
+
+    # ours, per bucket size
+    for bucket_mb in args.bucket_mb:
+        name = f"ours_{bucket_mb:g}mb"
+        if trainer:
+            sender = WeightSender(group, params, bucket_mb=bucket_mb)
+            for rep in range(args.repeats + 1):  # the first run warms up the connections
+                timed(name if rep else f"warmup_{name}", rep, sender.send, None)
+        else:
+            receiver = WeightReceiver(group, params, bucket_mb=bucket_mb)
+
+            def recv(rep: int) -> None:
+                receiver.recv(timeout_s=600)
+                t = time.perf_counter()
+                receiver.apply()
+                result.setdefault(f"apply_{bucket_mb:g}mb", []).append(time.perf_counter() - t)
+
+            for rep in range(args.repeats + 1):
+                timed(name if rep else f"warmup_{name}", rep, None, recv)
+
+    # raw: one flat tensor of the same size, same group
+    flat = torch.zeros(nbytes // 4, dtype=torch.float32)
+    if trainer:
+        flat.normal_()
+    for rep in range(args.repeats):
+        bcast = lambda rep: group.wait(group.broadcast(flat))  # noqa: E731
+        timed("raw", rep, bcast, bcast)
+    del flat
+
+    # files: trainer saves, generators load (weights_only) and copy into their params
+    run_dir = args.dir
+    for rep in range(args.repeats):
+        path = os.path.join(run_dir, f"weights_{rep}.pt")
+
+        def save(rep: int, path=path) -> None:
+            torch.save({n: p for n, p in params}, path)
+            store.set(f"bench/file/{rep}", path)
+
+        def load(rep: int, path=path) -> None:
+            steps.wait_key(f"bench/file/{rep}")
+            state = torch.load(path, weights_only=True, map_location="cpu")
+            with torch.no_grad():
+                for n, p in params:
+                    p.copy_(state[n])
+
+        timed("files", rep, save, load)
+        if trainer:
+            os.remove(path)
+
+    out.put((rank, {"result": result, "bytes": nbytes,
+                    "params": sum(p.numel() for _, p in params), "tensors": len(params)}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", required=True, help="where to write the results")
+    ap.add_argument("--params", type=float, default=100e6, help="model size in parameters")
+    ap.add_argument("--generators", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=lambda s: [float(x) for x in s.split(",")],
+                    default=[1.0, 4.0, 16.0, 64.0], help="comma-separated bucket sizes to try")
+    ap.add_argument("--dir", default=None, help="directory for the file round trip (default: a temp dir)")
+    args = ap.parse_args()
+
+    tmp = None
+    if args.dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="llamarl-bench-")
+        args.dir = tmp.name
+    store = host_store(0, None, timeout_s=600, host="127.0.0.1")
+    world_size = 1 + args.generators
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=role, args=(r, world_size, store.port, args, out))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    reports = dict(out.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join(60)
+    if tmp is not None:
+        tmp.cleanup()
+
+    trainer = reports[0]["result"]
+    trainer = {k: v for k, v in trainer.items() if not k.startswith("warmup")}
+    med = {name: statistics.median(times) for name, times in trainer.items()}
+    apply_times = [t for r in range(1, world_size) for name, ts in reports[r]["result"].items()
+                   if name.startswith("apply_") for t in ts]
+    ours = {k: v for k, v in med.items() if k.startswith("ours_")}
+    best = min(ours, key=ours.get)
+    nbytes = reports[0]["bytes"]
+    summary = {
+        "seconds": ours[best],
+        "raw_broadcast_seconds": med["raw"],
+        "file_roundtrip_seconds": med["files"],
+        "ratio_vs_raw": ours[best] / med["raw"],
+        "ratio_vs_files": ours[best] / med["files"],
+        "bytes": nbytes,
+        "params": reports[0]["params"],
+        "tensors": reports[0]["tensors"],
+        "generators": args.generators,
+        "repeats": args.repeats,
+        "best_bucket_mb": float(best.removeprefix("ours_").removesuffix("mb")),
+        "apply_seconds": statistics.median(apply_times) if apply_times else None,
+        "by_method_seconds": med,
+        "all_seconds": trainer,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+    }
+    print(f"\nweight sync: {summary['params'] / 1e6:.1f} M params, {nbytes / 2**20:.0f} MiB fp32, "
+          f"trainer -> {args.generators} generators, gloo loopback, median of {args.repeats}")
+    print(f"{'method':<18}{'seconds':>10}{'GB/s per gen':>14}{'vs raw':>9}")
+    for name, sec in sorted(med.items(), key=lambda kv: kv[1]):
+        print(f"{name:<18}{sec:>10.3f}{nbytes / sec / 1e9:>14.2f}{sec / med['raw']:>9.2f}")
+    print(f"apply (staging -> live, per generator): {summary['apply_seconds']:.3f} s")
+    print(f"best bucket {summary['best_bucket_mb']:g} MB: ratio vs raw {summary['ratio_vs_raw']:.2f}, "
+          f"vs files {summary['ratio_vs_files']:.2f}")
+    with open(args.json, "w") as f:
+        json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""Live dashboard over llamarl run directories.
+
+    streamlit run dashboard/app.py -- --runs runs/
+
+Pick one run to follow (a live run refreshes itself every few seconds, without a page
+reload) or several to compare side by side. The page only reads ``runs/<run-id>/``
+through ``dashboard.data``; it never talks to the running app. ``?run=<id>`` or
+``?compare=<id>,<id>`` in the address preselects runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+# `streamlit run dashboard/app.py` puts dashboard/ first on sys.path, where this very file
+# would shadow the top-level `app` package that dashboard.data reads the schema from.
+# Put the repository root there instead (which also finds `dashboard` without an install).
+_DASHBOARD_DIR = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _DASHBOARD_DIR]
+sys.path.insert(0, str(_DASHBOARD_DIR.parent))
+
+import pandas as pd  # noqa: E402
+import streamlit as st  # noqa: E402
+
+from dashboard import charts, data  # noqa: E402
+
+log = logging.getLogger("llamarl.dashboard")
+
+RUNS_ENV = "LLAMARL_RUNS_DIR"
+REFRESH_CHOICES_S = (1, 2, 5, 10, 30)
+TIMELINE_WINDOWS_S = {"last 30 s": 30.0, "last 2 min": 120.0, "last 10 min": 600.0, "whole run": None}
+THROUGHPUT = ["gen/tokens_per_s", "train/tokens_per_s"]
+LEARNING = ["eval/accuracy", "reward/mean", "loss", "kl", "response_len"]
+AIPO = ["aipo/ratio_mean", "aipo/ratio_max", "aipo/frac_truncated"]
+COUNTS = ["dropped_stale"]
+# Scalars drawn by a dedicated view; the "All scalars" tab offers the rest.
+SHOWN = {*THROUGHPUT, *LEARNING, *AIPO, *COUNTS, "gen/seqs_per_s", "train/samples_per_s",
+         "train/steps_per_min", "train/step_s", "idle_fraction", "staleness/mean", "staleness/max"}
+
+
+def runs_dir_from_args(argv: list[str]) -> Path:
+    """``--runs DIR`` after ``--`` on the streamlit command line, else $LLAMARL_RUNS_DIR, else runs/."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--runs")
+    try:
+        args, _ = parser.parse_known_args(argv)
+    except SystemExit:  # a malformed command line must not kill the page
+        args = argparse.Namespace(runs=None)
+    return Path(args.runs or os.environ.get(RUNS_ENV) or "runs")
+
+
+def show_error(err: data.RunError) -> None:
+    (st.info if err.level == "info" else st.error)(str(err))
+
+
+def guarded(what: str, body: Callable[[], None]) -> None:
+    """Runs ``body``; any failure becomes a message on the page, never a traceback."""
+    try:
+        body()
+    except data.RunError as err:
+        show_error(err)
+    except Exception as err:  # the page must survive whatever a half-written run holds
+        log.exception("dashboard failed while %s", what)
+        st.error(f"Could not show {what}: {type(err).__name__}: {err}")
+
+
+def chart(fig, key: str) -> None:
+    # Plotly's own colours and template: the Streamlit theme draws neighbouring series in
+    # two shades of blue. No mode bar: it covers the legend; drag still zooms.
+    st.plotly_chart(fig, key=key, theme=None, config={"displaylogo": False, "displayModeBar": False})
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def fmt(value: float | None, spec: str, unit: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{unit}"
+
+
+def headline(run: data.Run) -> None:
+    h = run.headline()
+    cols = st.columns(6)
+    cols[0].metric("step", fmt(h.step, "d"))
+    cols[1].metric("generated tokens/s", fmt(h.gen_tokens_per_s, ",.0f"),
+                   help="all generator replicas, mean over the last 30 s of the run")
+    cols[2].metric("trained tokens/s", fmt(h.train_tokens_per_s, ",.0f"),
+                   help="mean over the last 30 s of the run")
+    cols[3].metric("idle", fmt(None if h.idle_fraction is None else 100 * h.idle_fraction, ".1f", " %"),
+                   help="share of all executors' time spent waiting, last 30 s")
+    cols[4].metric("mean staleness", fmt(h.mean_staleness, ".2f"),
+                   help=f"policy versions behind, rollouts used; bound max_staleness = {run.max_staleness}")
+    version = "" if h.last_sync_version is None else f" (v{h.last_sync_version})"
+    cols[5].metric(f"last sync{version}", fmt(h.last_sync_s, ".3f", " s"),
+                   help="seconds the slowest receiver took for the newest weight version"
+                        + ("" if h.last_sync_age_s is None else f"; {h.last_sync_age_s:.0f} s before the newest event"))
+
+
+def throughput_tab(run: data.Run) -> None:
+    left, right = st.columns(2)
+    with left:
+        df = run.scalar_series(THROUGHPUT, replicas="sum")
+        chart(charts.line_figure(df, "Throughput (all replicas)", y_title="tokens/s"), "tput-tokens")
+    with right:
+        df = run.scalar_series(["train/steps_per_min"])
+        chart(charts.line_figure(df, "RL steps per minute", y_title="steps/min"), "tput-steps")
+    left, right = st.columns(2)
+    with left:
+        chart(charts.line_figure(run.scalar_series(["gen/seqs_per_s", "train/samples_per_s"], replicas="sum"),
+                                 "Sequences per second", y_title="seqs/s"), "tput-seqs")
+    with right:
+        chart(charts.line_figure(run.scalar_series(["train/step_s"]), "End-to-end step time",
+                                 y_title="seconds"), "tput-step-s")
+
+
+def executors_tab(run: data.Run) -> None:
+    left, right = st.columns(2)
+    with left:
+        chart(charts.idle_figure(run.idle_fractions()), "exec-idle")
+    with right:
+        chart(charts.line_figure(run.scalar_series(["idle_fraction"]), "Idle fraction over time",
+                                 y_title="idle share"), "exec-idle-t")
+    window = st.segmented_control("Timeline window", list(TIMELINE_WINDOWS_S), default="last 30 s",
+                                  key="timeline-window")
+    span = run.time_span()
+    width = TIMELINE_WINDOWS_S.get(window or "last 30 s")
+    start = None if span is None or width is None else max(0.0, span[1] - width)
+    chart(charts.timeline_figure(run.intervals(start_s=start)), "exec-timeline")
+    breakdown = run.idle_breakdown()
+    if not breakdown.empty:
+        with st.expander("Where the time went (seconds per activity)"):
+            st.dataframe(breakdown, hide_index=True)
+
+
+def staleness_tab(run: data.Run) -> None:
+    bound = run.max_staleness
+    left, right = st.columns(2)
+    with left:
+        chart(charts.staleness_histogram_figure(run.staleness_histogram(), bound), "stale-hist")
+    with right:
+        chart(charts.staleness_steps_figure(run.staleness_by_step(), bound), "stale-steps")
+    if bound is None:
+        st.caption("The run's config has no max_staleness, so no bound is drawn.")
+
+
+def weight_sync_tab(run: data.Run) -> None:
+    chart(charts.weight_sync_figure(run.weight_sync()), "sync-versions")
+    receivers = run.weight_sync_receivers()
+    if not receivers.empty:
+        st.dataframe(receivers, hide_index=True)
+
+
+def learning_tab(run: data.Run) -> None:
+    left, right = st.columns(2)
+    with left:
+        chart(charts.rewards_figure(run.rewards()), "learn-rewards")
+    with right:
+        chart(charts.line_figure(run.scalar_series(["eval/accuracy", "reward/mean"]), "Accuracy and mean reward"),
+              "learn-acc")
+    left, right = st.columns(2)
+    with left:
+        chart(charts.line_figure(run.scalar_series(["loss"]), "AIPO loss"), "learn-loss")
+    with right:
+        chart(charts.line_figure(run.scalar_series(["kl"]), "KL to reference"), "learn-kl")
+    left, right = st.columns(2)
+    with left:
+        chart(charts.line_figure(run.scalar_series(AIPO), "AIPO importance ratio"), "learn-aipo")
+    with right:
+        chart(charts.line_figure(run.scalar_series(["response_len"]), "Response length",
+                                 y_title="tokens"), "learn-len")
+    reasons = run.quarantine_reasons()
+    if not reasons.empty:
+        with st.expander("Quarantined rollouts (reward could not be computed)"):
+            st.dataframe(reasons, hide_index=True)
+
+
+def queues_tab(run: data.Run) -> None:
+    left, right = st.columns(2)
+    with left:
+        chart(charts.queues_figure(run.queue_depths()), "queues-depth")
+    with right:
+        df = pd.concat([run.scalar_series(COUNTS), run.scalar_series(prefix="quarantined/")])
+        chart(charts.line_figure(df, "Dropped and quarantined rollouts per step", y_title="rollouts"),
+              "queues-dropped")
+
+
+def other_scalars_tab(run: data.Run) -> None:
+    names = [n for n in run.scalar_names() if n not in SHOWN and not n.startswith(("queue/", "quarantined/"))]
+    if not names:
+        st.info("Every scalar this run records is drawn in the other tabs.")
+        return
+    picked = st.multiselect("Scalars", names, default=names[:4], key="other-scalars")
+    for name in picked:
+        chart(charts.line_figure(run.scalar_series([name]), name), f"other-{name}")
+
+
+TABS: dict[str, Callable[[data.Run], None]] = {
+    "Throughput": throughput_tab,
+    "Executors": executors_tab,
+    "Off-policy": staleness_tab,
+    "Weight sync": weight_sync_tab,
+    "Learning": learning_tab,
+    "Queues": queues_tab,
+    "All scalars": other_scalars_tab,
+}
+
+
+def run_page(path: Path) -> None:
+    with data.open_run(path) as run:
+        live = run.is_live()
+        st.subheader(f"{run.run_id}" + (" · live" if live else ""))
+        span = run.time_span()
+        st.caption(f"{path} · {'still being written' if live else 'not written to in the last minute'}"
+                   + ("" if span is None else f" · {span[1]:,.0f} s of events")
+                   + f" · max_staleness = {run.max_staleness}")
+        with st.expander("Config"):
+            st.json(run.config, expanded=False)
+        if run.is_empty():
+            st.info(f"Run {run.run_id!r} has opened its metrics database but recorded no events yet. "
+                    "This page refreshes itself while the run is live.")
+            return
+        headline(run)
+        # Only the open tab runs its queries: a refresh of a long run costs one view, not seven.
+        for tab, (name, body) in zip(st.tabs(list(TABS), key="tab", on_change="rerun"), TABS.items()):
+            if tab.open is False:
+                continue
+            with tab:
+                guarded(f"the {name} view", lambda body=body: body(run))
+
+
+# --------------------------------------------------------------------------- compare
+
+
+def compare_page(paths: list[Path]) -> None:
+    runs: dict[str, data.Run] = {}
+    try:
+        for path in paths:
+            try:
+                runs[path.name] = data.open_run(path)
+            except data.RunError as err:
+                show_error(err)
+        if not runs:
+            return
+        st.subheader("Compare: " + " vs ".join(runs))
+        st.dataframe(compare_table(runs), hide_index=True)
+        colors = charts.run_colors(list(runs))
+        left, right = st.columns(2)
+        with left:
+            chart(charts.idle_compare_figure({k: r.idle_fractions() for k, r in runs.items()}, colors),
+                  "cmp-idle")
+        with right:
+            chart(charts.staleness_compare_figure({k: r.staleness_histogram() for k, r in runs.items()}, colors),
+                  "cmp-stale")
+        grid = [("gen/tokens_per_s", "Generated tokens/s (all replicas)", "sum"),
+                ("train/tokens_per_s", "Trained tokens/s", "sum"),
+                ("train/steps_per_min", "RL steps per minute", "mean"),
+                ("reward/mean", "Mean reward", "mean"),
+                ("eval/accuracy", "Accuracy", "mean"),
+                ("staleness/mean", "Mean staleness per step", "mean")]
+        for i in range(0, len(grid), 2):
+            for col, (name, title, fold) in zip(st.columns(2), grid[i:i + 2]):
+                with col:
+                    frames = [r.scalar_series([name], replicas=fold).assign(run=k) for k, r in runs.items()]
+                    chart(charts.line_figure(pd.concat(frames), title, run_column="run", colors=colors),
+                          f"cmp-{name}")
+    finally:
+        for run in runs.values():
+            run.close()
+
+
+def compare_table(runs: dict[str, data.Run]) -> pd.DataFrame:
+    rows = []
+    for run_id, run in runs.items():
+        h = run.headline()
+        rows.append({"run": run_id, "max_staleness": run.max_staleness, "step": h.step,
+                     "elapsed s": h.elapsed_s, "gen tokens/s": h.gen_tokens_per_s,
+                     "train tokens/s": h.train_tokens_per_s,
+                     "idle %": None if h.idle_fraction is None else 100 * h.idle_fraction,
+                     "mean staleness": h.mean_staleness, "last sync s": h.last_sync_s})
+    return pd.DataFrame(rows).round(3)
+
+
+# --------------------------------------------------------------------------- page
+
+
+def sidebar(infos: list[data.RunInfo]) -> tuple[str, list[data.RunInfo], float | None]:
+    by_id = {i.run_id: i for i in infos}
+    params = st.query_params
+    compare_ids = [r for r in params.get("compare", "").split(",") if r in by_id]
+    mode = st.sidebar.radio("View", ["One run", "Compare runs"], index=1 if compare_ids else 0, key="mode")
+    if mode == "One run":
+        ids = list(by_id)
+        wanted = params.get("run")
+        index = ids.index(wanted) if wanted in by_id else next(
+            (k for k, i in enumerate(infos) if i.status == "ok"), 0)
+        picked = st.sidebar.selectbox("Run", ids, index=index, format_func=lambda r: by_id[r].label, key="run")
+        chosen = [by_id[picked]]
+    else:
+        default = compare_ids or [i.run_id for i in infos if i.status == "ok"][:2]
+        picked = st.sidebar.multiselect("Runs", list(by_id), default=default,
+                                        format_func=lambda r: by_id[r].label, key="runs")
+        chosen = [by_id[r] for r in picked]
+    auto = st.sidebar.toggle("Auto-refresh live runs", value=True, key="auto")
+    every = st.sidebar.select_slider("Refresh every (s)", REFRESH_CHOICES_S, value=2, key="every",
+                                     disabled=not auto)
+    refresh = float(every) if auto and any(i.live for i in chosen) else None
+    with st.sidebar.expander(f"All runs ({len(infos)})"):
+        for info in infos:
+            st.markdown(f"**{info.run_id}** · {info.status}" + (" · live" if info.live else "")
+                        + (f"  \n{info.message}" if info.message else ""))
+    st.sidebar.button("Rescan runs directory", key="rescan")
+    return mode, chosen, refresh
+
+
+def main() -> None:
+    st.set_page_config(page_title="llamarl dashboard", page_icon="🦙", layout="wide")
+    st.title("llamarl runs")
+    root = Path(st.sidebar.text_input("Runs directory", str(runs_dir_from_args(sys.argv[1:])), key="root"))
+    try:
+        infos = data.list_runs(root)
+    except data.RunError as err:
+        show_error(err)
+        return
+    if not infos:
+        st.info(f"No runs in {str(root)!r} yet. Start one (for example `python -m app.local`) "
+                "and it appears here.")
+        return
+    mode, chosen, refresh = sidebar(infos)
+    if not chosen:
+        st.info("Pick one or more runs in the sidebar.")
+        return
+    if refresh is not None:
+        st.sidebar.caption(f"Following live run(s): refreshing every {refresh:g} s.")
+
+    @st.fragment(run_every=refresh)
+    def live_view() -> None:
+        if mode == "One run":
+            info = chosen[0]
+            if info.status not in ("ok", "empty"):
+                (st.info if info.status == "no metrics" else st.error)(info.message)
+                return
+            guarded(f"run {info.run_id!r}", lambda: run_page(info.path))
+        else:
+            guarded("the comparison", lambda: compare_page([i.path for i in chosen]))
+
+    live_view()
+
+
+main()

@@ -1,0 +1,118 @@
+"""The Streamlit app under streamlit.testing's AppTest, over fixture run directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from dashboard_fixtures import LiveRun, make_runs_root
+
+APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory):
+    return make_runs_root(tmp_path_factory.mktemp("runs"))
+
+
+def start(monkeypatch, root, **query) -> AppTest:
+    monkeypatch.setenv("LLAMARL_RUNS_DIR", str(root))
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
+    for key, value in query.items():
+        at.query_params[key] = value
+    return at.run()
+
+
+def charts(at: AppTest) -> int:
+    return len(at.get("plotly_chart"))
+
+
+def assert_no_exception(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+
+
+def test_run_page_draws_every_view(monkeypatch, runs_root):
+    at = start(monkeypatch, runs_root, run="async-run")
+    assert_no_exception(at)
+    assert not at.error
+    assert at.sidebar.selectbox(key="run").value == "async-run"
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["step"] == "40" and metrics["last sync (v40)"].endswith(" s")
+    assert float(metrics["mean staleness"]) > 0
+    tabs = [t.label for t in at.tabs]
+    assert tabs == ["Throughput", "Executors", "Off-policy", "Weight sync", "Learning", "Queues", "All scalars"]
+    drawn = {}
+    for tab in tabs:  # only the open tab runs its queries, so open each in turn
+        at.session_state["tab"] = tab
+        at.run()
+        assert_no_exception(at)
+        assert not at.error
+        drawn[tab] = charts(at)
+    assert drawn == {"Throughput": 4, "Executors": 3, "Off-policy": 2, "Weight sync": 1, "Learning": 6,
+                     "Queues": 2, "All scalars": 0}
+
+
+def test_timeline_window_can_be_changed(monkeypatch, runs_root):
+    at = start(monkeypatch, runs_root, run="sync-run")
+    at.session_state["tab"] = "Executors"
+    at.run()
+    before = charts(at)
+    at.get("button_group")[0].set_value("whole run").run()
+    assert_no_exception(at)
+    assert charts(at) == before
+
+
+@pytest.mark.parametrize("run_id, kind, phrase", [
+    ("empty-run", "info", "no metrics.db yet"),
+    ("meta-only-run", "info", "recorded no events yet"),
+    ("old-schema-run", "error", "metrics schema 0"),
+    ("corrupt-run", "error", "not a readable SQLite database"),
+])
+def test_broken_runs_show_a_message_not_a_traceback(monkeypatch, runs_root, run_id, kind, phrase):
+    at = start(monkeypatch, runs_root, run="sync-run")
+    at.sidebar.selectbox(key="run").select(run_id).run()
+    assert_no_exception(at)
+    messages = [e.value for e in (at.info if kind == "info" else at.error)]
+    assert any(phrase in m for m in messages), messages
+    assert charts(at) == 0
+
+
+def test_compare_page_puts_runs_side_by_side(monkeypatch, runs_root):
+    at = start(monkeypatch, runs_root, compare="sync-run,async-run")
+    assert_no_exception(at)
+    assert at.sidebar.radio(key="mode").value == "Compare runs"
+    table = at.dataframe[0].value
+    assert list(table["run"]) == ["sync-run", "async-run"]
+    assert list(table["max_staleness"]) == [0, 2]
+    assert charts(at) == 8
+    # Broken runs among the compared ones are reported, the others still drawn.
+    at.sidebar.multiselect(key="runs").select("corrupt-run").run()
+    assert_no_exception(at)
+    assert any("not a readable SQLite database" in e.value for e in at.error)
+    assert charts(at) == 8
+
+
+@pytest.mark.parametrize("make_root, kind, phrase", [
+    (lambda tmp: tmp / "missing", "error", "does not exist"),
+    (lambda tmp: tmp, "info", "No runs in"),
+])
+def test_missing_or_empty_runs_directory(monkeypatch, tmp_path, make_root, kind, phrase):
+    at = start(monkeypatch, make_root(tmp_path))
+    assert_no_exception(at)
+    assert any(phrase in e.value for e in (at.info if kind == "info" else at.error))
+
+
+def test_live_run_refreshes_while_it_is_written(monkeypatch, tmp_path):
+    with LiveRun(tmp_path / "live-run") as live:
+        at = start(monkeypatch, tmp_path, run="live-run")
+        assert_no_exception(at)
+        assert any("Following live run" in c.value for c in at.sidebar.caption)
+        assert "live" in at.subheader[0].value
+        first = int(at.metric[0].value)
+        live.wait_for_steps(first + 3)
+        at.run()
+        assert_no_exception(at)
+        assert int(at.metric[0].value) >= first + 3

@@ -1,0 +1,192 @@
+"""dashboard.data against run directories written by app.metrics (tests/dashboard_fixtures.py)."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pandas as pd
+import pytest
+
+from app import metrics as m
+from dashboard import charts, data
+from dashboard_fixtures import LiveRun, make_run, make_runs_root
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory):
+    return make_runs_root(tmp_path_factory.mktemp("runs"))
+
+
+def raw(run_dir, sql: str) -> pd.DataFrame:
+    """The table as written, read without dashboard.data, to check its aggregates against."""
+    with sqlite3.connect(run_dir / m.DB_NAME) as db:
+        return pd.read_sql_query(sql, db)
+
+
+def test_list_runs_reports_every_run_and_why_it_cannot_be_shown(runs_root):
+    infos = {i.run_id: i for i in data.list_runs(runs_root)}
+    assert {k: i.status for k, i in infos.items()} == {
+        "sync-run": "ok", "async-run": "ok", "meta-only-run": "empty", "empty-run": "no metrics",
+        "old-schema-run": "old schema", "corrupt-run": "corrupt"}
+    assert infos["corrupt-run"].message and infos["old-schema-run"].message
+    assert infos["sync-run"].config["max_staleness"] == 0
+    assert infos["empty-run"].config["max_staleness"] == 2  # from config.json, no database
+    assert not infos["sync-run"].live  # events from a fixed clock in the past
+    assert infos["old-schema-run"].label == "old-schema-run · old schema"
+
+
+def test_list_runs_of_missing_root_is_a_typed_error(tmp_path):
+    with pytest.raises(data.RunNotFound, match="does not exist"):
+        data.list_runs(tmp_path / "nope")
+    assert data.list_runs(tmp_path) == []
+
+
+@pytest.mark.parametrize("name, error, level, phrase", [
+    ("empty-run", data.NoMetricsYet, "info", "no metrics.db yet"),
+    ("corrupt-run", data.CorruptDatabase, "error", "not a readable SQLite database"),
+    ("old-schema-run", data.SchemaMismatch, "error", "schema 0"),
+    ("no-such-run", data.RunNotFound, "error", "does not exist"),
+])
+def test_broken_runs_raise_typed_errors_with_messages(runs_root, name, error, level, phrase):
+    with pytest.raises(error, match=phrase) as info:
+        data.open_run(runs_root / name)
+    assert info.value.level == level
+
+
+def test_zero_byte_database_is_a_run_still_starting(tmp_path):
+    (tmp_path / m.DB_NAME).write_bytes(b"")
+    with pytest.raises(data.NoMetricsYet):
+        data.open_run(tmp_path)
+
+
+def test_missing_table_of_current_version_is_a_schema_mismatch(tmp_path):
+    run_dir = make_run(tmp_path / "r", steps=2)
+    with sqlite3.connect(run_dir / m.DB_NAME) as db:
+        db.execute("DROP TABLE rewards")
+    with pytest.raises(data.SchemaMismatch, match="rewards"):
+        data.open_run(run_dir)
+
+
+def test_meta_only_run_opens_and_every_query_is_empty(runs_root):
+    with data.open_run(runs_root / "meta-only-run") as run:
+        assert run.is_empty() and run.max_staleness == 2
+        assert run.headline() == data.Headline()
+        for frame in (run.scalar_series(["loss"]), run.scalar_series(prefix="queue/"), run.intervals(),
+                      run.idle_fractions(), run.staleness_histogram(), run.staleness_by_step(),
+                      run.weight_sync(), run.rewards(), run.queue_depths()):
+            assert frame.empty
+        # The figure builders accept what an empty run returns.
+        charts.timeline_figure(run.intervals())
+        charts.line_figure(run.scalar_series(["loss"]), "loss")
+
+
+def test_connection_is_read_only(runs_root):
+    with data.open_run(runs_root / "sync-run") as run:
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            run._db.execute("DELETE FROM scalars")
+
+
+def test_headline_of_sync_and_async_runs(runs_root):
+    with data.open_run(runs_root / "sync-run") as sync, data.open_run(runs_root / "async-run") as asyn:
+        hs, ha = sync.headline(), asyn.headline()
+    assert hs.step == ha.step == 40
+    assert hs.mean_staleness == 0.0 and ha.mean_staleness > 0
+    assert hs.last_sync_version == 40 and hs.last_sync_s > 0
+    assert hs.gen_tokens_per_s > 0 and hs.train_tokens_per_s > 0
+    # Overlapping generation with training is the point of the async design.
+    assert ha.idle_fraction < hs.idle_fraction
+
+
+def test_staleness_aggregates_match_the_rows(runs_root):
+    run_dir = runs_root / "async-run"
+    rows = raw(run_dir, "SELECT * FROM staleness")
+    with data.open_run(run_dir) as run:
+        hist, steps, bound = run.staleness_histogram(), run.staleness_by_step(), run.max_staleness
+    assert bound == 2
+    expected = rows.groupby("staleness")["used"].agg(["sum", "count"])
+    assert list(hist["staleness"]) == list(expected.index)
+    assert list(hist["used"]) == list(expected["sum"])
+    assert list(hist["used"] + hist["dropped"]) == list(expected["count"])
+    assert (hist.loc[hist["staleness"] > bound, "used"] == 0).all()  # nothing over the bound trained on
+    assert len(steps) == rows["step"].nunique()
+    assert steps["mean"].max() <= bound
+    assert steps["mean"].mean() == pytest.approx(
+        rows[rows.used == 1].groupby("step")["staleness"].mean().mean())
+
+
+def test_idle_fractions_match_the_intervals(runs_root):
+    run_dir = runs_root / "sync-run"
+    rows = raw(run_dir, "SELECT * FROM intervals").assign(d=lambda f: f.t1 - f.t0)
+    with data.open_run(run_dir) as run:
+        idle = run.idle_fractions().set_index(["role", "replica"])
+    for (role, replica), g in rows.groupby(["role", "replica"]):
+        assert idle.loc[(role, replica), "idle_fraction"] == pytest.approx(
+            g.loc[g.kind == "idle", "d"].sum() / g["d"].sum())
+
+
+def test_intervals_window_and_merging(runs_root):
+    with data.open_run(runs_root / "async-run") as run:
+        whole = run.intervals()
+        window = run.intervals(start_s=30.0)
+        merged = run.intervals(max_rows=10, buckets=20)
+        idle = run.idle_fractions()
+        n_intervals = run.counts()["intervals"]
+    assert len(whole) == n_intervals
+    assert set(whole["busy_fraction"]) == {0.0, 1.0} and (whole["n"] == 1).all()
+    assert window["t1"].min() >= 30.0 and len(window) < len(whole)
+    lanes = len(idle)
+    assert len(merged) <= lanes * 20 and merged["n"].sum() == len(whole)
+    assert merged["busy_fraction"].between(0, 1).all()
+    # Time-weighted busy share survives merging.
+    busy_merged = (merged["busy_fraction"] * merged["n"]).sum() / merged["n"].sum()
+    assert busy_merged == pytest.approx(1 - idle["idle_s"].sum() / idle["total_s"].sum(), abs=0.05)
+
+
+def test_scalar_series_downsamples_in_sql_and_keeps_the_mean(tmp_path):
+    run_dir = make_run(tmp_path / "long", steps=1200)
+    rows = raw(run_dir, "SELECT * FROM scalars WHERE name = 'loss'")
+    with data.open_run(run_dir) as run:
+        loss = run.scalar_series(["loss"], max_points=100)
+        gen = run.scalar_series(["gen/tokens_per_s"], max_points=100)
+        gen_sum = run.scalar_series(["gen/tokens_per_s"], max_points=100, replicas="sum")
+        tail = run.scalar_series(["loss"], since_s=loss["t"].iloc[-1] - 5)
+    assert 90 <= len(loss) <= 100 and loss["n"].sum() == len(rows)
+    assert (loss["value"] * loss["n"]).sum() / loss["n"].sum() == pytest.approx(rows["value"].mean())
+    assert loss["t"].is_monotonic_increasing and loss["step"].iloc[-1] == 1200
+    assert len(gen) <= 200 and set(gen["replica"]) == {0, 1}
+    assert (gen_sum["replica"] == -1).all() and len(gen_sum) <= 100
+    assert gen_sum["value"].mean() == pytest.approx(2 * gen["value"].mean(), rel=0.02)
+    assert 0 < len(tail) < len(loss)
+
+
+def test_weight_sync_rewards_and_queues(runs_root):
+    run_dir = runs_root / "async-run"
+    with data.open_run(run_dir) as run:
+        sync = run.weight_sync()
+        strided = run.weight_sync(max_points=8)
+        receivers = run.weight_sync_receivers()
+        rewards = run.rewards()
+        reasons = run.quarantine_reasons()
+        queues = run.queue_depths()
+        names = run.scalar_names()
+    assert list(sync["version"]) == list(range(1, 41)) and (sync["receivers"] == 3).all()
+    assert (sync["seconds_max"] >= sync["seconds_mean"]).all() and (sync["gbytes_per_s"] > 0).all()
+    assert len(strided) <= 8
+    assert set(receivers["receiver"]) == {"trainer", "generator0", "generator1"}
+    assert set(rewards["component"]) == {"correctness", "format"}
+    nulls = raw(run_dir, "SELECT COUNT(*) AS n FROM rewards WHERE value IS NULL")["n"][0]
+    assert rewards["quarantined"].sum() == reasons["n"].sum() == nulls
+    assert set(queues["queue"]) == {"prompts", "rollouts"}
+    assert {"gen/tokens_per_s", "train/tokens_per_s", "loss", "kl", "eval/accuracy"} <= set(names)
+
+
+def test_live_run_is_read_while_it_is_written(tmp_path):
+    run_dir = tmp_path / "live"
+    with LiveRun(run_dir) as live:
+        with data.open_run(run_dir) as run:
+            assert run.is_live()
+            first = run.headline().step
+            live.wait_for_steps(first + 5)
+            assert run.headline().step > first  # the same read-only connection sees new commits
+            assert run.scalar_series(["loss"])["n"].sum() >= first + 5
+        assert [i.live for i in data.list_runs(tmp_path)] == [True]

@@ -1,0 +1,323 @@
+"""Control/data plane: authenticated frames, store queues with backpressure, control keys."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+from app.transport import (
+    MAX_FRAME_BYTES,
+    SECRET_ENV,
+    AuthenticationError,
+    Control,
+    Stopped,
+    StoreQueue,
+    connect_store,
+    decode,
+    encode,
+    host_store,
+    new_secret,
+    secret_from_env,
+)
+
+SECRET = bytes(range(32))
+
+
+def _mp_context():
+    # A forkserver that has imported torch once: each role process then starts in a
+    # fraction of a second instead of importing torch again (2 cores).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "app.transport", "app.weight_sync"])
+    return ctx
+
+
+@pytest.fixture()
+def store():
+    return host_store(0, None, timeout_s=30, host="127.0.0.1")
+
+
+def client(store):
+    return connect_store(f"127.0.0.1:{store.port}", timeout_s=10)
+
+
+# --------------------------------------------------------------------------- encoding
+
+ALL_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+              torch.float8_e5m2, torch.complex64, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_roundtrip_every_dtype(dtype):
+    base = torch.randn(5, 7) * 50
+    x = (base > 0) if dtype == torch.bool else base.abs().to(dtype)
+    msg = {"x": x, "scalar": x[0, 0].clone(), "empty": torch.empty(0, 3, dtype=dtype)}
+    out = decode(encode(msg, SECRET), SECRET)
+    for key in msg:
+        assert out[key].dtype == dtype and out[key].shape == msg[key].shape
+        assert torch.equal(out[key].reshape(-1).view(torch.uint8), msg[key].reshape(-1).view(torch.uint8))
+
+
+def test_roundtrip_values_nested_and_writable():
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # non-contiguous
+    msg = {"s": "héllo", "i": -3, "f": 1.5, "b": True, "n": None, "l": [1, [2, "x"]],
+           "d": {"logp_T": t, "deep": [{"ids": torch.tensor([1, 2, 3])}]}, "t": t}
+    out = decode(encode(msg, SECRET), SECRET)
+    assert {k: out[k] for k in "sifbnl"} == {k: msg[k] for k in "sifbnl"}
+    assert torch.equal(out["t"], t) and torch.equal(out["d"]["logp_T"], t)
+    assert torch.equal(out["d"]["deep"][0]["ids"], torch.tensor([1, 2, 3]))
+    out["t"].add_(1)  # a writable tensor the caller owns
+    assert out["t"].device.type == "cpu"
+
+
+def test_encode_rejects_unencodable():
+    with pytest.raises(TypeError):
+        encode({"x": object()}, SECRET)
+    with pytest.raises(TypeError):
+        encode({1: "int key"}, SECRET)
+    with pytest.raises(ValueError):
+        encode({"__tensor__": 0}, SECRET)
+
+
+def test_tampering_and_wrong_secret_are_rejected():
+    frame = encode({"x": torch.arange(100), "who": "generator"}, SECRET)
+    with pytest.raises(AuthenticationError):
+        decode(frame, new_secret())
+    for pos in (4, 40, len(frame) // 2, len(frame) - 1):  # version, header, payload, last byte
+        bad = bytearray(frame)
+        bad[pos] ^= 0x01
+        with pytest.raises((AuthenticationError, ValueError)):
+            decode(bytes(bad), SECRET)
+    bad = bytearray(frame)
+    bad[len(frame) - 1] ^= 0x01  # payload bytes are covered by the tag
+    with pytest.raises(AuthenticationError):
+        decode(bytes(bad), SECRET)
+    no_tag = bytearray(frame)
+    no_tag[5:37] = bytes(32)
+    with pytest.raises(AuthenticationError):
+        decode(bytes(no_tag), SECRET)
+    with pytest.raises(AuthenticationError):
+        decode(frame[:-10], SECRET)  # truncated
+    with pytest.raises(ValueError):
+        decode(frame[:20], SECRET)
+
+
+PWNED: list[str] = []
+
+
+def _pwn(who: str) -> None:
+    PWNED.append(who)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (_pwn, ("unpickled!",))
+
+
+def _sign(body: bytes) -> bytes:
+    """A frame whose header is ``body`` and whose tag is valid: the attacker knows the secret."""
+    import hashlib
+    import hmac
+
+    prefix = b"LRL\x00" + bytes([1])
+    length = struct.pack("<I", len(body))
+    tag = hmac.new(SECRET, prefix + length + body, hashlib.sha256).digest()
+    return prefix + tag + length + body
+
+
+def test_pickle_payload_is_never_unpickled():
+    payload = pickle.dumps(_Exploit())
+    pickle.loads(payload)  # the exploit works when unpickled...
+    assert PWNED == ["unpickled!"]
+    PWNED.clear()
+    with pytest.raises(ValueError):  # raw pickle: bad magic
+        decode(payload, SECRET)
+    with pytest.raises(ValueError):  # signed frame with a pickle as its header
+        decode(_sign(payload), SECRET)
+    # A pickle smuggled as tensor bytes comes back as inert bytes.
+    frame = encode({"blob": torch.frombuffer(bytearray(payload), dtype=torch.uint8)}, SECRET)
+    out = decode(frame, SECRET)
+    assert bytes(out["blob"].numpy()) == payload
+    assert PWNED == []  # ...and decode never did
+
+
+def test_malformed_but_signed_frames_raise_value_error():
+    for body in [b'{"msg": {"x": {"__tensor__": 3}}, "tensors": []}',
+                 b'{"msg": {}, "tensors": [{"dtype": "object", "shape": [], "offset": 0, "nbytes": 8}]}',
+                 b'{"msg": {}, "tensors": [{"dtype": "float32", "shape": [4], "offset": 0, "nbytes": 16}]}',
+                 b'{"msg": [1, 2], "tensors": []}', b"not json"]:
+        with pytest.raises(ValueError):
+            decode(_sign(body), SECRET)
+
+
+def test_secret_from_env(monkeypatch):
+    secret = new_secret()
+    assert len(secret) == 32 and secret != new_secret()
+    monkeypatch.setenv(SECRET_ENV, secret.hex())
+    assert secret_from_env() == secret
+    monkeypatch.setenv(SECRET_ENV, "zz-not-hex")
+    with pytest.raises(RuntimeError, match="hex"):
+        secret_from_env()
+    monkeypatch.delenv(SECRET_ENV)
+    with pytest.raises(RuntimeError, match=SECRET_ENV):
+        secret_from_env()
+
+
+# --------------------------------------------------------------------------- store
+
+
+def test_connect_store_unreachable_names_address():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectionError, match=f"llamarl control store at 127.0.0.1:{port}"):
+        connect_store(f"127.0.0.1:{port}", timeout_s=1)
+    with pytest.raises(ValueError):
+        connect_store("no-port", timeout_s=1)
+
+
+def test_queue_pop_timeout_pop_many_and_depth(store):
+    q = StoreQueue(client(store), "rollouts", SECRET, maxlen=10)
+    t0 = time.monotonic()
+    assert q.pop(timeout_s=0.2) is None
+    assert time.monotonic() - t0 >= 0.2
+    assert q.pop_many(5, timeout_s=0.05) == []
+    for i in range(4):
+        q.push({"i": i}, timeout_s=1)
+    assert q.depth() == 4
+    assert [m["i"] for m in q.pop_many(3, timeout_s=1)] == [0, 1, 2]
+    assert [m["i"] for m in q.pop_many(3, timeout_s=1)] == [3]
+
+
+def test_queue_rejects_foreign_and_oversized_messages(store):
+    q = StoreQueue(store, "q", SECRET, maxlen=4)
+    StoreQueue(store, "q", new_secret(), maxlen=4).push({"x": 1}, timeout_s=1)
+    with pytest.raises(AuthenticationError):
+        q.pop(timeout_s=1)
+    with pytest.raises(ValueError, match="limit"):
+        q.push({"x": torch.zeros(MAX_FRAME_BYTES // 4 + 1)}, timeout_s=1)
+
+
+def test_queue_backpressure_blocks_then_times_out_naming_queue(store):
+    q = StoreQueue(client(store), "prompts", SECRET, maxlen=2)
+    q.push({"i": 0}, timeout_s=1)
+    q.push({"i": 1}, timeout_s=1)
+    with pytest.raises(TimeoutError, match=r"queue 'prompts'.*full"):
+        q.push({"i": 2}, timeout_s=0.2)
+    assert q.depth() == 2
+
+    # A push blocked on a full queue goes through as soon as a consumer makes room.
+    done = threading.Event()
+
+    def producer():
+        q2 = StoreQueue(client(store), "prompts", SECRET, maxlen=2)
+        q2.push({"i": 2}, timeout_s=10)
+        done.set()
+
+    th = threading.Thread(target=producer)
+    th.start()
+    time.sleep(0.3)
+    assert not done.is_set()
+    assert q.pop(timeout_s=1)["i"] == 0
+    th.join(10)
+    assert done.is_set()
+    assert [q.pop(timeout_s=1)["i"] for _ in range(2)] == [1, 2]
+
+
+def test_should_stop_interrupts_waits(store):
+    q = StoreQueue(store, "events", SECRET, maxlen=1)
+    flag = threading.Event()
+    threading.Timer(0.2, flag.set).start()
+    with pytest.raises(Stopped):
+        q.pop(timeout_s=30, should_stop=flag.is_set)
+    q.push({"x": 1}, timeout_s=1)
+    with pytest.raises(Stopped):
+        q.push({"x": 2}, timeout_s=30, should_stop=lambda: True)
+    control = Control(store)
+    with pytest.raises(Stopped):
+        q.push({"x": 2}, timeout_s=30, should_stop=lambda: control.stopped() or
+               control.request_stop("test") is None)
+
+
+def _produce(port: int, n: int, maxlen: int) -> None:
+    store = connect_store(f"127.0.0.1:{port}", timeout_s=30)
+    q = StoreQueue(store, "fifo", SECRET, maxlen=maxlen)
+    for i in range(n):
+        q.push({"i": i, "logp_T": torch.full((i + 1,), float(i))}, timeout_s=30)
+    Control(store).register("producer", 0)
+
+
+def test_queue_fifo_and_backpressure_across_processes(store):
+    n, maxlen = 40, 4
+    ctx = _mp_context()
+    proc = ctx.Process(target=_produce, args=(store.port, n, maxlen))
+    proc.start()
+    q = StoreQueue(store, "fifo", SECRET, maxlen=maxlen)
+    got, max_depth = [], 0
+    try:
+        while len(got) < n:
+            max_depth = max(max_depth, q.depth())
+            msg = q.pop(timeout_s=60)
+            assert msg is not None, "producer process sent nothing"
+            got.append(msg)
+            time.sleep(0.005)  # a slow consumer, so the producer hits the bound
+    finally:
+        proc.join(30)
+    assert proc.exitcode == 0
+    assert [m["i"] for m in got] == list(range(n))
+    assert all(torch.equal(m["logp_T"], torch.full((m["i"] + 1,), float(m["i"]))) for m in got)
+    assert max_depth <= maxlen
+    assert Control(store).members() == ["producer/0"]
+
+
+# --------------------------------------------------------------------------- control
+
+
+def test_control_version_and_stop(store):
+    trainer, gen = Control(store), Control(client(store))
+    assert gen.version() == 0
+    trainer.set_version(7)
+    assert gen.version() == 7
+    assert trainer.stop_reason() is None and not gen.stopped()
+    gen.request_stop("reward model diverged")
+    trainer.request_stop("second reason loses")
+    assert trainer.stopped()
+    assert trainer.stop_reason() == "reward model diverged"
+
+
+def test_control_members_heartbeats_and_failures(store):
+    trainer = Control(store)
+    with pytest.raises(TimeoutError, match="generator/1"):
+        trainer.wait_for_members({"generator": 2, "reward": 1}, timeout_s=0.1)
+    peers = Control(client(store))
+    peers.register("generator", 0)
+    peers.register("reward", 0)
+    with pytest.raises(TimeoutError) as err:
+        trainer.wait_for_members({"generator": 2, "reward": 1}, timeout_s=0.1)
+    assert "generator/1" in str(err.value) and "reward/0" not in str(err.value).split("(")[0]
+    threading.Timer(0.1, peers.register, args=("generator", 1)).start()
+    assert trainer.wait_for_members({"generator": 2, "reward": 1}, timeout_s=5) == [
+        "generator/0", "generator/1", "reward/0"]
+
+    assert set(trainer.last_heartbeats()) == {"generator/0", "generator/1", "reward/0"}
+    time.sleep(0.3)
+    peers.heartbeat("generator", 0)
+    peers.heartbeat("reward", 0)
+    ages = trainer.last_heartbeats()
+    assert ages["generator/0"] < 0.2 and ages["generator/1"] >= 0.3
+    assert trainer.dead_members(max_age_s=0.25) == ["generator/1"]
+
+    assert trainer.failures() == {} and trainer.stop_reason() is None
+    peers.mark_failed("reward", 0, "CUDA error: out of memory")
+    assert trainer.failures() == {"reward/0": "CUDA error: out of memory"}
+    assert "reward/0 failed" in trainer.stop_reason()
+    assert "reward/0" in trainer.dead_members(max_age_s=60)
+    with pytest.raises(ValueError):
+        peers.register("bad/role", 0)
