@@ -105,6 +105,8 @@ class GeneratorConfig:
     """Prompts per decode batch of a distributed generator (each sampled group_size times)."""
     gen_seed: int = 0
     """Sampling seed (each generator replica adds its index)."""
+    gen_threads: int = 0
+    """torch threads of each generator process (0 keeps torch's default)."""
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:

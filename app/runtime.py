@@ -1,0 +1,128 @@
+"""What every executor of the distributed app does around its own work: reach the
+control store, register, beat its heart, report metrics, fail loudly and exit cleanly.
+
+Entry points stay thin: ``with Runtime.join(...) as rt: work(rt)``. On an exception the
+runtime marks the role failed (which asks every other role to stop, naming it) and
+re-raises, so the process exits non-zero; on a stop requested by someone else the work
+loop raises ``Stopped`` and the role exits 0 after acknowledging.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from app import transport
+from app.transport import Control, StoreQueue
+
+log = logging.getLogger("llamarl")
+
+# Queue names and sizes. Bounds keep memory flat whatever the relative speeds.
+ROLLOUTS, SCORED, METRICS = "rollouts", "scored", "metrics"
+METRICS_MAXLEN = 4096
+GROUPS_MAXLEN = 256  # rollout groups per queue; the staleness budget usually binds first
+HEARTBEAT_S = 1.0
+EXITED_KEY = "llamarl/exited/"
+POLICY_KEY = "llamarl/policy_path"
+RESERVED_KEY = "llamarl/groups_reserved"
+DROPPED_KEY = "llamarl/groups_dropped"
+
+
+def setup_logging(role: str, replica: int) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
+                        format=f"%(asctime)s {role}/{replica} %(levelname)s %(message)s")
+
+
+@dataclass
+class Runtime:
+    role: str
+    replica: int
+    store: dist.TCPStore
+    control: Control
+    secret: bytes
+    _beating: threading.Event = field(default_factory=threading.Event)
+    _pending_metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def join(cls, role: str, replica: int, store: dist.TCPStore) -> "Runtime":
+        rt = cls(role=role, replica=replica, store=store, control=Control(store),
+                 secret=transport.secret_from_env())
+        rt.control.register(role, replica)
+        threading.Thread(target=rt._heartbeat_loop, daemon=True, name="heartbeat").start()
+        return rt
+
+    def queue(self, name: str) -> StoreQueue:
+        maxlen = METRICS_MAXLEN if name == METRICS else GROUPS_MAXLEN
+        return StoreQueue(self.store, name, self.secret, maxlen)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._beating.wait(HEARTBEAT_S):
+            try:
+                self.control.heartbeat(self.role, self.replica)
+            except Exception:  # the store is gone: the work loop will find out and stop
+                return
+
+    def should_stop(self) -> bool:
+        return self.control.stopped()
+
+    def emit(self, events: list[dict[str, Any]], *, flush: bool = False) -> None:
+        """Queue metric events for trainer replica 0 (sent in batches)."""
+        self._pending_metrics.extend(events)
+        if flush or len(self._pending_metrics) >= 256:
+            self.flush_metrics()
+
+    def flush_metrics(self) -> None:
+        if self._pending_metrics:
+            batch, self._pending_metrics = self._pending_metrics, []
+            self.queue(METRICS).push({"events": batch}, timeout_s=30.0, should_stop=None)
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and not issubclass(exc_type, transport.Stopped):
+            error = "".join(traceback.format_exception_only(exc_type, exc)).strip()
+            log.error("failed: %s", error)
+            try:
+                self.control.mark_failed(self.role, self.replica, error)
+            except Exception:
+                log.error("could not report the failure to the control store (gone)")
+        else:
+            try:
+                self.flush_metrics()
+            except Exception as e:
+                log.warning("could not flush metrics: %s", e)
+        self._beating.set()
+        try:
+            self.store.add(EXITED_KEY + transport.Keys.member(self.role, self.replica), 1)
+        except Exception:
+            pass
+        if exc_type is not None and issubclass(exc_type, transport.Stopped):
+            log.info("stopping: %s", self.control.stop_reason() if self._store_alive() else exc)
+            return True  # a requested stop is a clean exit
+        return False
+
+    def _store_alive(self) -> bool:
+        try:
+            self.control.stopped()
+            return True
+        except Exception:
+            return False
+
+
+def wait_for_exits(store: dist.TCPStore, members: list[str], timeout_s: float) -> list[str]:
+    """Trainer replica 0 keeps the store up until every other member has acknowledged the
+    stop (or the timeout passes); returns the members that never did."""
+    deadline = time.monotonic() + timeout_s
+    missing = list(members)
+    while missing and time.monotonic() < deadline:
+        missing = [m for m in missing if not store.check([EXITED_KEY + m])]
+        time.sleep(0.05)
+    return missing

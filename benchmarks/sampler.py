@@ -1,0 +1,175 @@
+"""Sampler throughput: ``app.sampler.sample`` vs ``model.generate``, same model, same batch.
+
+The model is the warm-started default policy (it writes a worked solution and then EOS,
+after 10-35 tokens), loaded fp32. Both sides sample 32 distinct held-out prompts
+(``tasks.make_split("eval", 32, seed=0)``) with the same parameters: temperature 1,
+top-p 1, top-k disabled, ``max_new_tokens`` 64, the tokenizer's EOS and pad ids.
+
+Fairness: the RL generator needs the log-prob of every sampled token (the behaviour
+policy mu of AIPO), and the sampler returns it. So the ``generate`` side is asked for it
+too: ``output_scores=True, return_dict_in_generate=True``, then the log-softmax of each
+step's (processed) scores is gathered at the sampled tokens; that work is inside its
+timed region. Tokens counted = generated tokens up to and including EOS (never padding),
+each side counting its own output.
+
+The two sides run interleaved (sampler, generate, sampler, generate, ...) with the same
+seed per repeat, so noise from other processes on the machine hits both alike; medians
+are reported. ``group_speedup`` is the RL shape: 8 prompts x G=4 samples (32 rows),
+given to the sampler as repeated prompts and to ``generate`` as
+``num_return_sequences=4``.
+
+    python benchmarks/sampler.py --json out.json [--policy PATH] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from app import tasks
+from app.policy import encode_prompts, load_policy
+from app.sampler import SamplingParams, sample
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids_BP, attention_mask_BP)`` of left-padded prompts, as ``generate`` wants."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p)
+        mask[i, P - len(p):] = 1
+    return ids, mask
+
+
+def count_tokens(tokens_BT: torch.Tensor, eos_id: int) -> int:
+    """Generated tokens up to and including the first EOS of each row (all of them when
+    a row has none)."""
+    is_eos = tokens_BT == eos_id
+    has_eos = is_eos.any(-1)
+    first_eos = is_eos.int().argmax(-1)
+    lengths = torch.where(has_eos, first_eos + 1, torch.full_like(first_eos, tokens_BT.shape[1]))
+    return int(lengths.sum())
+
+
+def run_sampler(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams, *,
+                eos_id: int, pad_id: int, seed: int) -> int:
+    out = sample(model, prompts, params, eos_id=eos_id, pad_id=pad_id,
+                 generator=torch.Generator().manual_seed(seed))
+    return int(out.lengths_B.sum())
+
+
+def run_generate(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams, *,
+                 eos_id: int, pad_id: int, seed: int, num_return_sequences: int = 1) -> int:
+    ids, mask = left_pad(prompts, pad_id)
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=params.temperature,
+            top_p=params.top_p, top_k=0, max_new_tokens=params.max_new_tokens,
+            eos_token_id=eos_id, pad_token_id=pad_id, num_return_sequences=num_return_sequences,
+            output_scores=True, return_dict_in_generate=True)
+        new_BT = out.sequences[:, ids.shape[1]:]
+        # What the RL generator would record: log mu(y_t) of each sampled token.
+        scores_BTV = torch.stack(out.scores, dim=1)
+        logp_BT = torch.log_softmax(scores_BTV.float(), -1).gather(-1, new_BT[:, :, None]).squeeze(-1)
+        assert logp_BT.shape == new_BT.shape
+    return count_tokens(new_BT, eos_id)
+
+
+def interleaved(sides: dict[str, Callable[[int], int]], repeats: int, warmup: int = 2
+                ) -> dict[str, dict[str, float]]:
+    """Run the sides in turn ``repeats`` times (after ``warmup`` untimed rounds); per
+    side: median seconds, median tokens and median tokens/s over the repeats."""
+    for r in range(warmup):
+        for fn in sides.values():
+            fn(10_000 + r)
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    tokens: dict[str, list[int]] = {k: [] for k in sides}
+    for r in range(repeats):
+        for name, fn in sides.items():
+            t0 = time.perf_counter()
+            n = fn(r)
+            times[name].append(time.perf_counter() - t0)
+            tokens[name].append(n)
+    return {name: {"median_s": statistics.median(times[name]),
+                   "median_tokens": statistics.median(tokens[name]),
+                   "tokens_per_s": statistics.median(n / t for n, t in zip(tokens[name], times[name]))}
+            for name in sides}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--policy", default=None,
+                        help="Hugging Face model directory (default: the warm-started policy)")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    if args.policy is None:
+        from app.warmstart import ensure_warmstart
+        args.policy = str(ensure_warmstart())
+    model, tokenizer = load_policy(args.policy, dtype=torch.float32)
+    model.eval()
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0)
+    problems = tasks.make_split("eval", args.batch, seed=0)
+    prompts = encode_prompts(tokenizer, [tasks.format_prompt(p.question) for p in problems])
+    G = args.group_size
+    group_prompts = prompts[: args.batch // G]
+    common = dict(eos_id=eos_id, pad_id=pad_id)
+
+    distinct = interleaved({
+        "sampler": lambda s: run_sampler(model, prompts, params, seed=s, **common),
+        "generate": lambda s: run_generate(model, prompts, params, seed=s, **common),
+    }, args.repeats)
+    grouped = interleaved({
+        "sampler": lambda s: run_sampler(model, [p for p in group_prompts for _ in range(G)], params,
+                                         seed=s, **common),
+        "generate": lambda s: run_generate(model, group_prompts, params, seed=s,
+                                           num_return_sequences=G, **common),
+    }, args.repeats)
+
+    result = {
+        "tokens_per_s": distinct["sampler"]["tokens_per_s"],
+        "generate_tokens_per_s": distinct["generate"]["tokens_per_s"],
+        "speedup": distinct["sampler"]["tokens_per_s"] / distinct["generate"]["tokens_per_s"],
+        "group_tokens_per_s": grouped["sampler"]["tokens_per_s"],
+        "group_generate_tokens_per_s": grouped["generate"]["tokens_per_s"],
+        "group_speedup": grouped["sampler"]["tokens_per_s"] / grouped["generate"]["tokens_per_s"],
+        "details": {
+            "distinct": distinct, "grouped": grouped, "batch": args.batch, "group_size": G,
+            "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
+            "temperature": 1.0, "top_p": 1.0, "dtype": "float32",
+            "torch_threads": torch.get_num_threads(), "policy": args.policy,
+            "model_params": sum(p.numel() for p in model.parameters()),
+            "model_type": model.config.model_type,
+        },
+    }
+    print(f"policy {args.policy} ({result['details']['model_params']:,} params, "
+          f"{torch.get_num_threads()} torch threads), {args.repeats} interleaved repeats, medians")
+    print(f"{'case':<26}{'side':<10}{'seconds':>10}{'tokens':>9}{'tokens/s':>11}{'speedup':>9}")
+    for case, res, key in ((f"{args.batch} distinct prompts", distinct, "speedup"),
+                           (f"{args.batch // G} prompts x G={G}", grouped, "group_speedup")):
+        for side in ("sampler", "generate"):
+            r = res[side]
+            sp = f"{result[key]:.2f}x" if side == "sampler" else ""
+            print(f"{case:<26}{side:<10}{r['median_s']:>10.4f}{r['median_tokens']:>9.0f}"
+                  f"{r['tokens_per_s']:>11.0f}{sp:>9}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The shared RL pieces: trainer-side log-probs, one policy-gradient step, advantages,
+reward scoring and held-out evaluation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from app import rl, tasks
+from app.policy import create_default_policy
+from app.rewards import build_reward
+from app.sampler import Samples
+
+VOCAB, PAD = 40, 0
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def _ragged_rollouts(n: int = 5, seed: int = 0) -> list[rl.Rollout]:
+    """Prompts of 2..5 tokens, completions of 1..6 tokens, made-up behaviour log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = 2 + i % 4
+        c = 1 + (i * 3) % 6
+        out.append(rl.Rollout(
+            prompt_ids=torch.randint(3, VOCAB, (p,), generator=g).tolist(),
+            completion_ids=torch.randint(3, VOCAB, (c,), generator=g).tolist(),
+            behaviour_logprobs=(-torch.rand(c, generator=g) * 2 - 3).tolist(),
+            version=0, group=str(i // 2), advantage=float(i % 3) - 0.8))
+    return out
+
+
+def _hand_logprobs(model, r: rl.Rollout, temperature: float) -> list[float]:
+    """One unpadded sequence at a time: the logit at position p-1+t predicts token t."""
+    ids = torch.tensor([r.prompt_ids + r.completion_ids])
+    with torch.no_grad():
+        logp_LV = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, dim=-1)
+    p = len(r.prompt_ids)
+    return [logp_LV[p - 1 + t, tok].item() for t, tok in enumerate(r.completion_ids)]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_completion_logprobs_alignment(tiny_model, temperature):
+    rollouts = _ragged_rollouts(6)
+    with torch.no_grad():
+        logp_BT, mask_BT = rl.completion_logprobs(tiny_model, rollouts, pad_id=PAD, temperature=temperature)
+    T = max(len(r.completion_ids) for r in rollouts)
+    assert logp_BT.shape == mask_BT.shape == (6, T)
+    for b, r in enumerate(rollouts):
+        n = len(r.completion_ids)
+        assert mask_BT[b].tolist() == [1.0] * n + [0.0] * (T - n)
+        torch.testing.assert_close(logp_BT[b, :n], torch.tensor(_hand_logprobs(tiny_model, r, temperature)),
+                                   rtol=1e-4, atol=1e-5)
+        assert (logp_BT[b, n:] == 0).all()
+
+
+def _snapshot(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("normaliser", ["token", "sequence"])
+@pytest.mark.parametrize("loss", ["aipo", "ppo"])
+def test_train_step_micro_batches_equal_one_full_batch(tiny_model, normaliser, loss):
+    rollouts = _ragged_rollouts(5)
+    results = {}
+    for micro_batch in (64, 2):  # 2 -> chunks of 2, 2, 1 with different token counts
+        model = copy.deepcopy(tiny_model)
+        # SGD keeps the update proportional to the gradient, so a wrong weighting shows
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        cfg = rl.StepConfig(loss=loss, normaliser=normaliser, micro_batch=micro_batch, rho_max=1.5,
+                            max_grad_norm=1e9)
+        m = rl.train_step(model, optimizer, rollouts, cfg, pad_id=PAD)
+        results[micro_batch] = (_snapshot(model), m)
+    (full, m_full), (micro, m_micro) = results[64], results[2]
+    moved = max((full[k] - tiny_model.state_dict()[k]).abs().max().item() for k in full)
+    assert moved > 1e-3  # the step did something
+    for k in full:
+        torch.testing.assert_close(micro[k], full[k], rtol=1e-4, atol=1e-6)
+    assert m_micro["loss"] == pytest.approx(m_full["loss"], rel=1e-4, abs=1e-6)
+    assert m_micro["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=1e-4)
+    assert m_micro["ratio_max"] == pytest.approx(m_full["ratio_max"], rel=1e-4)
+    assert m_full["response_len"] == pytest.approx(sum(len(r.completion_ids) for r in rollouts) / 5)
+
+
+def test_train_step_normalisers_differ_on_ragged_batches(tiny_model):
+    rollouts = _ragged_rollouts(5)
+    losses_by = {}
+    for normaliser in ("token", "sequence"):
+        model = copy.deepcopy(tiny_model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        losses_by[normaliser] = rl.train_step(model, optimizer, rollouts, rl.StepConfig(normaliser=normaliser),
+                                              pad_id=PAD)["loss"]
+    assert losses_by["token"] != pytest.approx(losses_by["sequence"], rel=1e-3)
+
+
+def test_train_step_with_kl_reports_kl(tiny_model):
+    model, ref = copy.deepcopy(tiny_model), copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    m = rl.train_step(model, optimizer, _ragged_rollouts(4), rl.StepConfig(kl_coef=0.1), pad_id=PAD, ref_model=ref)
+    assert m["kl"] > 0
+
+
+def test_train_step_rejects_an_empty_batch(tiny_model):
+    optimizer = torch.optim.SGD(tiny_model.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="at least one rollout"):
+        rl.train_step(tiny_model, optimizer, [], rl.StepConfig(), pad_id=PAD)
+
+
+# ---- advantages and rewards -------------------------------------------------------------
+
+
+def _rollout(group: str, reward: float | None = None, meta: dict | None = None) -> rl.Rollout:
+    return rl.Rollout(prompt_ids=[1], completion_ids=[5], behaviour_logprobs=[-1.0], version=0,
+                      group=group, meta=meta or {}, reward=reward)
+
+
+def test_set_group_advantages_ragged_groups_by_id_not_position():
+    # groups interleaved: a has 3 rollouts, b has 2 equal rewards, c has one
+    rollouts = [_rollout("a", 1.0), _rollout("b", 1.0), _rollout("a", 0.0), _rollout("c", 1.0),
+                _rollout("b", 1.0), _rollout("a", 0.0)]
+    m = rl.set_group_advantages(rollouts, normalize_std=False)
+    advantages = [r.advantage for r in rollouts]
+    assert advantages == pytest.approx([2 / 3, 0.0, -1 / 3, 0.0, 0.0, -1 / 3])
+    assert m["frac_zero_var"] == pytest.approx(2 / 3)  # b and c
+    assert m["reward/mean"] == pytest.approx(4 / 6)
+
+    rl.set_group_advantages(rollouts, normalize_std=True)
+    # group a: std sqrt(2/9) -> (2/3, -1/3, -1/3) / sqrt(2/9) = (sqrt 2, -1/sqrt 2, -1/sqrt 2)
+    s = 2 ** 0.5
+    assert [r.advantage for r in rollouts] == pytest.approx([s, 0.0, -1 / s, 0.0, 0.0, -1 / s], rel=1e-4)
+
+
+def test_score_rollouts_with_math_verifier_quarantines_missing_answer():
+    rollouts = [
+        _rollout("0", meta={"answer": 5, "prompt": "Q: x\nA:", "completion": " 2+3=5\n#### 5"}),
+        _rollout("0", meta={"answer": 5, "prompt": "Q: x\nA:", "completion": " 2+3=6\n#### 6"}),
+        _rollout("1", meta={"prompt": "Q: y\nA:", "completion": "#### 5"}),  # no reference answer
+    ]
+    with build_reward("math_verifier") as reward:
+        results = rl.score_rollouts(rollouts, reward, timeout_s=10.0)
+    assert [r.reward for r in rollouts] == [1.0, 0.0, None]
+    assert rollouts[0].rewards == {"math_verifier": 1.0}
+    assert rollouts[2].rewards == {}
+    assert results[2].quarantined == "raised:KeyError"
+    assert results[0].quarantined is None
+
+
+# ---- evaluation -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_policy():
+    model, tok = create_default_policy(seed=0)
+    return model.eval(), tok
+
+
+def test_evaluate_real_model_returns_accuracy_and_levels(default_policy):
+    model, tok = default_policy
+    problems = tasks.make_split("eval", 6, seed=0)
+    m = rl.evaluate(model, tok, problems, max_new_tokens=6, batch_size=4)
+    assert 0.0 <= m["accuracy"] <= 1.0 and 0.0 <= m["format"] <= 1.0
+    assert {"accuracy_level1", "accuracy_level2", "accuracy_level3"} <= set(m)
+    assert m == rl.evaluate(model, tok, problems, max_new_tokens=6, batch_size=6)  # greedy: deterministic
+    sampled = rl.evaluate(model, tok, problems, max_new_tokens=6, temperature=1.0,
+                          generator=torch.Generator().manual_seed(0))
+    assert 0.0 <= sampled["accuracy"] <= 1.0
+
+
+def test_evaluate_counts_per_level(default_policy, monkeypatch):
+    """With a stand-in sampler that answers level-1 problems right, level-2 ones in the
+    wrong number and level-3 ones without the answer format, the counts are exact."""
+    model, tok = default_policy
+    problems = tasks.make_split("eval", 9, seed=0)  # levels 1, 2, 3 in turn
+    by_prompt = {tasks.format_prompt(p.question): p for p in problems}
+
+    def fake_sample(model, prompts, params, *, eos_id, pad_id, generator=None):
+        rows = []
+        for ids in prompts:
+            p = by_prompt[tok.decode(ids, skip_special_tokens=True)]
+            text = {1: f" #### {p.answer}", 2: f" #### {p.answer + 1}", 3: f" {p.answer}"}[p.level]
+            rows.append(tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+        T = max(len(r) for r in rows)
+        tokens = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows])
+        return Samples(tokens_BT=tokens, logprobs_BT=torch.zeros(tokens.shape),
+                       lengths_B=torch.tensor([len(r) for r in rows]))
+
+    monkeypatch.setattr(rl, "sample", fake_sample)
+    m = rl.evaluate(model, tok, problems, max_new_tokens=8, batch_size=4)
+    assert m["accuracy"] == pytest.approx(3 / 9)
+    assert m["accuracy_level1"] == 1.0 and m["accuracy_level2"] == 0.0 and m["accuracy_level3"] == 0.0
+    assert m["format"] == pytest.approx(6 / 9)
