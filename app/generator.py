@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import secrets
 import sys
 import time
 from typing import Any
@@ -80,12 +81,15 @@ class SlotBudget:
         it must wait for newer weights. Atomic across generators (compare-and-set)."""
         while True:
             cap = (version + 1 + self.K) * self.B + int(self.store.add(runtime.DROPPED_KEY, 0))
-            start = int(self.store.add(runtime.RESERVED_KEY, 0))
+            seen = self.store.get(runtime.RESERVED_KEY).decode()  # "count" or "count token"
+            start = int(seen.split()[0])
             take = min(want, cap - start)
             if take <= 0:
                 return range(0)
-            seen = self.store.compare_set(runtime.RESERVED_KEY, str(start), str(start + take))
-            if int(seen) == start + take:
+            # A token unique to this attempt: a failed compare-and-set returns the current
+            # value, and a bare count could equal ours when a rival took as many slots.
+            mine = f"{start + take} {secrets.token_hex(8)}"
+            if self.store.compare_set(runtime.RESERVED_KEY, seen, mine).decode() == mine:
                 return range(start, start + take)
 
 

@@ -76,6 +76,10 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
         log(f"step {step:4d}  held-out accuracy {m['accuracy']:.3f} (greedy), "
             f"{m['sampled_accuracy']:.3f} (sampled)  format {m['format']:.3f}")
 
+    def maybe_evaluate(step: int) -> None:
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            evaluate(step)
+
     try:
         evaluate(0)
         for step in range(1, cfg.steps + 1):
@@ -89,6 +93,12 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
             with timeline.busy("reward"):
                 results = rl.score_rollouts(rollouts, reward)
             kept = [r for r in rollouts if r.reward is not None]
+            if not kept:  # nothing to learn from; the quarantine counts still reach the metrics
+                writer.write(reward_events(results, reward.names, step, role="trainer") + timeline.drain())
+                log(f"step {step:4d}/{cfg.steps}  skipped: every rollout was quarantined "
+                    f"{dict(quarantine_counts(results))}")
+                maybe_evaluate(step)
+                continue
             adv_metrics = rl.set_group_advantages(kept, normalize_std=cfg.normalize_std)
             t1 = time.time()
             with timeline.busy("train"):
@@ -96,9 +106,10 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
                                              ref_model=ref_model)
             t_train, step_s = time.time() - t1, time.time() - t0
             gen_tokens = sum(len(r.completion_ids) for r in rollouts)
+            train_tokens = sum(len(r.completion_ids) for r in kept)
             values = {**step_metrics, **adv_metrics,
                       "gen/tokens_per_s": gen_tokens / t_gen, "gen/seqs_per_s": len(rollouts) / t_gen,
-                      "train/tokens_per_s": gen_tokens / t_train, "train/samples_per_s": len(kept) / t_train,
+                      "train/tokens_per_s": train_tokens / t_train, "train/samples_per_s": len(kept) / t_train,
                       "train/step_s": step_s, "train/steps_per_min": 60.0 / step_s,
                       "staleness/mean": 0.0, "staleness/max": 0.0, "dropped_stale": 0.0,
                       "idle_fraction": timeline.idle_fraction()}
@@ -112,8 +123,7 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
             log(f"step {step:4d}/{cfg.steps}  reward {adv_metrics['reward/mean']:.3f}  "
                 f"loss {step_metrics['loss']:+.4f}  len {step_metrics['response_len']:.1f}  "
                 f"quarantined {sum(quarantine_counts(results).values())}  {step_s:.1f}s")
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                evaluate(step)
+            maybe_evaluate(step)
     finally:
         writer.close(finished=True)
         reward.close()

@@ -78,6 +78,11 @@ class Runtime:
         if flush or len(self._pending_metrics) >= 256:
             self.flush_metrics()
 
+    def take_metrics(self) -> list[dict[str, Any]]:
+        """The events emitted here and not yet sent (for the writer's own process)."""
+        batch, self._pending_metrics = self._pending_metrics, []
+        return batch
+
     def flush_metrics(self) -> None:
         if self._pending_metrics:
             batch, self._pending_metrics = self._pending_metrics, []

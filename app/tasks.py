@@ -25,6 +25,10 @@ ITEMS = ("apples", "books", "coins", "pens", "stamps", "shells", "cards", "eggs"
          "balls", "kites")
 CONTAINERS = ("boxes", "bags", "jars", "baskets", "shelves")
 
+_SINGULAR = {"apples": "apple", "books": "book", "coins": "coin", "pens": "pen", "stamps": "stamp",
+             "shells": "shell", "cards": "card", "eggs": "egg", "cups": "cup", "rocks": "rock",
+             "balls": "ball", "kites": "kite"}
+
 EVAL_BUCKETS = 10  # one bucket in ten of the hash space is held out for evaluation
 
 _PRONOUN = {name: ("She" if name in {"Ava", "Cara", "Fay", "Hana", "Lea", "Nia", "Pia", "Rosa",
@@ -46,8 +50,9 @@ def _step_add(rng: random.Random, who: str, item: str, have: int) -> tuple[str, 
 
 
 def _step_sub(rng: random.Random, who: str, item: str, have: int) -> tuple[str, str, int]:
-    n = rng.randint(1, max(1, min(9, have - 1)))
-    return f"{_PRONOUN[who]} gives away {n} {item}.", f"{have}-{n}={have - n}", have - n
+    n = rng.randint(1, min(9, have - 1))
+    noun = item if n > 1 else _SINGULAR.get(item, item)
+    return f"{_PRONOUN[who]} gives away {n} {noun}.", f"{have}-{n}={have - n}", have - n
 
 
 def _step_mul(rng: random.Random, who: str, item: str, have: int) -> tuple[str, str, int]:
@@ -71,8 +76,10 @@ def make_problem(rng: random.Random, level: int) -> Problem:
         story, lines = [f"{who} has {have} {item}."], []
     ops = (_step_add, _step_sub, _step_mul)
     for _ in range(level - len(lines)):
-        # Multiplication only on small totals keeps every answer below 200.
-        op = rng.choice(ops if have <= 30 else ops[:2])
+        # Multiplication only on small totals keeps every answer below 200; nothing can be
+        # given away from fewer than two.
+        allowed = ops if have <= 30 else ops[:2]
+        op = rng.choice(allowed if have >= 2 else (_step_add, _step_mul))
         sentence, line, have = op(rng, who, item, have)
         story.append(sentence)
         lines.append(line)

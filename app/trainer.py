@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 import time
-from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ from app.config import GeneratorConfig, TrainerConfig
 from app.generator import WEIGHT_TIMEOUT_S, publish_config
 from app.local import eval_problems, resolve_policy
 from app.policy import load_policy
-from app.rewards import build_reward, reward_events
+from app.rewards import build_reward, parse_spec, reward_events
 from app.weight_sync import WeightSender, init_weight_group
 from pipelines.rollouts import next_batch, rollout_stream
 
@@ -40,6 +39,14 @@ def _staleness(batch: list[rl.Rollout], version: int, step: int) -> tuple[list[d
     lags = [version - r.version for r in batch]
     rows = [metrics.staleness(step, r.version, lag, True) for r, lag in zip(batch, lags)]
     return rows, {"staleness/mean": sum(lags) / len(lags), "staleness/max": max(lags)}
+
+
+def raise_if_all_quarantined(groups: list[list[rl.Rollout]], step: int) -> None:
+    """A whole batch without one usable reward means the reward setup is broken (every
+    component raising, say): stop with the reasons rather than train on nothing."""
+    reasons = sorted({str(r.meta["reward_result"].quarantined) for g in groups for r in g})
+    raise RuntimeError(f"step {step}: every rollout of the batch was quarantined by the rewards "
+                       f"({', '.join(reasons)}); check --rewards")
 
 
 class Trainer:
@@ -74,6 +81,7 @@ class Trainer:
         self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else None)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         inline = self.num_reward == 0
+        self.reward_names = [c.name for c in parse_spec(cfg.rewards)]
         self.reward = build_reward(cfg.rewards, timeout_s=cfg.reward_timeout_s) if inline else None
         if self.reward is not None:
             self.reward.load()
@@ -118,11 +126,11 @@ class Trainer:
             raise RuntimeError(f"no heartbeat for 60 s from {', '.join(dead)}: the role is gone")
 
     def _drain_metrics(self) -> None:
-        self.rt.flush_metrics()
+        """Replica 0 writes its own events directly and everyone else's from the queue."""
+        self.writer.write(self.rt.take_metrics() + self.timeline.drain())
         queue = self.rt.queue(runtime.METRICS)
         while msgs := queue.pop_many(256, timeout_s=0.0):
             self.writer.write(e for m in msgs for e in m["events"])
-        self.writer.write(self.timeline.drain())
 
     def evaluate(self, step: int) -> dict[str, float]:
         with self.timeline.busy("eval"):
@@ -143,6 +151,8 @@ class Trainer:
                 groups = next_batch(self.stream)
             batch = [r for g in groups for r in g if r.reward is not None]
             t0 = time.time()
+            if not batch:
+                raise_if_all_quarantined(groups, step)
             with self.timeline.busy("train"):
                 m = rl.train_step(self.ddp or self.model, self.optimizer, batch, step_cfg,
                                   pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model)
@@ -151,28 +161,21 @@ class Trainer:
             self.version += 1
             events, values_staleness = _staleness(batch, consumed_version, step)
             all_rollouts = [r for g in groups for r in g]
-            quarantined = Counter(r.meta.get("quarantined") for r in all_rollouts if r.meta.get("quarantined"))
             tokens = sum(len(r.completion_ids) for r in batch)
             step_s = time.time() - t_prev
             t_prev = time.time()
-            rewards = [r.reward for r in batch]
             values = {("aipo/" + k if k in ("ratio_mean", "ratio_max", "frac_truncated") else k): v
                       for k, v in m.items()}
-            values.update({"reward/mean": sum(rewards) / max(1, len(rewards)),
-                           "train/tokens_per_s": tokens / t_train, "train/samples_per_s": len(batch) / t_train,
+            values.update({"train/tokens_per_s": tokens / t_train, "train/samples_per_s": len(batch) / t_train,
                            "train/step_s": step_s, "train/steps_per_min": 60.0 / step_s,
                            "dropped_stale": self.dropped, "train/version": self.version,
                            "idle_fraction": self.timeline.idle_fraction(),
                            "queue/rollouts": self.rt.queue(runtime.ROLLOUTS).depth(),
                            "queue/scored": self.rt.queue(runtime.SCORED).depth(),
-                           **{f"quarantined/{k}": v for k, v in quarantined.items()}, **values_staleness})
-            for name in {k for r in batch for k in r.rewards}:
-                vals = [r.rewards[name] for r in batch if name in r.rewards]
-                values[f"reward/{name}"] = sum(vals) / len(vals)
+                           **values_staleness})
             events += metrics.scalars(values, role="trainer", replica=self.rank, step=step)
-            events += [metrics.reward(name, val, step=step) for r in all_rollouts
-                       for name, val in (r.rewards.items() if r.reward is not None
-                                         else [("total", None)])]
+            events += reward_events([r.meta["reward_result"] for r in all_rollouts], self.reward_names,
+                                    step, role="trainer", replica=self.rank)
             self.rt.emit(events)
             if self.rank == 0:
                 self._sync()
@@ -181,7 +184,7 @@ class Trainer:
                 self._check_health()
                 self._drain_metrics()
                 log.info("step %d/%d reward %.3f loss %+.4f staleness mean %.2f max %d dropped %d %.2fs",
-                         step, cfg.steps, values["reward/mean"], m["loss"], values["staleness/mean"],
+                         step, cfg.steps, sum(r.reward for r in batch) / len(batch), m["loss"], values["staleness/mean"],
                          values["staleness/max"], self.dropped, step_s)
 
     def close(self, reason: str, *, failed: bool = False) -> None:
@@ -191,10 +194,20 @@ class Trainer:
             return
         if failed:
             self.rt.control.mark_failed("trainer", 0, reason)
+            if hasattr(self, "sender"):
+                self.sender.group.abort()  # release generators blocked in a broken sync
         else:
             self.rt.control.request_stop(reason)
-        others = [m for m in self.rt.control.members() if m != "trainer/0"]
-        missing = runtime.wait_for_exits(self.rt.store, others, timeout_s=60.0)
+        missing = [m for m in self.rt.control.members() if m != "trainer/0"]
+        deadline = time.monotonic() + 60.0
+        while missing and time.monotonic() < deadline:
+            missing = runtime.wait_for_exits(self.rt.store, missing, timeout_s=1.0)
+            # A killed process never acknowledges: stop waiting once its heartbeat is still.
+            dead = [m for m in self.rt.control.dead_members(max_age_s=10.0) if m in missing]
+            if dead:
+                log.error("%s: no heartbeat for 10 s and no stop acknowledged: the process is gone",
+                          ", ".join(dead))
+                missing = [m for m in missing if m not in dead]
         if missing:
             log.warning("roles that did not acknowledge the stop within 60 s: %s", ", ".join(missing))
         if hasattr(self, "writer"):

@@ -78,6 +78,9 @@ def llamarl(
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
+    # Each role gets its own copy (``dict(common_env)``): schedulers edit ``role.env`` in
+    # place (local_cwd prepends the cwd to PATH), and a shared dict would collect every
+    # role's edits.
     trainer_cmd = " ".join([
         "python -m torch.distributed.run --standalone --nnodes 1",
         f"--nproc_per_node {nproc_per_node} -m app.trainer",
@@ -95,7 +98,7 @@ def llamarl(
             args=["-c", trainer_cmd],
             num_replicas=1,
             resource=specs.Resource(cpu=trainer_cpu, gpu=trainer_gpu, memMB=trainer_mem_mb),
-            env=common_env,
+            env=dict(common_env),
             port_map={"store": store_port},
         ),
         specs.Role(
@@ -106,7 +109,7 @@ def llamarl(
                         f"--replica {specs.macros.replica_id} --num-generators {num_generators}"],
             num_replicas=num_generators,
             resource=specs.Resource(cpu=generator_cpu, gpu=generator_gpu, memMB=generator_mem_mb),
-            env=common_env,
+            env=dict(common_env),
         ),
         specs.Role(
             name="reward",
@@ -116,7 +119,7 @@ def llamarl(
                         f"--replica {specs.macros.replica_id}"],
             num_replicas=max(num_reward, 1),
             resource=specs.Resource(cpu=reward_cpu, gpu=reward_gpu, memMB=reward_mem_mb),
-            env=common_env,
+            env=dict(common_env),
         ),
     ]
     # TorchX refuses a role of zero replicas: with num_reward=0 the reward role is left

@@ -67,7 +67,7 @@ def group_from_message(msg: dict) -> list[Rollout]:
 def attach_results(group: list[Rollout], results: list[RewardResult]) -> list[Rollout]:
     for r, res in zip(group, results):
         r.reward, r.rewards = res.total, dict(res.components)
-        r.meta["quarantined"] = res.quarantined
+        r.meta["reward_result"] = res  # in-process only: for the trainer's reward events
     return group
 
 

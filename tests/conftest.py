@@ -17,3 +17,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Two cores are shared by the test process and the processes it starts: one torch
+    thread each avoids oversubscription, which slows small models down tenfold."""
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")

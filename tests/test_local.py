@@ -20,10 +20,21 @@ from app.warmstart import WarmStartConfig, warm_start
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # Intra-op worker threads spin while they wait: on two cores shared with other
+    # processes, one thread runs these tiny models up to ~10x faster than two.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny_warmstart(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("warmstart") / "policy"
-    warm_start(WarmStartConfig(out=str(out), steps=20, train_size=500, eval_size=20), log=lambda _: None)
+    warm_start(WarmStartConfig(out=str(out), steps=20, batch_size=16, train_size=500, eval_size=4),
+               log=lambda _: None)
     return out
 
 
@@ -101,6 +112,18 @@ def test_raising_reward_is_quarantined_and_the_run_continues(tiny_warmstart, tmp
     # only the kept rollouts were trained on
     assert _query(run_dir, "SELECT COUNT(*) FROM staleness") == [(4,)]
     assert "finished_at" in dict(_query(run_dir, "SELECT key, value FROM meta"))
+
+
+ALWAYS_RAISES = "def boom(prompt, completion, meta):\n    raise RuntimeError('boom')\n"
+
+
+def test_a_step_whose_rollouts_are_all_quarantined_is_skipped(tiny_warmstart, tmp_path, monkeypatch):
+    (tmp_path / "llamarl_test_boom_reward.py").write_text(ALWAYS_RAISES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = _run(tiny_warmstart, tmp_path / "runs", "boom", rewards="llamarl_test_boom_reward:boom")
+    assert [step for step, _ in result.evals] == [0, 2]
+    assert _query(result.run_dir, "SELECT step, value FROM scalars WHERE name = 'quarantined/total' "
+                                  "ORDER BY step") == [(1, 4.0), (2, 4.0)]
 
 
 @pytest.mark.integration

@@ -38,8 +38,6 @@ def test_answers_match_solutions(split):
         _check_solution(p)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: _step_sub gives an item away from a total of "
-                   "0 or 1 (n = randint(1, max(1, ...))), so a few answers are 0 - 1 = -1")
 def test_answers_are_non_negative_counts():
     assert min(p.answer for p in tasks.make_split("train", 20000, seed=0)) >= 0
 

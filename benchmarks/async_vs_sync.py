@@ -1,0 +1,123 @@
+"""Asynchronous against synchronous RL, side by side, through the real TorchX app.
+
+    python benchmarks/async_vs_sync.py --json out.json
+
+Runs the default app config twice on this machine with the same resources (one
+trainer, the same number of generators, one torch thread per process) and the same
+number of trained samples (steps x prompts_per_step x group_size): once with
+``max_staleness=0`` (the synchronous baseline: generate, train, sync) and once with
+``max_staleness=1`` (generation of step N+1 overlaps training of step N). Reports the
+median RL step time of each, the speedup, final held-out accuracy, and the idle
+fraction of every role (from the busy/idle intervals in each run's metrics.db).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sqlite3
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from torchx.runner import get_runner
+from torchx.specs import AppState
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(mode: str, max_staleness: int, args: argparse.Namespace) -> Path:
+    component_args = [
+        "--num_generators", str(args.generators), "--steps", str(args.steps),
+        "--max_staleness", str(max_staleness), "--runs_dir", args.runs_dir,
+        "--store_port", str(free_port()), "--threads", "1", "--policy", args.policy,
+        "--", "--eval-every", str(args.steps), "--eval-size", str(args.eval_size),
+    ]
+    with get_runner() as runner:
+        t0 = time.time()
+        handle = runner.run_component("llamarl.llamarl", component_args, scheduler="local_cwd",
+                                      cfg={"log_dir": f"{args.runs_dir}/torchx-logs"})
+        app_id = handle.rsplit("/", 1)[-1]
+        try:
+            while True:
+                status = runner.status(handle)
+                if status is not None and status.is_terminal():
+                    break
+                if time.time() - t0 > args.timeout_s:
+                    raise TimeoutError(f"{mode} run did not finish within {args.timeout_s} s")
+                time.sleep(1.0)
+        finally:
+            status = runner.status(handle)
+            if status is not None and not status.is_terminal():
+                runner.cancel(handle)
+        if status.state != AppState.SUCCEEDED:
+            raise RuntimeError(f"{mode} run ended {status.state}: see {args.runs_dir}/torchx-logs")
+    print(f"{mode}: finished in {time.time() - t0:.0f} s", file=sys.stderr)
+    return Path(args.runs_dir) / app_id
+
+
+def summarise(run_dir: Path) -> dict:
+    db = sqlite3.connect(f"file:{run_dir / 'metrics.db'}?mode=ro", uri=True)
+    step_s = [v for (v,) in db.execute("SELECT value FROM scalars WHERE name = 'train/step_s' ORDER BY step")]
+    acc = db.execute("SELECT value FROM scalars WHERE name = 'eval/accuracy' ORDER BY step DESC LIMIT 1").fetchone()
+    acc0 = db.execute("SELECT value FROM scalars WHERE name = 'eval/accuracy' ORDER BY step LIMIT 1").fetchone()
+    # Idle fraction over the steady state: intervals after the first step began.
+    t_first = db.execute("SELECT MIN(t0) FROM intervals WHERE role = 'trainer' AND what = 'train'").fetchone()[0]
+    idle = {}
+    for role, kind, total in db.execute(
+            "SELECT role, kind, SUM(t1 - t0) FROM intervals WHERE t0 >= ? GROUP BY role, kind", (t_first,)):
+        idle.setdefault(role, {})[kind] = total
+    samples = db.execute("SELECT COUNT(*) FROM staleness WHERE used = 1").fetchone()[0]
+    lags = [v for (v,) in db.execute("SELECT staleness FROM staleness WHERE used = 1")]
+    db.close()
+    return {
+        "run_dir": str(run_dir),
+        "median_step_s": statistics.median(step_s[1:] or step_s),  # step 1 includes start-up
+        "acc_start": acc0[0], "acc": acc[0], "trained_samples": samples,
+        "mean_staleness": sum(lags) / max(1, len(lags)),
+        "idle": {role: kinds.get("idle", 0.0) / max(1e-9, sum(kinds.values())) for role, kinds in idle.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--generators", type=int, default=2)
+    parser.add_argument("--eval-size", type=int, default=400)
+    parser.add_argument("--policy", default="warmstart")
+    parser.add_argument("--runs-dir", default="runs/bench-async-vs-sync")
+    parser.add_argument("--timeout-s", type=float, default=1800)
+    args = parser.parse_args()
+    if args.policy == "warmstart":  # train it once up front, outside both timings
+        from app.warmstart import ensure_warmstart
+        args.policy = str(ensure_warmstart().resolve())
+    sync = summarise(launch("sync", 0, args))
+    async_ = summarise(launch("async", 1, args))
+    result = {
+        "sync_step_s": sync["median_step_s"], "async_step_s": async_["median_step_s"],
+        "speedup": sync["median_step_s"] / async_["median_step_s"],
+        "acc_sync": sync["acc"], "acc_async": async_["acc"],
+        "idle_sync": sync["idle"], "idle_async": async_["idle"],
+        "details": {"sync": sync, "async": async_, "steps": args.steps, "generators": args.generators,
+                    "eval_size": args.eval_size},
+    }
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"{'':22}{'sync':>10}{'async':>10}")
+    print(f"{'median step (s)':22}{sync['median_step_s']:10.2f}{async_['median_step_s']:10.2f}")
+    print(f"{'held-out accuracy':22}{sync['acc']:10.3f}{async_['acc']:10.3f}")
+    print(f"{'trained samples':22}{sync['trained_samples']:10d}{async_['trained_samples']:10d}")
+    print(f"{'mean staleness':22}{sync['mean_staleness']:10.2f}{async_['mean_staleness']:10.2f}")
+    for role in sorted(set(sync["idle"]) | set(async_["idle"])):
+        print(f"{'idle ' + role:22}{sync['idle'].get(role, 0):10.2f}{async_['idle'].get(role, 0):10.2f}")
+    print(f"speedup {result['speedup']:.2f}x; wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

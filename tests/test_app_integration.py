@@ -1,0 +1,202 @@
+"""The asynchronous app end to end: ``llamarl.llamarl`` launched through TorchX's runner
+on the local_cwd scheduler, on CPU, with a tiny policy made once per session.
+
+Every launch has its own store port, runs directory and log directory, a deadline, and
+is cancelled in a ``finally``: no test can hang or leave processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from torchx.runner import Runner, get_runner
+from torchx.specs import AppState, is_terminal, parse_app_handle
+
+from app.warmstart import WarmStartConfig, warm_start
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEPS = 4
+PROMPTS_PER_STEP = 4
+GROUP_SIZE = 4
+# Small everything: each launch takes well under a minute on 2 cores.
+SMALL = ["--eval-every", "2", "--eval-size", "20", "--prompts-per-step", str(PROMPTS_PER_STEP),
+         "--group-size", str(GROUP_SIZE), "--gen-batch-prompts", "2", "--max-new-tokens", "16"]
+APP_TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory) -> Path:
+    """A warm-started policy directory (a few steps: these tests check plumbing, not learning)."""
+    out = tmp_path_factory.mktemp("policy") / "warmstart"
+    warm_start(WarmStartConfig(out=str(out), steps=4, batch_size=8, train_size=64, eval_size=2),
+               log=lambda _: None)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class App:
+    runner: Runner
+    handle: str
+    store_port: int
+    runs_dir: Path
+    log_dir: Path
+
+    @property
+    def app_id(self) -> str:
+        return parse_app_handle(self.handle).app_id
+
+    def log(self, role: str, replica: int = 0) -> str:
+        (path,) = self.log_dir.glob(f"*/{self.app_id}/{role}/{replica}/combined.log")
+        return path.read_text(errors="replace")
+
+    def db(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.runs_dir / self.app_id / "metrics.db")
+
+    def wait(self, timeout_s: float = APP_TIMEOUT_S) -> AppState:
+        """The app's final state; fails the test (after a dump of the logs) on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = self.runner.status(self.handle)
+            if status is not None and is_terminal(status.state):
+                return status.state
+            time.sleep(1.0)
+        pytest.fail(f"the app did not end within {timeout_s:g} s\n{self.logs_tail()}")
+
+    def wait_for_log(self, role: str, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if text in self.log(role):
+                    return
+            except ValueError:  # the log file is not there yet
+                pass
+            status = self.runner.status(self.handle)
+            if status is not None and is_terminal(status.state):
+                break
+            time.sleep(0.5)
+        pytest.fail(f"{role} never logged {text!r}\n{self.logs_tail()}")
+
+    def logs_tail(self, chars: int = 3000) -> str:
+        paths = sorted(self.log_dir.glob(f"*/{self.app_id}/*/*/combined.log"))
+        return "\n".join(f"--- {p.parent.parent.name}/{p.parent.name}\n{p.read_text(errors='replace')[-chars:]}"
+                         for p in paths)
+
+
+@contextmanager
+def launch(policy: Path, tmp_path: Path, *, steps: int = STEPS, num_generators: int = 2,
+           num_reward: int = 0, max_staleness: int = 1, extra: list[str] = SMALL) -> Iterator[App]:
+    port = free_port()
+    runs_dir, log_dir = tmp_path / "runs", tmp_path / "torchx-logs"
+    args = ["--policy", str(policy), "--runs_dir", str(runs_dir), "--store_port", str(port),
+            "--steps", str(steps), "--num_generators", str(num_generators),
+            "--num_reward", str(num_reward), "--max_staleness", str(max_staleness), "--", *extra]
+    with get_runner() as runner:
+        handle = runner.run_component("llamarl.llamarl", args, scheduler="local_cwd",
+                                      cfg={"log_dir": str(log_dir)})
+        try:
+            yield App(runner, handle, port, runs_dir, log_dir)
+        finally:
+            runner.cancel(handle)  # a no-op once the app has ended
+
+
+def rows(db: sqlite3.Connection, sql: str) -> list[tuple]:
+    return db.execute(sql).fetchall()
+
+
+# --------------------------------------------------------------------------- a clean run
+
+def test_async_app_with_reward_executor(tiny_policy, tmp_path):
+    with launch(tiny_policy, tmp_path, num_reward=1, max_staleness=1) as app:
+        state = app.wait()
+        assert state == AppState.SUCCEEDED, app.logs_tail()  # local_cwd: every replica exited 0
+        db = app.db()
+
+        # Weights move to every generator, version after version.
+        for receiver in ("generator/0", "generator/1"):
+            versions = [v for (v,) in rows(db, f"SELECT version FROM weight_sync WHERE receiver = "
+                                               f"'{receiver}' ORDER BY t")]
+            assert len(versions) >= 2 and versions == list(range(len(versions))), (receiver, versions)
+        sent = [v for (v,) in rows(db, "SELECT version FROM weight_sync WHERE receiver = 'trainer' "
+                                       "ORDER BY t")]
+        assert sent == list(range(STEPS + 1))
+
+        # Off-policy but bounded: every trained rollout is at most max_staleness behind.
+        used = [s for (s,) in rows(db, "SELECT staleness FROM staleness WHERE used = 1")]
+        assert len(used) == STEPS * PROMPTS_PER_STEP * GROUP_SIZE
+        assert max(used) <= 1 and any(s > 0 for s in used)
+
+        # Every kind of event reached the single writer, from every role.
+        for table in ("scalars", "intervals", "staleness", "weight_sync", "rewards"):
+            assert rows(db, f"SELECT count(*) FROM {table}")[0][0] > 0, f"no {table} rows"
+        timeline = set(rows(db, "SELECT DISTINCT role, replica FROM intervals"))
+        assert timeline == {("trainer", 0), ("generator", 0), ("generator", 1), ("reward", 0)}
+        scalar_roles = {role for (role,) in rows(db, "SELECT DISTINCT role FROM scalars")}
+        assert scalar_roles == {"trainer", "generator", "reward"}
+        names = {n for (n,) in rows(db, "SELECT DISTINCT name FROM scalars")}
+        assert {"eval/accuracy", "gen/tokens_per_s", "reward/samples_per_s", "staleness/max"} <= names
+        assert rows(db, "SELECT count(*) FROM meta WHERE key = 'finished_at'") == [(1,)]
+
+        # Each role stopped because the run finished, not because something failed.
+        assert f"run finished: finished {STEPS} steps" in app.log("trainer")
+        for role, replica in (("generator", 0), ("generator", 1), ("reward", 0)):
+            log = app.log(role, replica)
+            assert f"stopping: finished {STEPS} steps" in log, log[-2000:]
+            assert " ERROR " not in log, log[-2000:]
+
+
+def test_synchronous_baseline_trains_only_fresh_rollouts(tiny_policy, tmp_path):
+    """max_staleness = 0, same code path: generate, train, sync."""
+    with launch(tiny_policy, tmp_path, steps=3, num_reward=0, max_staleness=0) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        db = app.db()
+        used = rows(db, "SELECT step, version, staleness FROM staleness WHERE used = 1")
+        assert len(used) == 3 * PROMPTS_PER_STEP * GROUP_SIZE
+        assert all(lag == 0 and version == step - 1 for step, version, lag in used)
+        assert rows(db, "SELECT count(*) FROM staleness WHERE used = 0") == [(0,)]
+        config = dict(rows(db, "SELECT key, value FROM meta"))["config"]
+        assert '"mode": "sync"' in config
+
+
+# --------------------------------------------------------------------------- a crash
+
+def test_a_dead_generator_fails_the_app_cleanly(tiny_policy, tmp_path):
+    """SIGKILL generator/1 mid-run: the trainer notices, names it, asks the others to
+    stop and the app ends FAILED within a bounded time instead of hanging."""
+    with launch(tiny_policy, tmp_path, steps=60, num_reward=0, max_staleness=1,
+                extra=[*SMALL, "--eval-every", "1000"]) as app:
+        app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
+        # The store port is unique to this launch, so this matches only our generator/1.
+        pattern = f"app.generator --store-addr .*:{app.store_port} --replica 1 "
+        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        assert len(pids) == 1, f"expected one generator/1 process, found {pids}"
+        os.kill(int(pids[0]), signal.SIGKILL)
+
+        state = app.wait(timeout_s=240.0)
+        assert state == AppState.FAILED
+        trainer = app.log("trainer")
+        assert "run failed" in trainer, trainer[-3000:]
+        assert "generator/1" in trainer, "the trainer's log must name the dead generator"
+        assert "step 60/60" not in trainer
+        survivor = app.log("generator", 0)
+        assert "stopping: trainer/0 failed" in survivor, survivor[-3000:]  # asked to stop, with the reason
+        db = app.db()
+        assert rows(db, "SELECT count(*) FROM meta WHERE key = 'finished_at'") == [(0,)], \
+            "a crashed run leaves finished_at unset"
+        assert rows(db, "SELECT max(step) FROM scalars WHERE role = 'trainer'")[0][0] >= 1

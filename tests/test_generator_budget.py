@@ -1,0 +1,120 @@
+"""The generators' staleness budget (``app.generator.SlotBudget``) over a real TCPStore.
+
+Slot n (0-based) trains at step n // B + 1, so a generator holding weights of version v
+may fill slots below (v + 1 + max_staleness) * B (+ the groups the trainer dropped) and
+no rollout it makes can be more than ``max_staleness`` stale when it trains.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from app import runtime
+from app.generator import SlotBudget
+from app.transport import connect_store, host_store
+
+B = 4  # groups per step
+
+
+@pytest.fixture()
+def store():
+    store = host_store(0, None, timeout_s=30, host="127.0.0.1")
+    # What trainer replica 0 does before any generator starts.
+    store.add(runtime.RESERVED_KEY, 0)
+    store.add(runtime.DROPPED_KEY, 0)
+    return store
+
+
+def client(store):
+    return connect_store(f"127.0.0.1:{store.port}", timeout_s=10)
+
+
+def cap(version: int, max_staleness: int, dropped: int = 0) -> int:
+    return (version + 1 + max_staleness) * B + dropped
+
+
+def test_reserve_stops_at_the_staleness_cap(store):
+    budget = SlotBudget(store, groups_per_step=B, max_staleness=1)
+    first = budget.reserve(100, version=0)
+    assert first == range(0, cap(0, 1))
+    # Slot n trains at step n // B + 1 with the trainer at version n // B: lag <= 1.
+    assert max(n // B for n in first) - 0 == 1
+    assert budget.reserve(1, version=0) == range(0), "no slot past the cap at the same version"
+    assert budget.reserve(3, version=1) == range(8, 11)
+    assert budget.reserve(3, version=1) == range(11, 12), "a partial grant up to the cap"
+    assert budget.reserve(3, version=1) == range(0)
+
+
+def test_dropped_groups_are_handed_out_again(store):
+    budget = SlotBudget(store, groups_per_step=B, max_staleness=0)
+    assert budget.reserve(100, version=0) == range(0, 4)
+    store.add(runtime.DROPPED_KEY, 3)  # the trainer dropped three stale groups
+    assert budget.reserve(100, version=0) == range(4, 7)
+    assert budget.reserve(100, version=0) == range(0)
+
+
+def test_random_reservations_never_exceed_the_bound(store):
+    rng = random.Random(0)
+    budget = SlotBudget(store, groups_per_step=B, max_staleness=2)
+    version, dropped, granted = 0, 0, 0
+    for _ in range(300):
+        action = rng.random()
+        if action < 0.2:
+            version += 1
+        elif action < 0.3:
+            store.add(runtime.DROPPED_KEY, 1)
+            dropped += 1
+        else:
+            slots = budget.reserve(rng.randint(1, 6), version)
+            if slots:
+                assert slots.start == granted, "slots are handed out back to back"
+            granted += len(slots)
+            assert granted <= cap(version, 2, dropped)
+    assert granted > cap(0, 2), "the budget grew with the versions"
+
+
+def _reserve_until_empty(store_addr: str, version: int, max_staleness: int, out: list[range],
+                         barrier: threading.Barrier) -> None:
+    store = connect_store(store_addr, timeout_s=10)  # one connection per "generator"
+    budget = SlotBudget(store, groups_per_step=B, max_staleness=max_staleness)
+    barrier.wait()
+    while slots := budget.reserve(1, version):
+        out.append(slots)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 3])
+def test_concurrent_reservations_never_overlap(store, max_staleness):
+    """Four generators race on their own store connections (as separate processes do):
+    every slot up to the cap is handed out exactly once."""
+    version = 5
+    results: list[list[range]] = [[] for _ in range(4)]
+    barrier = threading.Barrier(4)
+    threads = [threading.Thread(target=_reserve_until_empty,
+                                args=(f"127.0.0.1:{store.port}", version, max_staleness, out, barrier))
+               for out in results]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a reservation hung"
+    slots = [n for out in results for r in out for n in r]
+    assert len(slots) == len(set(slots)), "two generators got the same slot"
+    assert sorted(slots) == list(range(cap(version, max_staleness)))
+    assert sum(bool(out) for out in results) >= 2, "the race did not happen: one thread took all"
+
+
+def test_synchronous_budget_gives_exactly_the_next_step(store):
+    """max_staleness = 0: weights of version v fill exactly the B slots of step v + 1,
+    whichever generator asks, however much it asks for."""
+    generators = [SlotBudget(client(store), groups_per_step=B, max_staleness=0) for _ in range(2)]
+    for version in range(4):
+        got: list[int] = []
+        for _ in range(5):
+            for budget in generators:
+                got += list(budget.reserve(3, version))
+        step_slots = range(version * B, (version + 1) * B)
+        assert got == list(step_slots)
+        assert {n // B + 1 for n in got} == {version + 1}
