@@ -98,16 +98,27 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
 
     The loss of each micro-batch is weighted by its share of the batch's normaliser
     (tokens or sequences), so the accumulated gradient equals the full-batch gradient.
+    A rollout whose advantage is 0 adds exactly nothing to the policy-gradient loss
+    (every term is 0 * log pi), so without a KL term it skips the forward and backward
+    pass; the normaliser still counts it, so the gradient is the same. Groups whose
+    rewards are all equal (often half of them) cost nothing to train on. The ratio
+    statistics describe the rollouts that were passed through.
     """
     if not rollouts:
         raise ValueError("train_step needs at least one rollout")
-    model.train()
+    # Dropout stays off: pi_theta must be the same function the generator sampled from
+    # (mu), or the importance ratios measure dropout noise instead of policy change.
+    model.eval()
     optimizer.zero_grad(set_to_none=True)
     total_tokens = sum(len(r.completion_ids) for r in rollouts)
-    sums: dict[str, float] = {}
-    ratio_max = 0.0
-    for i in range(0, len(rollouts), cfg.micro_batch):
-        chunk = rollouts[i: i + cfg.micro_batch]
+    active = rollouts if cfg.kl_coef > 0 else [r for r in rollouts if r.advantage != 0]
+    # Similar lengths share a micro-batch: less padding to run through the model.
+    active = sorted(active, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
+    sums: dict[str, float] = {"loss": 0.0}
+    weights = 0.0
+    ratio_max = 1.0
+    for i in range(0, len(active), cfg.micro_batch):
+        chunk = active[i: i + cfg.micro_batch]
         logp_BT, mask_BT = completion_logprobs(model, chunk, pad_id=pad_id, temperature=cfg.temperature)
         mu_BT = _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device)
         adv_B = torch.tensor([r.advantage for r in chunk], dtype=torch.float32, device=logp_BT.device)
@@ -126,16 +137,22 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
         share = (mask_BT.sum().item() / total_tokens if cfg.normaliser == "token"
                  else len(chunk) / len(rollouts))
         (loss * share).backward()
-        sums["loss"] = sums.get("loss", 0.0) + loss.item() * share
+        sums["loss"] += loss.item() * share
+        weights += share
         for k, v in m.items():
             if k == "ratio_max":
-                ratio_max = max(ratio_max, v)
+                ratio_max = max(ratio_max, v) if weights > share else v
             else:
                 sums[k] = sums.get(k, 0.0) + v * share
+    stats = {k: (v if k == "loss" else v / weights) for k, v in sums.items()}
+    if not active:  # an all-zero gradient, as the full pass would have given
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        stats.update(ratio_mean=1.0, frac_truncated=0.0)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     optimizer.step()
-    return {**sums, "ratio_max": ratio_max, "grad_norm": float(grad_norm),
-            "response_len": total_tokens / len(rollouts)}
+    return {**stats, "ratio_max": ratio_max, "grad_norm": float(grad_norm),
+            "response_len": total_tokens / len(rollouts), "frac_skipped": 1 - len(active) / len(rollouts)}
 
 
 def score_rollouts(rollouts: list[Rollout], reward: CompositeReward,

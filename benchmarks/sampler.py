@@ -12,6 +12,7 @@ step's (processed) scores is gathered at the sampled tokens; that work is inside
 timed region. Tokens counted = generated tokens up to and including EOS (never padding),
 each side counting its own output.
 
+Both sides use the same torch threads (``--threads``, 1 unless given).
 The two sides run interleaved (sampler, generate, sampler, generate, ...) with the same
 seed per repeat, so noise from other processes on the machine hits both alike; medians
 are reported. ``group_speedup`` is the RL shape: 8 prompts x G=4 samples (32 rows),
@@ -78,7 +79,8 @@ def run_generate(model: PreTrainedModel, prompts: list[list[int]], params: Sampl
         new_BT = out.sequences[:, ids.shape[1]:]
         # What the RL generator would record: log mu(y_t) of each sampled token.
         scores_BTV = torch.stack(out.scores, dim=1)
-        logp_BT = torch.log_softmax(scores_BTV.float(), -1).gather(-1, new_BT[:, :, None]).squeeze(-1)
+        logp_BTV = torch.log_softmax(scores_BTV.float(), -1)
+        logp_BT = logp_BTV.gather(-1, new_BT[:, :, None]).squeeze(-1)
         assert logp_BT.shape == new_BT.shape
     return count_tokens(new_BT, eos_id)
 
@@ -100,7 +102,8 @@ def interleaved(sides: dict[str, Callable[[int], int]], repeats: int, warmup: in
             tokens[name].append(n)
     return {name: {"median_s": statistics.median(times[name]),
                    "median_tokens": statistics.median(tokens[name]),
-                   "tokens_per_s": statistics.median(n / t for n, t in zip(tokens[name], times[name]))}
+                   "tokens_per_s": statistics.median(n / t for n, t in
+                                                     zip(tokens[name], times[name]))}
             for name in sides}
 
 
@@ -113,7 +116,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for both sides (0: torch's default, one per core). "
+                             "1 by default: on a small machine shared with other jobs, OpenMP "
+                             "threads waiting on each other can slow either side tenfold")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if args.policy is None:
         from app.warmstart import ensure_warmstart
@@ -126,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = encode_prompts(tokenizer, [tasks.format_prompt(p.question) for p in problems])
     G = args.group_size
     group_prompts = prompts[: args.batch // G]
+    repeated = [p for p in group_prompts for _ in range(G)]  # how RL asks for G samples
     common = dict(eos_id=eos_id, pad_id=pad_id)
 
     distinct = interleaved({
@@ -133,8 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         "generate": lambda s: run_generate(model, prompts, params, seed=s, **common),
     }, args.repeats)
     grouped = interleaved({
-        "sampler": lambda s: run_sampler(model, [p for p in group_prompts for _ in range(G)], params,
-                                         seed=s, **common),
+        "sampler": lambda s: run_sampler(model, repeated, params, seed=s, **common),
         "generate": lambda s: run_generate(model, group_prompts, params, seed=s,
                                            num_return_sequences=G, **common),
     }, args.repeats)

@@ -103,6 +103,37 @@ def test_train_step_micro_batches_equal_one_full_batch(tiny_model, normaliser, l
     assert m_full["response_len"] == pytest.approx(sum(len(r.completion_ids) for r in rollouts) / 5)
 
 
+@pytest.mark.parametrize("normaliser", ["token", "sequence"])
+def test_zero_advantage_rollouts_skip_the_pass_without_changing_the_gradient(tiny_model, normaliser):
+    rollouts = _ragged_rollouts(6)
+    for r in rollouts[::2]:
+        r.advantage = 0.0
+    results = {}
+    # kl_coef > 0 with no reference model forces every rollout through the pass (and adds no KL)
+    for name, kl_coef in (("skipping", 0.0), ("full", 1e-12)):
+        model = copy.deepcopy(tiny_model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        cfg = rl.StepConfig(normaliser=normaliser, micro_batch=2, rho_max=1.5, max_grad_norm=1e9,
+                            kl_coef=kl_coef)
+        results[name] = (_snapshot(model), rl.train_step(model, optimizer, rollouts, cfg, pad_id=PAD))
+    (skip, m_skip), (full, m_full) = results["skipping"], results["full"]
+    assert m_skip["frac_skipped"] == pytest.approx(0.5) and m_full["frac_skipped"] == 0.0
+    for k in full:
+        torch.testing.assert_close(skip[k], full[k], rtol=1e-5, atol=1e-7)
+    assert m_skip["loss"] == pytest.approx(m_full["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_a_batch_without_signal_still_steps_with_zero_gradients(tiny_model):
+    rollouts = _ragged_rollouts(3)
+    for r in rollouts:
+        r.advantage = 0.0
+    model = copy.deepcopy(tiny_model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    m = rl.train_step(model, optimizer, rollouts, rl.StepConfig(), pad_id=PAD)
+    assert m["frac_skipped"] == 1.0 and m["loss"] == 0.0 and m["grad_norm"] == 0.0
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
 def test_train_step_normalisers_differ_on_ragged_batches(tiny_model):
     rollouts = _ragged_rollouts(5)
     losses_by = {}
