@@ -194,8 +194,6 @@ class Trainer:
             return
         if failed:
             self.rt.control.mark_failed("trainer", 0, reason)
-            if hasattr(self, "sender"):
-                self.sender.group.abort()  # release generators blocked in a broken sync
         else:
             self.rt.control.request_stop(reason)
         missing = [m for m in self.rt.control.members() if m != "trainer/0"]

@@ -92,14 +92,6 @@ class WeightGroup:
     def wait(self, work: dist.Work) -> None:
         work.wait(datetime.timedelta(seconds=self.timeout_s))
 
-    def abort(self) -> None:
-        """Tear the group down now: peers blocked in a collective fail at once instead of
-        at the timeout. For a run that is failing; the group is unusable afterwards."""
-        try:
-            self.backend.abort()
-        except (RuntimeError, dist.DistError):
-            pass  # already broken: nothing left to release
-
 
 def init_weight_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
                       timeout_s: float = 300.0, prefix: str = "weights") -> WeightGroup:

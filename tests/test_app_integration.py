@@ -160,6 +160,25 @@ def test_async_app_with_reward_executor(tiny_policy, tmp_path):
             assert f"stopping: finished {STEPS} steps" in log, log[-2000:]
             assert " ERROR " not in log, log[-2000:]
 
+        # The dashboard draws this real run's every view without an exception.
+        dashboard_draws_run(app.runs_dir, app.app_id)
+
+
+def dashboard_draws_run(runs_dir: Path, run_id: str) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    os.environ["LLAMARL_RUNS_DIR"] = str(runs_dir)
+    try:
+        app_file = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
+        at = AppTest.from_file(str(app_file), default_timeout=60)
+        at.query_params["run"] = run_id
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert not at.error, [e.value for e in at.error]
+        assert len(at.get("plotly_chart")) > 0
+    finally:
+        del os.environ["LLAMARL_RUNS_DIR"]
+
 
 def test_synchronous_baseline_trains_only_fresh_rollouts(tiny_policy, tmp_path):
     """max_staleness = 0, same code path: generate, train, sync."""

@@ -75,6 +75,30 @@ def test_completion_logprobs_alignment(tiny_model, temperature):
         assert (logp_BT[b, n:] == 0).all()
 
 
+def test_shared_prompts_run_once_with_the_same_values_and_gradients(tiny_model):
+    """A group's rollouts share the prompt pass; values and gradients equal running every
+    sequence whole."""
+    base = _ragged_rollouts(4, seed=3)
+    rollouts = [rl.Rollout(prompt_ids=base[i // 3].prompt_ids, completion_ids=base[i % 4].completion_ids,
+                           behaviour_logprobs=[], version=0, group=str(i // 3)) for i in range(9)]
+    model = copy.deepcopy(tiny_model)
+    logp_BT, mask_BT = rl.completion_logprobs(model, rollouts, pad_id=PAD)
+    (logp_BT * mask_BT).sum().backward()
+    grouped = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    total = 0.0
+    for b, r in enumerate(rollouts):
+        ids = torch.tensor([r.prompt_ids + r.completion_ids])
+        logp_LV = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+        p = len(r.prompt_ids)
+        hand = torch.stack([logp_LV[p - 1 + t, tok] for t, tok in enumerate(r.completion_ids)])
+        torch.testing.assert_close(logp_BT[b, : len(hand)].detach(), hand.detach(), atol=1e-5, rtol=0)
+        total = total + hand.sum()
+    total.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grouped[n], p.grad, atol=1e-5, rtol=1e-4)
+
+
 def _snapshot(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
