@@ -327,6 +327,7 @@ class WeightReceiver:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._stats: list[SyncStats] = []
+        self._stats_lock = threading.Lock()  # not _lock: that one is held for a whole receive
 
     # -- receiving -----------------------------------------------------------------------
     def _wait_announced(self, timeout_s: float | None,
@@ -427,7 +428,7 @@ class WeightReceiver:
                     with self._lock:
                         self._front, self._back = self._back, self._front
                         self._front_version = stats.version
-                with self._lock:
+                with self._stats_lock:
                     self._stats.append(stats)
         except _StopReceiving:
             pass
@@ -465,7 +466,7 @@ class WeightReceiver:
 
     def pop_stats(self) -> list[SyncStats]:
         """Stats of background receives since the last call (for ``app.metrics.weight_sync``)."""
-        with self._lock:
+        with self._stats_lock:
             out, self._stats = self._stats, []
         return out
 

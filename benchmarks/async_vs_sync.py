@@ -89,7 +89,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--generators", type=int, default=2)
+    parser.add_argument("--generators", type=int, default=1,
+                        help="generator replicas in both runs (the component's default)")
     parser.add_argument("--eval-size", type=int, default=400)
     parser.add_argument("--policy", default="warmstart")
     parser.add_argument("--runs-dir", default="runs/bench-async-vs-sync")

@@ -16,7 +16,7 @@ import torchx.specs as specs
 
 def llamarl(
     *trainer_args: str,
-    num_generators: int = 2,
+    num_generators: int = 1,
     num_reward: int = 0,
     nproc_per_node: int = 1,
     steps: int = 30,
@@ -44,7 +44,8 @@ def llamarl(
         trainer_args: further trainer flags, e.g. ``--lr 1e-4 --group_size 8`` (see
             ``python -m app.trainer --help``); generators and reward executors read the
             trainer's config from the control store, so every knob is set here.
-        num_generators: generator replicas (each samples with the newest weights it has)
+        num_generators: generator replicas (each samples with the newest weights it has);
+            the default of 1 suits two CPU cores: one core trains while the other generates
         num_reward: reward executor replicas; 0 scores inline in the trainer's pipeline
         nproc_per_node: trainer ranks (data parallel, one node)
         steps: RL steps (optimizer updates)

@@ -26,10 +26,10 @@ PORT = 31234
 CLI_CALLS = {
     "builtins": ["builtins"],
     "default": ["run", "--dryrun"],  # everything from .torchxconfig
-    "slurm": ["run", "--dryrun", "-s", "slurm", "llamarl.llamarl", "--num_reward", "1",
+    "slurm": ["run", "--dryrun", "-s", "slurm", "llamarl.llamarl", "--num_reward", "1", "--num_generators", "2",
               "--store_port", str(PORT)],
     "kubernetes": ["run", "--dryrun", "--workspace", "", "-s", "kubernetes", "llamarl.llamarl",
-                   "--num_reward", "1", "--store_port", str(PORT)],
+                   "--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)],
 }
 
 
@@ -115,7 +115,7 @@ def test_component_file_is_a_valid_torchx_component():
 
 def test_slurm_dryrun_is_one_het_job_with_every_role():
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--num_reward", "1", "--store_port", str(PORT)], scheduler="slurm", cfg={})
+        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="slurm", cfg={})
     req = info.request
     assert list(req.replicas) == ["trainer-0", "generator-0", "generator-1", "reward-0"]
     script = req.materialize()
@@ -129,7 +129,7 @@ def test_slurm_dryrun_is_one_het_job_with_every_role():
 
 def test_kubernetes_dryrun_is_one_volcano_job_with_every_role():
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--num_reward", "1", "--store_port", str(PORT)], scheduler="kubernetes",
+        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="kubernetes",
         cfg={"queue": "default"})
     job = info.request.resource
     assert job["kind"] == "Job" and job["apiVersion"].startswith("batch.volcano.sh")
@@ -144,7 +144,7 @@ def test_kubernetes_dryrun_is_one_volcano_job_with_every_role():
 
 def test_local_dryrun_resolves_the_rank0_host():
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--num_reward", "1", "--store_port", str(PORT)], scheduler="local_cwd",
+        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="local_cwd",
         cfg={})
     params = info.request.role_params
     assert sorted(params) == ["generator", "reward", "trainer"] and len(params["generator"]) == 2
