@@ -120,7 +120,7 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
             events += [metrics.staleness(step, r.version, 0, True) for r in kept]
             events += timeline.drain()
             writer.write(events)
-            log(f"step {step:4d}/{cfg.steps}  reward {adv_metrics['reward/mean']:.3f}  "
+            log(f"step {step:4d}/{cfg.steps}  reward {sum(r.reward for r in kept) / len(kept):.3f}  "
                 f"loss {step_metrics['loss']:+.4f}  len {step_metrics['response_len']:.1f}  "
                 f"quarantined {sum(quarantine_counts(results).values())}  {step_s:.1f}s")
             maybe_evaluate(step)

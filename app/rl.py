@@ -199,9 +199,7 @@ def set_group_advantages(rollouts: list[Rollout], *, normalize_std: bool) -> dic
         zero_var += m["frac_zero_var"]
         for r, a in zip(g, adv_1G[0].tolist()):
             r.advantage = a
-    rewards = [r.reward for r in rollouts]
-    return {"frac_zero_var": zero_var / max(1, len(groups)),
-            "reward/mean": sum(rewards) / max(1, len(rewards))}
+    return {"frac_zero_var": zero_var / max(1, len(groups))}
 
 
 def generate_rollouts(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,

@@ -35,7 +35,7 @@ RUNS_ENV = "LLAMARL_RUNS_DIR"
 REFRESH_CHOICES_S = (1, 2, 5, 10, 30)
 TIMELINE_WINDOWS_S = {"last 30 s": 30.0, "last 2 min": 120.0, "last 10 min": 600.0, "whole run": None}
 THROUGHPUT = ["gen/tokens_per_s", "train/tokens_per_s"]
-LEARNING = ["eval/accuracy", "reward/mean", "loss", "kl", "response_len"]
+LEARNING = ["eval/accuracy", "reward/total", "loss", "kl", "response_len"]
 AIPO = ["aipo/ratio_mean", "aipo/ratio_max", "aipo/frac_truncated"]
 COUNTS = ["dropped_stale"]
 # Scalars drawn by a dedicated view; the "All scalars" tab offers the rest.
@@ -159,7 +159,7 @@ def learning_tab(run: data.Run) -> None:
     with left:
         chart(charts.rewards_figure(run.rewards()), "learn-rewards")
     with right:
-        chart(charts.line_figure(run.scalar_series(["eval/accuracy", "reward/mean"]), "Accuracy and mean reward"),
+        chart(charts.line_figure(run.scalar_series(["eval/accuracy", "reward/total"]), "Accuracy and mean reward"),
               "learn-acc")
     left, right = st.columns(2)
     with left:
@@ -258,7 +258,7 @@ def compare_page(paths: list[Path]) -> None:
         grid = [("gen/tokens_per_s", "Generated tokens/s (all replicas)", "sum"),
                 ("train/tokens_per_s", "Trained tokens/s", "sum"),
                 ("train/steps_per_min", "RL steps per minute", "mean"),
-                ("reward/mean", "Mean reward", "mean"),
+                ("reward/total", "Mean reward", "mean"),
                 ("eval/accuracy", "Accuracy", "mean"),
                 ("staleness/mean", "Mean staleness per step", "mean")]
         for i in range(0, len(grid), 2):

@@ -242,7 +242,7 @@ def simulate(mode: Mode, *, steps: int, n_generators: int, t_start: float, seed:
             "train/tokens_per_s": tokens / train_s, "train/samples_per_s": rollouts_per_step / train_s,
             "train/steps_per_min": 60.0 / dt, "train/step_s": dt,
             "loss": 1.5 * (1 - 0.6 * progress) + 0.1 * rng.random(), "kl": 0.02 * progress + 0.002 * rng.random(),
-            "reward/mean": accuracy, "aipo/ratio_mean": 1.0 + 0.05 * rng.random() * (max_staleness + 1),
+            "reward/total": accuracy, "aipo/ratio_mean": 1.0 + 0.05 * rng.random() * (max_staleness + 1),
             "aipo/ratio_max": 1.5 + rng.random() * (2 + max_staleness),
             "aipo/frac_truncated": 0.0 if mode == "sync" else 0.02 * rng.random(),
             "response_len": tokens_per_rollout * (1 + 0.2 * rng.random()),

@@ -101,12 +101,14 @@ class App:
 
 @contextmanager
 def launch(policy: Path, tmp_path: Path, *, steps: int = STEPS, num_generators: int = 2,
-           num_reward: int = 0, max_staleness: int = 1, extra: list[str] = SMALL) -> Iterator[App]:
+           num_reward: int = 0, max_staleness: int = 1, rewards: str = "math_verifier",
+           extra: list[str] = SMALL) -> Iterator[App]:
     port = free_port()
     runs_dir, log_dir = tmp_path / "runs", tmp_path / "torchx-logs"
     args = ["--policy", str(policy), "--runs_dir", str(runs_dir), "--store_port", str(port),
             "--steps", str(steps), "--num_generators", str(num_generators),
-            "--num_reward", str(num_reward), "--max_staleness", str(max_staleness), "--", *extra]
+            "--num_reward", str(num_reward), "--max_staleness", str(max_staleness),
+            "--rewards", rewards, "--", *extra]
     with get_runner() as runner:
         handle = runner.run_component("llamarl.llamarl", args, scheduler="local_cwd",
                                       cfg={"log_dir": str(log_dir)})
@@ -123,7 +125,9 @@ def rows(db: sqlite3.Connection, sql: str) -> list[tuple]:
 # --------------------------------------------------------------------------- a clean run
 
 def test_async_app_with_reward_executor(tiny_policy, tmp_path):
-    with launch(tiny_policy, tmp_path, num_reward=1, max_staleness=1) as app:
+    # The README's "Write your own reward" example, scored remotely by the reward executor.
+    rewards = "math_verifier,examples.my_reward:brevity=0.5"
+    with launch(tiny_policy, tmp_path, num_reward=1, max_staleness=1, rewards=rewards) as app:
         state = app.wait()
         assert state == AppState.SUCCEEDED, app.logs_tail()  # local_cwd: every replica exited 0
         db = app.db()
@@ -147,6 +151,9 @@ def test_async_app_with_reward_executor(tiny_policy, tmp_path):
             assert rows(db, f"SELECT count(*) FROM {table}")[0][0] > 0, f"no {table} rows"
         timeline = set(rows(db, "SELECT DISTINCT role, replica FROM intervals"))
         assert timeline == {("trainer", 0), ("generator", 0), ("generator", 1), ("reward", 0)}
+        components = {c for (c,) in rows(db, "SELECT DISTINCT component FROM rewards")}
+        assert components == {"math_verifier", "brevity"}
+        assert rows(db, "SELECT count(*) FROM rewards WHERE component = 'brevity' AND value IS NOT NULL")[0][0] > 0
         scalar_roles = {role for (role,) in rows(db, "SELECT DISTINCT role FROM scalars")}
         assert scalar_roles == {"trainer", "generator", "reward"}
         names = {n for (n,) in rows(db, "SELECT DISTINCT name FROM scalars")}
