@@ -29,7 +29,7 @@ from app import metrics, rl, runtime, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.local import train_problems
 from app.policy import load_policy
-from app.weight_sync import WeightReceiver, WeightSyncError, init_weight_group
+from app.weight_sync import WeightReceiver, WeightSyncError, flatten_parameters_, init_weight_group
 
 log = logging.getLogger("llamarl")
 
@@ -100,6 +100,7 @@ def run(rt: runtime.Runtime, *, num_generators: int, config_timeout_s: float) ->
         torch.set_num_threads(gen_cfg.gen_threads)
     model, tokenizer = load_policy(policy_path)
     model.eval()
+    flatten_parameters_(model)  # apply() is then one copy per bucket
     group = init_weight_group(store, rank=rt.replica + 1, world_size=num_generators + 1,
                               device=torch.device("cpu"), timeout_s=WEIGHT_TIMEOUT_S)
     receiver = WeightReceiver(group, list(model.named_parameters()))

@@ -9,7 +9,7 @@ asynchronous app differ only in where rollouts come from.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -110,8 +110,8 @@ def _padded(rows: list[list[float]], T: int, device: torch.device) -> torch.Tens
 
 
 def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollouts: list[Rollout],
-               cfg: StepConfig, *, pad_id: int,
-               ref_model: PreTrainedModel | None = None) -> dict[str, float]:
+               cfg: StepConfig, *, pad_id: int, ref_model: PreTrainedModel | None = None,
+               reduce_grads: Callable[[list[torch.Tensor]], None] | None = None) -> dict[str, float]:
     """One optimizer step on ``rollouts`` (advantages already set), in micro-batches.
 
     The loss of each micro-batch is weighted by its share of the batch's normaliser
@@ -121,6 +121,9 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     pass; the normaliser still counts it, so the gradient is the same. Groups whose
     rewards are all equal (often half of them) cost nothing to train on. The ratio
     statistics describe the rollouts that were passed through.
+
+    ``reduce_grads`` (data parallel) is called once with every parameter's gradient after
+    the last backward, whatever the number of micro-batches this rank ran.
     """
     if not rollouts:
         raise ValueError("train_step needs at least one rollout")
@@ -168,6 +171,11 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         stats.update(ratio_mean=1.0, frac_truncated=0.0)
+    if reduce_grads is not None:
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        reduce_grads([p.grad for p in model.parameters()])
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     optimizer.step()
     return {**stats, "ratio_max": ratio_max, "grad_norm": float(grad_norm),

@@ -6,8 +6,9 @@
 Replica 0 is the single controller: it hosts the control store, publishes the run's
 config and policy, is the only writer of the metrics database, sends weights to the
 generators after every step, watches every role's health, and ends the run. With
-``nproc_per_node > 1`` the trainer ranks train data-parallel (DDP over torchrun's
-group); each rank pulls its share of groups from the same queue.
+``nproc_per_node > 1`` the trainer ranks train data-parallel over torchrun's
+group (gradients averaged once per step); each rank pulls its share of groups from the
+same queue.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from app.generator import WEIGHT_TIMEOUT_S, publish_config
 from app.local import eval_problems, resolve_policy
 from app.policy import load_policy
 from app.rewards import build_reward, parse_spec, reward_events
-from app.weight_sync import WeightSender, init_weight_group
+from app.weight_sync import WeightSender, flatten_parameters_, init_weight_group
 from pipelines.rollouts import next_batch, rollout_stream
 
 log = logging.getLogger("llamarl")
@@ -39,6 +40,19 @@ def _staleness(batch: list[rl.Rollout], version: int, step: int) -> tuple[list[d
     lags = [version - r.version for r in batch]
     rows = [metrics.staleness(step, r.version, lag, True) for r, lag in zip(batch, lags)]
     return rows, {"staleness/mean": sum(lags) / len(lags), "staleness/max": max(lags)}
+
+
+def average_across_ranks(grads: list[torch.Tensor]) -> None:
+    """Data parallel: every trainer rank ends with the mean gradient. One flat all-reduce
+    per step, called by every rank exactly once (unlike DDP's hooks, which need the same
+    number of backward passes on every rank: not so when ranks skip different rollouts)."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def raise_if_all_quarantined(groups: list[list[rl.Rollout]], step: int) -> None:
@@ -76,9 +90,11 @@ class Trainer:
             from app.generator import read_config
             _, _, policy = read_config(rt.store, rt, 900.0)
         self.model, self.tokenizer = load_policy(policy)
+        # Before DDP and the optimizer: they then update the flat buffers the weight sync
+        # broadcasts without packing.
+        flatten_parameters_(self.model)
         self.held_out = eval_problems(cfg)
         self.ref_model = copy.deepcopy(self.model).eval() if cfg.kl_coef > 0 else None
-        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model) if self.world > 1 else None)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         inline = self.num_reward == 0
         self.reward_names = [c.name for c in parse_spec(cfg.rewards)]
@@ -154,8 +170,9 @@ class Trainer:
             if not batch:
                 raise_if_all_quarantined(groups, step)
             with self.timeline.busy("train"):
-                m = rl.train_step(self.ddp or self.model, self.optimizer, batch, step_cfg,
-                                  pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model)
+                m = rl.train_step(self.model, self.optimizer, batch, step_cfg,
+                                  pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model,
+                                  reduce_grads=average_across_ranks if self.world > 1 else None)
             t_train = time.time() - t0
             consumed_version = self.version
             self.version += 1
@@ -176,7 +193,10 @@ class Trainer:
             events += metrics.scalars(values, role="trainer", replica=self.rank, step=step)
             events += reward_events([r.meta["reward_result"] for r in all_rollouts], self.reward_names,
                                     step, role="trainer", replica=self.rank)
-            self.rt.emit(events)
+            if self.rank != 0:  # the other ranks' events travel to replica 0 every step
+                self.rt.emit(events + self.timeline.drain(), flush=True)
+            else:
+                self.rt.emit(events)
             if self.rank == 0:
                 self._sync()
                 if step % cfg.eval_every == 0 or step == cfg.steps:

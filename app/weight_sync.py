@@ -13,12 +13,19 @@ receivers are built, and checked once across all ranks then, so a sync carries n
 per-tensor metadata: one small int64 header (version, layout fingerprint) followed by
 the same-dtype parameters flattened into contiguous buckets of about ``bucket_mb``.
 
-Each sync is announced by bumping a counter in the store before the first collective,
-so a receiver waits for the next sync by polling the store (interruptible, cheap)
-instead of sitting inside a collective it cannot leave. The receiver writes into
+Each sync is announced by setting a per-sync key in the store before the first
+collective, so a receiver waits for the next sync in a short, repeated ``store.wait``
+(woken at once, interruptible, idle otherwise) instead of sitting inside a collective
+it cannot leave. The receiver writes into
 staging buffers; ``apply``/``swap_if_newer`` copy a complete version into the live
 model between decode batches, so a generator busy decoding never holds up the trainer
 when its receiver runs in the background thread.
+
+``flatten_parameters_`` (called once, before the optimizer is built) makes every
+parameter a view of one flat buffer per dtype. A bucket whose parameters are then
+consecutive in that buffer goes out as a slice of it: no packing copy on the sender,
+one memcpy per bucket in ``apply`` on a flattened generator. Parameters that are not
+(anymore) laid out that way are packed as before, so correctness never depends on it.
 """
 
 from __future__ import annotations
@@ -29,10 +36,11 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from app.transport import Stopped
 
@@ -43,10 +51,14 @@ __all__ = [
     "WeightReceiver",
     "WeightSender",
     "WeightSyncError",
+    "flatten_parameters_",
     "init_weight_group",
 ]
 
-_HEADER_LEN = 4  # version, layout fingerprint, number of buckets, bytes
+_HEADER_LEN = 5  # version, layout fingerprint, number of buckets, bytes, whole-dtype bitmask
+DEFAULT_BUCKET_MB = 16.0
+"""Sender and receivers must agree. Only packed buckets depend on it: a dtype whose
+parameters are all one flat buffer goes out as one broadcast whatever the bucket size."""
 
 
 class WeightSyncError(RuntimeError):
@@ -79,7 +91,7 @@ class WeightGroup:
     device: torch.device
     timeout_s: float
     syncs: int = 0
-    """Syncs this rank has taken part in; the store's announcement counter runs ahead of it."""
+    """Syncs this rank has taken part in; the sender's announcement keys run ahead of it."""
     handshakes: int = 0
     """Senders/receivers built on this rank so far: keys each layout handshake apart."""
 
@@ -182,6 +194,14 @@ class _Layout:
             if slots:
                 buckets.append(_Bucket(dtype, numel, tuple(slots)))
         self.buckets = buckets
+        # Buckets come dtype by dtype: (dtype, its first bucket, one past its last, numel).
+        self.dtype_runs: list[tuple[torch.dtype, int, int, int]] = []
+        for k, b in enumerate(buckets):
+            if self.dtype_runs and self.dtype_runs[-1][0] == b.dtype:
+                dtype, first, _, numel = self.dtype_runs[-1]
+                self.dtype_runs[-1] = (dtype, first, k + 1, numel + b.numel)
+            else:
+                self.dtype_runs.append((b.dtype, k, k + 1, b.numel))
         self.nbytes = sum(b.nbytes for b in buckets)
         blob = json.dumps({"params": self.entries, "bucket_bytes": bucket_bytes}).encode()
         # 63 bits so it fits a (signed) int64 header slot.
@@ -191,6 +211,79 @@ class _Layout:
     def describe(self) -> str:
         return json.dumps({"fingerprint": self.fingerprint, "bucket_bytes": self.bucket_bytes,
                            "params": self.entries})
+
+
+def flatten_parameters_(params: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Rebind every parameter's ``.data`` to a view of one flat buffer per (device, dtype).
+
+    Call it once, before the optimizer (and DDP) take the parameters: in-place updates
+    then land in the flat buffers, which the weight sync broadcasts without packing.
+    Parameters are laid out in ``named_parameters()`` order, which is also the sync
+    layout's order, so each bucket is one slice. A parameter shared by several modules
+    (tied embeddings) is one object and is flattened once, so the tie holds; tensors that
+    already share storage with another one are left alone (they would lose that sharing).
+    Returns the flat buffers (1-d).
+    """
+    tensors = list(params.parameters()) if isinstance(params, nn.Module) else list(params)
+    unique: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            unique.append(t)
+    storages: dict[tuple[torch.device, int], int] = {}
+    for t in unique:
+        key = (t.device, t.untyped_storage().data_ptr())
+        storages[key] = storages.get(key, 0) + 1
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in unique:
+        if storages[(t.device, t.untyped_storage().data_ptr())] == 1 and t.numel() > 0:
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    flats = []
+    with torch.no_grad():
+        for (device, dtype), group in groups.items():
+            flat = torch.empty(sum(t.numel() for t in group), dtype=dtype, device=device)
+            offset = 0
+            for t in group:
+                view = flat[offset:offset + t.numel()].view(t.shape)
+                view.copy_(t)
+                t.data = view
+                offset += t.numel()
+            flats.append(flat)
+    return flats
+
+
+def _span(bucket: _Bucket, params: Sequence[tuple[str, torch.Tensor]],
+          device: torch.device) -> torch.Tensor | None:
+    """The bucket as one 1-d view when its params are consecutive in one storage, else None."""
+    first = params[bucket.slots[0][0]][1]
+    if first.dtype != bucket.dtype or first.device != device:
+        return None
+    ptr, base = first.untyped_storage().data_ptr(), first.storage_offset()
+    for i, slot in bucket.slots:
+        p = params[i][1]
+        if slot.numel == 0:
+            continue
+        if (p.untyped_storage().data_ptr() != ptr or p.storage_offset() != base + slot.offset
+                or not p.is_contiguous() or p.dtype != bucket.dtype):
+            return None
+    if base + bucket.numel > first.untyped_storage().nbytes() // first.element_size():
+        return None
+    return torch.as_strided(first.detach(), (bucket.numel,), (1,), base)
+
+
+def _joined(spans: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """Consecutive bucket spans of one storage as one 1-d view, else None."""
+    if any(span is None for span in spans):
+        return None
+    first, last = spans[0], spans[-1]
+    ptr = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for span in spans:
+        if span.untyped_storage().data_ptr() != ptr or span.storage_offset() != offset:
+            return None
+        offset += span.numel()
+    return torch.as_strided(first, (offset - first.storage_offset(),), (1,), first.storage_offset())
 
 
 def _first_difference(mine: dict, theirs: dict) -> str:
@@ -230,32 +323,42 @@ def _handshake(group: WeightGroup, layout: _Layout) -> None:
 # --------------------------------------------------------------------------- sender
 
 _ANNOUNCE_KEY = "syncs"
+_WAKE_S = 0.05  # a receiver blocked on the next announcement checks for stop this often
+
+
+def _announce_key(sync: int) -> str:
+    """Set by the sender before sync number ``sync`` (1-based) starts; receivers block on it."""
+    return f"{_ANNOUNCE_KEY}/{sync}"
 
 
 class WeightSender:
-    """Rank 0 of the weight group: broadcasts ``params`` (the live tensors) on ``send``."""
+    """Rank 0 of the weight group: broadcasts ``params`` (the live tensors) on ``send``.
+
+    ``params`` are kept as given (not detached copies), so a sync always reads the tensors'
+    current storage; buckets that are a slice of a ``flatten_parameters_`` buffer are sent
+    from it directly, the others are packed into a small ring of buffers.
+    """
 
     def __init__(self, group: WeightGroup, params: Sequence[tuple[str, torch.Tensor]],
-                 bucket_mb: float = 4.0, max_inflight: int = 2) -> None:
+                 bucket_mb: float = DEFAULT_BUCKET_MB, max_inflight: int = 2) -> None:
         if group.rank != 0:
             raise ValueError(f"the weight sender must be rank 0 of the weight group, not {group.rank}")
         self.group = group
-        self.params = [(n, p.detach()) for n, p in params]
+        self.params = list(params)
         self.layout = _Layout(self.params, int(bucket_mb * 2**20))
         self.max_inflight = max(1, max_inflight)
         _handshake(group, self.layout)
-        # A small ring of bucket buffers: pack bucket i+1 while bucket i is on the wire.
-        ring_bytes = max(b.nbytes for b in self.layout.buckets)
-        self._ring = [torch.empty(ring_bytes, dtype=torch.uint8, device=group.device)
-                      for _ in range(min(self.max_inflight, len(self.layout.buckets)))]
+        self._ring: list[torch.Tensor] = []  # packing buffers, made on the first packed bucket
+        self.zero_copy_buckets = 0
+        """Buckets of the last sync that went out without packing (for tests and benchmarks)."""
 
-    def _pack(self, bucket: _Bucket, buf: torch.Tensor) -> torch.Tensor:
-        if len(bucket.slots) == 1:
-            i, _ = bucket.slots[0]
-            p = self.params[i][1]
-            if p.is_contiguous() and p.device == self.group.device:
-                return p.reshape(-1)  # a lone contiguous tensor goes out as is: no copy
-        flat = buf[:bucket.nbytes].view(bucket.dtype)
+    def _packed(self, bucket: _Bucket, k: int) -> torch.Tensor:
+        """Bucket packed into ring buffer ``k % ring``; the caller made sure it is free."""
+        if not self._ring:
+            ring_bytes = max(b.nbytes for b in self.layout.buckets)
+            self._ring = [torch.empty(ring_bytes, dtype=torch.uint8, device=self.group.device)
+                          for _ in range(min(self.max_inflight, len(self.layout.buckets)))]
+        flat = self._ring[k % len(self._ring)][:bucket.nbytes].view(bucket.dtype)
         with torch.no_grad():
             for i, slot in bucket.slots:
                 flat[slot.offset:slot.offset + slot.numel].copy_(self.params[i][1].reshape(-1))
@@ -266,17 +369,34 @@ class WeightSender:
         g, layout = self.group, self.layout
         t0 = time.perf_counter()
         try:
-            g.store.add(_ANNOUNCE_KEY, 1)
-            header = torch.tensor([version, layout.fingerprint, len(layout.buckets), layout.nbytes],
-                                  dtype=torch.int64, device=g.device)
-            g.wait(g.broadcast(header))
-            inflight: list[dist.Work] = []
-            for k, bucket in enumerate(layout.buckets):
-                if len(inflight) == len(self._ring):
-                    g.wait(inflight.pop(0))  # its ring buffer is free again
-                flat = self._pack(bucket, self._ring[k % len(self._ring)])
-                inflight.append(g.broadcast(flat))
-            for work in inflight:
+            g.store.set(_announce_key(g.syncs + 1), str(version))
+            spans = [_span(bucket, self.params, g.device) for bucket in layout.buckets]
+            whole = [_joined(spans[first:end]) for _, first, end, _ in layout.dtype_runs]
+            mask = sum(1 << d for d, span in enumerate(whole) if span is not None)
+            header = torch.tensor([version, layout.fingerprint, len(layout.buckets), layout.nbytes,
+                                   mask], dtype=torch.int64, device=g.device)
+            inflight: list[tuple[dist.Work, bool]] = [(g.broadcast(header), False)]
+            packed_inflight = packed = zero_copy = 0
+            for (_, first, end, _), span in zip(layout.dtype_runs, whole):
+                if span is not None:  # a flattened model: one broadcast, like a raw one
+                    zero_copy += end - first
+                    inflight.append((g.broadcast(span), False))
+                    continue
+                for bucket, flat in zip(layout.buckets[first:end], spans[first:end]):
+                    if flat is None:
+                        # Reusing a ring buffer: wait until the broadcast that used it is done.
+                        while packed_inflight >= self.max_inflight:
+                            work, was_packed = inflight.pop(0)
+                            g.wait(work)
+                            packed_inflight -= was_packed
+                        flat = self._packed(bucket, packed)
+                        packed += 1
+                        packed_inflight += 1
+                        inflight.append((g.broadcast(flat), True))
+                    else:
+                        zero_copy += 1
+                        inflight.append((g.broadcast(flat), False))
+            for work, _ in inflight:
                 g.wait(work)
             if g.device.type == "cuda":
                 torch.cuda.current_stream(g.device).synchronize()
@@ -286,6 +406,7 @@ class WeightSender:
                 f"after {time.perf_counter() - t0:.1f} s (group timeout {g.timeout_s:g} s): a "
                 f"generator is gone or stopped receiving. The weight group is unusable now. "
                 f"Cause: {e}") from None
+        self.zero_copy_buckets = zero_copy
         g.syncs += 1
         return SyncStats(version=int(version), bytes=layout.nbytes,
                          seconds=time.perf_counter() - t0)
@@ -306,17 +427,25 @@ class WeightReceiver:
     """
 
     def __init__(self, group: WeightGroup, params: Sequence[tuple[str, torch.Tensor]],
-                 bucket_mb: float = 4.0, double_buffer: bool = False) -> None:
+                 bucket_mb: float = DEFAULT_BUCKET_MB, double_buffer: bool = False) -> None:
         if group.rank == 0:
             raise ValueError("rank 0 of the weight group is the sender, not a receiver")
         self.group = group
-        self.params = [(n, p.detach()) for n, p in params]
+        self.params = list(params)  # as given: apply() follows a later .data rebinding
         self.layout = _Layout(self.params, int(bucket_mb * 2**20))
         _handshake(group, self.layout)
 
         def staging() -> list[torch.Tensor]:
-            return [torch.empty(b.numel, dtype=b.dtype, device=group.device)
-                    for b in self.layout.buckets]
+            """One flat buffer per dtype (received whole from a flattened trainer), as
+            bucket views (received bucket by bucket otherwise)."""
+            buckets = []
+            for dtype, first, end, numel in self.layout.dtype_runs:
+                flat = torch.empty(numel, dtype=dtype, device=group.device)
+                offset = 0
+                for b in self.layout.buckets[first:end]:
+                    buckets.append(flat[offset:offset + b.numel])
+                    offset += b.numel
+            return buckets
 
         self._front = staging()  # the newest complete version
         self._back = staging() if double_buffer else self._front
@@ -332,16 +461,22 @@ class WeightReceiver:
     # -- receiving -----------------------------------------------------------------------
     def _wait_announced(self, timeout_s: float | None,
                         should_stop: Callable[[], bool] | None) -> None:
+        # store.wait wakes up the moment the trainer sets the key (polling would add its
+        # sleep to every sync); the short wait timeout keeps stop requests responsive.
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        delay = 0.0005
-        while int(self.group.store.add(_ANNOUNCE_KEY, 0)) <= self.group.syncs:
+        key = _announce_key(self.group.syncs + 1)
+        while True:
             if self._stop.is_set() or (should_stop is not None and should_stop()):
                 raise _StopReceiving()
-            if deadline is not None and time.monotonic() > deadline:
+            left = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.monotonic())
+            if left <= 0:
                 raise TimeoutError(f"weight sync: no new version announced by the trainer within "
                                    f"{timeout_s:g} s (last received: {self._front_version})")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+            try:
+                self.group.store.wait([key], datetime.timedelta(seconds=left))
+                return
+            except dist.DistStoreError:  # timed out: look at the stop flags again
+                continue
 
     def _receive_into(self, buffers: list[torch.Tensor]) -> SyncStats:
         g, layout = self.group, self.layout
@@ -350,13 +485,20 @@ class WeightReceiver:
         try:
             header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=g.device)
             g.wait(g.broadcast(header))
-            version, fingerprint, n_buckets, nbytes = header.tolist()
+            version, fingerprint, n_buckets, nbytes, whole_mask = header.tolist()
             if fingerprint != layout.fingerprint or n_buckets != len(layout.buckets):
                 raise WeightLayoutError(
                     f"weight sync of version {version}: the trainer's layout (fingerprint "
                     f"{fingerprint}, {n_buckets} buckets) differs from this generator's "
                     f"({layout.fingerprint}, {len(layout.buckets)} buckets)")
-            works = [g.broadcast(buf) for buf in buffers]
+            works = []
+            for d, (dtype, first, end, numel) in enumerate(layout.dtype_runs):
+                if whole_mask >> d & 1:
+                    first_buf = buffers[first]
+                    works.append(g.broadcast(torch.as_strided(
+                        first_buf, (numel,), (1,), first_buf.storage_offset())))
+                else:
+                    works += [g.broadcast(buf) for buf in buffers[first:end]]
             for work in works:
                 g.wait(work)
             if g.device.type == "cuda":
@@ -399,6 +541,10 @@ class WeightReceiver:
             return None
         with torch.no_grad():
             for bucket, flat in zip(self.layout.buckets, self._front):
+                span = _span(bucket, self.params, flat.device)
+                if span is not None:  # a flattened model: one copy per bucket
+                    span.copy_(flat)
+                    continue
                 for i, slot in bucket.slots:
                     live = self.params[i][1]
                     live.copy_(flat[slot.offset:slot.offset + slot.numel].view(slot.shape))

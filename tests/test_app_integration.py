@@ -101,14 +101,14 @@ class App:
 
 @contextmanager
 def launch(policy: Path, tmp_path: Path, *, steps: int = STEPS, num_generators: int = 2,
-           num_reward: int = 0, max_staleness: int = 1, rewards: str = "math_verifier",
+           num_reward: int = 0, max_staleness: int = 1, rewards: str = "math_verifier", nproc: int = 1,
            extra: list[str] = SMALL) -> Iterator[App]:
     port = free_port()
     runs_dir, log_dir = tmp_path / "runs", tmp_path / "torchx-logs"
     args = ["--policy", str(policy), "--runs_dir", str(runs_dir), "--store_port", str(port),
             "--steps", str(steps), "--num_generators", str(num_generators),
             "--num_reward", str(num_reward), "--max_staleness", str(max_staleness),
-            "--rewards", rewards, "--", *extra]
+            "--rewards", rewards, "--nproc_per_node", str(nproc), "--", *extra]
     with get_runner() as runner:
         handle = runner.run_component("llamarl.llamarl", args, scheduler="local_cwd",
                                       cfg={"log_dir": str(log_dir)})
@@ -185,6 +185,17 @@ def dashboard_draws_run(runs_dir: Path, run_id: str) -> None:
         assert len(at.get("plotly_chart")) > 0
     finally:
         del os.environ["LLAMARL_RUNS_DIR"]
+
+
+def test_two_data_parallel_trainer_ranks(tiny_policy, tmp_path):
+    """nproc_per_node=2: each rank trains on half of every batch; gradients are averaged."""
+    with launch(tiny_policy, tmp_path, steps=2, num_generators=1, nproc=2) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        db = app.db()
+        assert rows(db, "SELECT DISTINCT replica FROM intervals WHERE role = 'trainer' ORDER BY replica") == [(0,), (1,)]
+        used = rows(db, "SELECT count(*) FROM staleness WHERE used = 1")[0][0]
+        assert used == 2 * PROMPTS_PER_STEP * GROUP_SIZE
+        assert f"run finished: finished 2 steps" in app.log("trainer")
 
 
 def test_synchronous_baseline_trains_only_fresh_rollouts(tiny_policy, tmp_path):

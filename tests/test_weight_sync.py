@@ -9,6 +9,7 @@ import traceback
 
 import pytest
 import torch
+from torch import nn
 
 from app.transport import connect_store, host_store
 from app.weight_sync import (
@@ -16,6 +17,7 @@ from app.weight_sync import (
     WeightReceiver,
     WeightSender,
     WeightSyncError,
+    flatten_parameters_,
     init_weight_group,
 )
 
@@ -213,3 +215,111 @@ def test_sender_errors_instead_of_hanging_when_a_receiver_died(store):
     assert got[0].startswith("raised after"), got[0]
     assert "weight sync of version 2" in got[0]
     assert got[1].startswith("receiver raised") or got[1] == "no error"
+
+
+# --------------------------------------------------------------------------- flattened models
+
+
+class TinyLM(nn.Module):
+    """Tied input/output embeddings (one Parameter in two modules) and a second dtype."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(50, 16)  # 3.2 KB: larger than one test bucket
+        self.norm = nn.LayerNorm(16)
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+        self.temperature = nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        h_BTD = torch.relu(self.proj(self.norm(self.embed(ids_BT))))
+        return self.head(h_BTD) / self.temperature.float()
+
+
+def _train_step(model: TinyLM, optimizer: torch.optim.Optimizer, step: int) -> None:
+    ids_BT = torch.arange(12).reshape(2, 6) * (step + 1) % 50
+    loss = nn.functional.cross_entropy(model(ids_BT).flatten(0, 1), ids_BT.roll(1).flatten())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def _views_of(model: nn.Module, flats: list[torch.Tensor]) -> bool:
+    ptrs = {f.dtype: f.untyped_storage().data_ptr() for f in flats}
+    return all(p.untyped_storage().data_ptr() == ptrs[p.dtype] for p in model.parameters())
+
+
+def test_flatten_parameters_keeps_values_ties_and_views_through_optimizer_steps():
+    model = TinyLM(seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids_BT = torch.arange(12).reshape(2, 6)
+    logits_before = model(ids_BT).detach()
+
+    flats = flatten_parameters_(model)
+
+    assert sorted(str(f.dtype) for f in flats) == ["torch.float32", "torch.float64"]
+    assert model.head.weight is model.embed.weight  # the tie is one object, flattened once
+    float_numel = sum(p.numel() for p in model.parameters() if p.dtype == torch.float32)
+    assert next(f for f in flats if f.dtype == torch.float32).numel() == float_numel
+    assert _views_of(model, flats)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert torch.equal(model(ids_BT).detach(), logits_before)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step in range(2):
+        _train_step(model, optimizer, step)
+    assert _views_of(model, flats)  # AdamW updated the views in place
+    flat32 = next(f for f in flats if f.dtype == torch.float32)
+    offset = 0
+    for n, p in model.named_parameters():
+        if p.dtype == torch.float32:
+            assert torch.equal(flat32[offset:offset + p.numel()], p.detach().reshape(-1)), n
+            offset += p.numel()
+    assert not torch.equal(model.embed.weight, before["embed.weight"])
+
+
+def _sync_flattened_training(store, rank: int, world_size: int) -> str:
+    """Version 1: initial weights; 2: after an AdamW step; 3: one parameter rebound elsewhere."""
+    torch.set_num_threads(1)  # the generator replays the trainer's steps bit for bit
+    group = init_weight_group(store, rank, world_size, torch.device("cpu"), timeout_s=30)
+
+    def trainer_states():
+        model = TinyLM(seed=0)
+        flatten_parameters_(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        yield model
+        _train_step(model, optimizer, 0)
+        yield model
+        model.proj.bias.data = model.proj.bias.detach() + 1  # no longer a view: packed
+        yield model
+
+    if rank == 0:
+        zero_copy = []
+        for version, model in enumerate(trainer_states(), start=1):
+            if version == 1:
+                sender = WeightSender(group, list(model.named_parameters()), bucket_mb=0.002)
+            sender.send(version)
+            zero_copy.append(sender.zero_copy_buckets)
+        n = len(sender.layout.buckets)
+        assert n > 2 and zero_copy[:2] == [n, n] and 0 < zero_copy[2] < n, (zero_copy, n)
+        return "sent 1,2,3"
+
+    live = TinyLM(seed=rank)  # generators start from other weights
+    flats = flatten_parameters_(live)
+    receiver = WeightReceiver(group, list(live.named_parameters()), bucket_mb=0.002)
+    for version, expected in enumerate(trainer_states(), start=1):
+        assert receiver.recv(timeout_s=30).version == version
+        receiver.apply()
+        assert _views_of(live, flats)  # apply copied into the flat buffers in place
+        for (name, p), (_, q) in zip(live.named_parameters(), expected.named_parameters()):
+            assert torch.equal(p, q), f"version {version}: {name}"
+        assert live.head.weight is live.embed.weight
+    return "received 1,2,3"
+
+
+def test_flattened_trainer_syncs_zero_copy_and_carries_optimizer_updates(store):
+    results = _run(_sync_flattened_training, 3, store.port, 120)
+    assert results == [(0, "sent 1,2,3"), (1, "received 1,2,3"), (2, "received 1,2,3")], results
