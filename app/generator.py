@@ -15,7 +15,6 @@ dropped). Past that the generator waits for newer weights: it never runs more th
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import secrets
@@ -166,17 +165,10 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: WeightRec
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store-addr", required=True, help="host:port of the control store (trainer replica 0)")
-    parser.add_argument("--replica", type=int, required=True, help="this generator's index, 0-based")
+    parser = runtime.role_arguments("generator", __doc__.splitlines()[0])
     parser.add_argument("--num-generators", type=int, required=True, help="generators in the app")
-    parser.add_argument("--connect-timeout-s", type=float, default=300.0, help="wait for the control store")
-    parser.add_argument("--config-timeout-s", type=float, default=900.0,
-                        help="wait for the trainer's config (it may be warm-starting the policy)")
     args = parser.parse_args(argv)
-    runtime.setup_logging("generator", args.replica)
-    store = transport.connect_store(args.store_addr, args.connect_timeout_s)
-    with runtime.Runtime.join("generator", args.replica, store) as rt:
+    with runtime.join_role("generator", args) as rt:
         run(rt, num_generators=args.num_generators, config_timeout_s=args.config_timeout_s)
 
 

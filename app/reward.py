@@ -10,13 +10,12 @@ pipeline reads. Model-based rewards load once, at start.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
 
-from app import metrics, runtime, transport
+from app import metrics, runtime
 from app.generator import read_config
 from app.rewards import Sample, build_reward
 
@@ -58,16 +57,8 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store-addr", required=True, help="host:port of the control store (trainer replica 0)")
-    parser.add_argument("--replica", type=int, required=True, help="this reward executor's index, 0-based")
-    parser.add_argument("--connect-timeout-s", type=float, default=300.0, help="wait for the control store")
-    parser.add_argument("--config-timeout-s", type=float, default=900.0,
-                        help="wait for the trainer's config (it may be warm-starting the policy)")
-    args = parser.parse_args(argv)
-    runtime.setup_logging("reward", args.replica)
-    store = transport.connect_store(args.store_addr, args.connect_timeout_s)
-    with runtime.Runtime.join("reward", args.replica, store) as rt:
+    args = runtime.role_arguments("reward executor", __doc__.splitlines()[0]).parse_args(argv)
+    with runtime.join_role("reward", args) as rt:
         run(rt, config_timeout_s=args.config_timeout_s)
 
 

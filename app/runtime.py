@@ -9,6 +9,7 @@ loop raises ``Stopped`` and the role exits 0 after acknowledging.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import threading
@@ -33,6 +34,24 @@ EXITED_KEY = "llamarl/exited/"
 POLICY_KEY = "llamarl/policy_path"
 RESERVED_KEY = "llamarl/groups_reserved"
 DROPPED_KEY = "llamarl/groups_dropped"
+
+
+def role_arguments(role: str, description: str) -> argparse.ArgumentParser:
+    """The flags every non-trainer role takes: where the store is and who it is."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--store-addr", required=True, help="host:port of the control store (trainer replica 0)")
+    parser.add_argument("--replica", type=int, required=True, help=f"this {role}'s index, 0-based")
+    parser.add_argument("--connect-timeout-s", type=float, default=300.0, help="wait for the control store")
+    parser.add_argument("--config-timeout-s", type=float, default=900.0,
+                        help="wait for the trainer's config (it may be warm-starting the policy)")
+    return parser
+
+
+def join_role(role: str, args: argparse.Namespace) -> "Runtime":
+    """Log as ``role/replica``, reach the control store and register there."""
+    setup_logging(role, args.replica)
+    store = transport.connect_store(args.store_addr, args.connect_timeout_s)
+    return Runtime.join(role, args.replica, store)
 
 
 def setup_logging(role: str, replica: int) -> None:

@@ -20,16 +20,6 @@ from app.warmstart import WarmStartConfig, warm_start
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Intra-op worker threads spin while they wait: on two cores shared with other
-    # processes, one thread runs these tiny models up to ~10x faster than two.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny_warmstart(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("warmstart") / "policy"

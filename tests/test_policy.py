@@ -12,16 +12,6 @@ from app.rewards import build_reward
 from app.sampler import SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Intra-op worker threads spin while they wait: on two cores shared with other
-    # processes, one thread runs these tiny models up to ~10x faster than two.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def default_policy():
     return policy.create_default_policy(seed=0)

@@ -17,16 +17,6 @@ from app.sampler import Samples
 VOCAB, PAD = 40, 0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Intra-op worker threads spin while they wait: on two cores shared with other
-    # processes, one thread runs these tiny models up to ~10x faster than two.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tiny_model():
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
