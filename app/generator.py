@@ -36,9 +36,11 @@ CONFIG_KEY = "llamarl/config"
 WEIGHT_TIMEOUT_S = 120.0  # one weight sync may not take longer (the group's collective timeout)
 
 
-def publish_config(store, trainer: TrainerConfig, gen: GeneratorConfig, policy_path: str) -> None:
+def publish_config(store, trainer: TrainerConfig, gen: GeneratorConfig, policy_path: str,
+                   run_dir: str) -> None:
     from app.cli import to_dict
-    store.set(CONFIG_KEY, json.dumps({"trainer": to_dict(trainer), "generator": to_dict(gen)}))
+    store.set(CONFIG_KEY, json.dumps({"trainer": to_dict(trainer), "generator": to_dict(gen),
+                                      "run_dir": run_dir}))
     store.set(runtime.POLICY_KEY, policy_path)
 
 
@@ -54,8 +56,11 @@ def wait_key(store, key: str, timeout_s: float, rt: runtime.Runtime, what: str) 
 
 
 def read_config(store, rt: runtime.Runtime, timeout_s: float) -> tuple[TrainerConfig, GeneratorConfig, str]:
+    """The trainer's configs and policy path; from then on this role also logs to
+    ``<run_dir>/logs/<role>-<replica>.log`` (when the run directory is reachable here)."""
     raw = json.loads(wait_key(store, CONFIG_KEY, timeout_s, rt, "run config"))
     policy = wait_key(store, runtime.POLICY_KEY, timeout_s, rt, "policy path").decode()
+    runtime.log_to_run_dir(raw["run_dir"], rt.role, rt.replica)
     return TrainerConfig(**raw["trainer"]), GeneratorConfig(**raw["generator"]), policy
 
 

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,20 @@ def join_role(role: str, args: argparse.Namespace) -> "Runtime":
     return Runtime.join(role, args.replica, store)
 
 
+def log_to_run_dir(run_dir: str, role: str, replica: int) -> None:
+    """Also write this process's log to ``<run_dir>/logs/<role>-<replica>.log``. A role
+    on another host without the run directory's file system keeps its scheduler log only."""
+    try:
+        path = Path(run_dir) / "logs" / f"{role}-{replica}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path)
+    except OSError as e:
+        log.warning("not logging to the run directory %s: %s", run_dir, e)
+        return
+    handler.setFormatter(logging.getLogger().handlers[0].formatter)
+    logging.getLogger().addHandler(handler)
+
+
 def setup_logging(role: str, replica: int) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
                         format=f"%(asctime)s {role}/{replica} %(levelname)s %(message)s")
@@ -68,13 +83,15 @@ class Runtime:
     secret: bytes
     _beating: threading.Event = field(default_factory=threading.Event)
     _pending_metrics: list[dict[str, Any]] = field(default_factory=list)
+    _heart: threading.Thread | None = None
 
     @classmethod
     def join(cls, role: str, replica: int, store: dist.TCPStore) -> "Runtime":
         rt = cls(role=role, replica=replica, store=store, control=Control(store),
                  secret=transport.secret_from_env())
         rt.control.register(role, replica)
-        threading.Thread(target=rt._heartbeat_loop, daemon=True, name="heartbeat").start()
+        rt._heart = threading.Thread(target=rt._heartbeat_loop, daemon=True, name="heartbeat")
+        rt._heart.start()
         return rt
 
     def queue(self, name: str) -> StoreQueue:
@@ -124,6 +141,9 @@ class Runtime:
             except Exception as e:
                 log.warning("could not flush metrics: %s", e)
         self._beating.set()
+        # Joined, not abandoned: a thread frozen inside a store call while the interpreter
+        # tears the store down aborts the process.
+        self._heart.join(timeout=10.0)
         try:
             self.store.add(EXITED_KEY + transport.Keys.member(self.role, self.replica), 1)
         except Exception:

@@ -82,9 +82,10 @@ class Trainer:
             policy = resolve_policy(cfg.policy, log=log.info)
             rt.store.add(runtime.RESERVED_KEY, 0)
             rt.store.add(runtime.DROPPED_KEY, 0)
-            publish_config(rt.store, cfg, self.gen, str(policy.resolve()))
             self.run_dir = metrics.new_run_dir(cfg.runs_dir, cfg.run_id, self._config_dict())
+            runtime.log_to_run_dir(str(self.run_dir), "trainer", 0)
             self.writer = metrics.MetricsWriter(self.run_dir, run_id=self.run_dir.name, config=self._config_dict())
+            publish_config(rt.store, cfg, self.gen, str(policy.resolve()), str(self.run_dir.resolve()))
             log.info("run directory %s", self.run_dir)
         else:
             from app.generator import read_config
@@ -193,8 +194,8 @@ class Trainer:
             events += metrics.scalars(values, role="trainer", replica=self.rank, step=step)
             events += reward_events([r.meta["reward_result"] for r in all_rollouts], self.reward_names,
                                     step, role="trainer", replica=self.rank)
-            if self.rank != 0:  # the other ranks' events travel to replica 0 every step
-                self.rt.emit(events + self.timeline.drain(), flush=True)
+            if self.rank != 0:  # the other ranks' events travel to replica 0 in batches
+                self.rt.emit(events + self.timeline.drain())
             else:
                 self.rt.emit(events)
             if self.rank == 0:

@@ -167,6 +167,14 @@ def test_async_app_with_reward_executor(tiny_policy, tmp_path):
             assert f"stopping: finished {STEPS} steps" in log, log[-2000:]
             assert " ERROR " not in log, log[-2000:]
 
+        # The run directory keeps every role's log beside the config and the metrics.
+        run_dir = app.runs_dir / app.app_id
+        assert (run_dir / "config.json").is_file()
+        logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+        assert set(logs) == {"trainer-0.log", "generator-0.log", "generator-1.log", "reward-0.log"}
+        assert "run finished" in logs["trainer-0.log"]
+        assert all("stopping: finished" in logs[f"{r}.log"] for r in ("generator-0", "generator-1", "reward-0"))
+
         # The dashboard draws this real run's every view without an exception.
         dashboard_draws_run(app.runs_dir, app.app_id)
 
