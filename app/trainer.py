@@ -30,7 +30,7 @@ from app.local import eval_problems, resolve_policy
 from app.policy import load_policy
 from app.rewards import build_reward, parse_spec, reward_events
 from app.weight_sync import WeightSender, flatten_parameters_, init_weight_group
-from pipelines.rollouts import next_batch, rollout_stream
+from pipelines.rollouts import RolloutStream
 
 log = logging.getLogger("llamarl")
 
@@ -109,7 +109,7 @@ class Trainer:
                                       device=torch.device("cpu"), timeout_s=WEIGHT_TIMEOUT_S)
             self.sender = WeightSender(group, list(self.model.named_parameters()))
             self._sync()
-        self.stream = rollout_stream(
+        self.stream = RolloutStream(
             rt.queue(runtime.ROLLOUTS if inline else runtime.SCORED), reward=self.reward,
             reward_timeout_s=cfg.reward_timeout_s, groups_per_batch=cfg.prompts_per_step // self.world,
             max_staleness=cfg.max_staleness, current_version=lambda: self.version,
@@ -165,7 +165,7 @@ class Trainer:
         t_prev = time.time()
         for step in range(1, cfg.steps + 1):
             with self.timeline.idle("wait_rollouts"):
-                groups = next_batch(self.stream)
+                groups = self.stream.next_batch()
             batch = [r for g in groups for r in g if r.reward is not None]
             t0 = time.time()
             if not batch:
@@ -209,8 +209,13 @@ class Trainer:
                          values["staleness/max"], self.dropped, step_s)
 
     def close(self, reason: str, *, failed: bool = False) -> None:
-        """Replica 0: ask every role to stop, keep the store up until they acknowledge,
-        then write the last metrics."""
+        """Every rank: stop the rollout stream's thread. Replica 0 then asks every role to
+        stop, keeps the store up until they acknowledge, and writes the last metrics."""
+        if hasattr(self, "stream"):
+            try:
+                self.stream.close()
+            except TimeoutError as e:
+                log.error("%s", e)
         if self.rank != 0:
             return
         if failed:
@@ -255,23 +260,25 @@ def main(argv: list[str] | None = None) -> None:
     runtime.setup_logging("trainer", rank)
     if world > 1:
         dist.init_process_group("gloo")
-    store = (transport.host_store(args.store_port) if rank == 0
-             else transport.connect_store(f"127.0.0.1:{args.store_port}", 300.0))
-    with runtime.Runtime.join("trainer", rank, store) as rt:
-        trainer = Trainer(rt, cfg, gen, num_generators=args.num_generators, num_reward=args.num_reward,
-                          rank=rank, world=world)
-        try:
-            trainer.start()
-            trainer.run()
-        except transport.Stopped:
-            trainer.close(rt.control.stop_reason() or "stopped", failed=True)
-            raise
-        except Exception as e:
-            trainer.close(f"{type(e).__name__}: {e}", failed=True)
-            raise
-        trainer.close(f"finished {cfg.steps} steps")
-    if world > 1:
-        dist.destroy_process_group()
+    try:
+        store = (transport.host_store(args.store_port) if rank == 0
+                 else transport.connect_store(f"127.0.0.1:{args.store_port}", 300.0))
+        with runtime.Runtime.join("trainer", rank, store) as rt:
+            trainer = Trainer(rt, cfg, gen, num_generators=args.num_generators, num_reward=args.num_reward,
+                              rank=rank, world=world)
+            try:
+                trainer.start()
+                trainer.run()
+            except transport.Stopped:
+                trainer.close(rt.control.stop_reason() or "stopped", failed=True)
+                raise
+            except Exception as e:
+                trainer.close(f"{type(e).__name__}: {e}", failed=True)
+                raise
+            trainer.close(f"finished {cfg.steps} steps")
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

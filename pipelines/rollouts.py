@@ -11,11 +11,18 @@
 A group is the G completions of one prompt; generators send each group as one message,
 so a group never straddles two batches. The staleness filter runs in the consumer's
 thread, after the prefetcher, so the lag it checks is the lag at which the batch trains.
+
+The prefetcher's thread is a daemon that torchdata gives no public way to stop. A daemon
+thread still inside native code (a store call, a reward model's forward) when the
+interpreter exits aborts the whole process ("terminate called without an active
+exception"), so the stages that run in that thread pass through a ``Gate`` that
+``RolloutStream.close`` shuts and waits out before the process exits.
 """
 
 from __future__ import annotations
 
 import heapq
+import threading
 from typing import Any, Callable
 
 from torchdata.nodes import BaseNode, Batcher, Mapper, Prefetcher
@@ -25,6 +32,34 @@ from app.rl import Rollout, score_rollouts, set_group_advantages
 from app.transport import StoreQueue, Stopped
 
 
+class Gate:
+    """Every pass of a worker-thread stage holds the gate; once ``close`` returns, no stage
+    is inside one and none starts another (they raise ``StopIteration``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+
+    def is_closed(self) -> bool:
+        return self._closed.is_set()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        if self._closed.is_set():
+            self._lock.release()
+            raise StopIteration
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def close(self, timeout_s: float) -> None:
+        self._closed.set()
+        if not self._lock.acquire(timeout=timeout_s):
+            raise TimeoutError(f"the rollout stream's worker thread was still busy {timeout_s:g} s "
+                               "after it was asked to stop (a reward that ignores its timeout?)")
+        self._lock.release()
+
+
 class QueueSource(BaseNode[dict]):
     """Messages from a store queue, forever, oldest policy version first among those
     waiting (groups from several generators arrive out of order; taking the oldest
@@ -32,9 +67,11 @@ class QueueSource(BaseNode[dict]):
     ``timeout_s``."""
 
     def __init__(self, queue: StoreQueue, *, timeout_s: float, should_stop: Callable[[], bool],
-                 what: str = "rollouts", lookahead: int = 64) -> None:
+                 what: str = "rollouts", lookahead: int = 64, gate: Gate | None = None) -> None:
         super().__init__()
-        self.queue, self.timeout_s, self.should_stop, self.what = queue, timeout_s, should_stop, what
+        self.queue, self.timeout_s, self.what = queue, timeout_s, what
+        self.gate = gate or Gate()
+        self.should_stop = lambda: self.gate.is_closed() or should_stop()
         self.lookahead = lookahead
         self._waiting: list[tuple[int, int, dict]] = []  # heap of (version, arrival, message)
         self._arrivals = 0
@@ -44,9 +81,10 @@ class QueueSource(BaseNode[dict]):
 
     def next(self) -> dict:
         wait_s = 0.0 if self._waiting else self.timeout_s
-        for msg in self.queue.pop_many(self.lookahead, wait_s, should_stop=self.should_stop):
-            heapq.heappush(self._waiting, (msg["version"], self._arrivals, msg))
-            self._arrivals += 1
+        with self.gate:
+            for msg in self.queue.pop_many(self.lookahead, wait_s, should_stop=self.should_stop):
+                heapq.heappush(self._waiting, (msg["version"], self._arrivals, msg))
+                self._arrivals += 1
         if not self._waiting:
             raise TimeoutError(f"no {self.what} arrived on queue {self.queue.name!r} for "
                                f"{self.timeout_s:g} s: are the producers alive?")
@@ -75,14 +113,16 @@ class Scored:
     """Decode a message and score it: inline with ``reward``, or from the results a
     reward executor attached (``reward=None``)."""
 
-    def __init__(self, reward: CompositeReward | None, timeout_s: float | None = None) -> None:
-        self.reward, self.timeout_s = reward, timeout_s
+    def __init__(self, reward: CompositeReward | None, timeout_s: float | None = None,
+                 gate: Gate | None = None) -> None:
+        self.reward, self.timeout_s, self.gate = reward, timeout_s, gate or Gate()
 
     def __call__(self, msg: dict) -> list[Rollout]:
         group = group_from_message(msg)
         if self.reward is None:
             return attach_results(group, [RewardResult.from_dict(d) for d in msg["results"]])
-        results = score_rollouts(group, self.reward, self.timeout_s)
+        with self.gate:
+            results = score_rollouts(group, self.reward, self.timeout_s)
         return attach_results(group, results)
 
 
@@ -122,27 +162,38 @@ class StalenessFilter(BaseNode[list[Rollout]]):
         return {}
 
 
-def rollout_stream(queue: StoreQueue, *, reward: CompositeReward | None, reward_timeout_s: float | None,
-                   groups_per_batch: int, max_staleness: int, current_version: Callable[[], int],
-                   on_drop: Callable[[list[Rollout], int], None], normalize_std: bool,
-                   should_stop: Callable[[], bool], timeout_s: float, prefetch: int = 2) -> BaseNode:
-    """The graph above; ``next()`` gives a batch: a list of ``groups_per_batch`` groups."""
-    node: BaseNode = QueueSource(queue, timeout_s=timeout_s, should_stop=should_stop)
-    node = Mapper(node, Scored(reward, reward_timeout_s))
-    node = Prefetcher(node, prefetch_factor=prefetch)
-    node = Mapper(node, with_advantages(normalize_std))
-    node = StalenessFilter(node, max_staleness=max_staleness, current_version=current_version,
-                           on_drop=on_drop)
-    return Batcher(node, batch_size=groups_per_batch, drop_last=False)
+class RolloutStream:
+    """The graph above; ``next_batch()`` gives a batch: a list of ``groups_per_batch``
+    groups. Call ``close()`` before the process exits (see the module docstring)."""
+
+    def __init__(self, queue: StoreQueue, *, reward: CompositeReward | None, reward_timeout_s: float | None,
+                 groups_per_batch: int, max_staleness: int, current_version: Callable[[], int],
+                 on_drop: Callable[[list[Rollout], int], None], normalize_std: bool,
+                 should_stop: Callable[[], bool], timeout_s: float, prefetch: int = 2) -> None:
+        self.gate = Gate()
+        self.close_timeout_s = (reward_timeout_s or 0.0) + 30.0
+        node: BaseNode = QueueSource(queue, timeout_s=timeout_s, should_stop=should_stop, gate=self.gate)
+        node = Mapper(node, Scored(reward, reward_timeout_s, gate=self.gate))
+        node = Prefetcher(node, prefetch_factor=prefetch)
+        node = Mapper(node, with_advantages(normalize_std))
+        node = StalenessFilter(node, max_staleness=max_staleness, current_version=current_version,
+                               on_drop=on_drop)
+        self.root = Batcher(node, batch_size=groups_per_batch, drop_last=False)
+
+    def next_batch(self) -> list[list[Rollout]]:
+        """The next batch; the pipeline's stop becomes ``Stopped`` for the caller."""
+        if self.gate.is_closed():
+            raise Stopped("the rollout stream is closed")
+        try:
+            return next(self.root)
+        except StopIteration:
+            raise Stopped("the rollout stream ended") from None
+
+    def close(self) -> None:
+        """Stop the worker thread's stages and wait until none is inside a store call or a
+        reward. Safe to call twice."""
+        self.gate.close(self.close_timeout_s)
 
 
-def next_batch(stream: BaseNode) -> list[list[Rollout]]:
-    """``next(stream)`` that turns the pipeline's stop into ``Stopped`` for the caller."""
-    try:
-        return next(stream)
-    except StopIteration:
-        raise Stopped("the rollout stream ended") from None
-
-
-__all__ = ["QueueSource", "Scored", "StalenessFilter", "group_from_message", "next_batch",
-           "rollout_stream", "with_advantages", "attach_results"]
+__all__ = ["Gate", "QueueSource", "RolloutStream", "Scored", "StalenessFilter", "attach_results",
+           "group_from_message", "with_advantages"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import pytest
 from torchdata.nodes import IterableWrapper
@@ -11,7 +13,7 @@ from app.generator import group_message
 from app.rewards import Sample, build_reward
 from app.rl import Rollout
 from app.transport import Stopped, StoreQueue, decode, encode, host_store
-from pipelines.rollouts import QueueSource, StalenessFilter, group_from_message, next_batch, rollout_stream
+from pipelines.rollouts import Gate, QueueSource, RolloutStream, StalenessFilter, group_from_message
 
 SECRET = bytes(range(32))
 G = 4  # completions per group
@@ -126,12 +128,11 @@ def test_rollout_stream_scores_batches_and_filters(queue):
             message(4, 2, n_correct=0), message(5, 1, n_correct=4, replica=1)]
     for msg in sent:
         queue.push(msg, timeout_s=5)
-    stream = rollout_stream(queue, reward=build_reward("math_verifier"), reward_timeout_s=10.0,
-                            groups_per_batch=2, max_staleness=1, current_version=lambda: version["now"],
-                            on_drop=lambda g, lag: dropped.append((g[0].group, lag)),
-                            normalize_std=False, should_stop=never, timeout_s=5.0)
-    stream.reset()
-    batches = [next_batch(stream) for _ in range(2)]
+    stream = RolloutStream(queue, reward=build_reward("math_verifier"), reward_timeout_s=10.0,
+                           groups_per_batch=2, max_staleness=1, current_version=lambda: version["now"],
+                           on_drop=lambda g, lag: dropped.append((g[0].group, lag)),
+                           normalize_std=False, should_stop=never, timeout_s=5.0)
+    batches = [stream.next_batch() for _ in range(2)]
     assert all(len(b) == 2 for b in batches), "groups_per_batch groups per batch"
     groups = {g[0].group: g for b in batches for g in b}
     # Oldest version first: slot1 (v0, dropped), slot2 and slot5 (v1), then slot0 and slot3.
@@ -160,21 +161,60 @@ def test_rollout_stream_reads_scores_attached_by_a_reward_executor(queue):
                             for t in msg["texts"]])
     msg["results"] = [r.to_dict() for r in results]
     queue.push(msg, timeout_s=5)
-    stream = rollout_stream(queue, reward=None, reward_timeout_s=None, groups_per_batch=1,
-                            max_staleness=0, current_version=lambda: 0, on_drop=lambda g, lag: None,
-                            normalize_std=True, should_stop=never, timeout_s=5.0)
-    stream.reset()
-    (group,) = next_batch(stream)
+    stream = RolloutStream(queue, reward=None, reward_timeout_s=None, groups_per_batch=1,
+                           max_staleness=0, current_version=lambda: 0, on_drop=lambda g, lag: None,
+                           normalize_std=True, should_stop=never, timeout_s=5.0)
+    (group,) = stream.next_batch()
     assert [r.reward for r in group] == [1.0, 1.0, 0.0, 0.0]
     # normalize_std: (r - mean) / std with the population std (0.5 here)
     assert [r.advantage for r in group] == pytest.approx([1.0, 1.0, -1.0, -1.0], abs=1e-4)
 
 
 def test_rollout_stream_surfaces_a_silent_queue(queue):
-    stream = rollout_stream(queue, reward=build_reward("math_verifier"), reward_timeout_s=10.0,
-                            groups_per_batch=2, max_staleness=1, current_version=lambda: 0,
-                            on_drop=lambda g, lag: None, normalize_std=False, should_stop=never,
-                            timeout_s=0.3)
-    stream.reset()
+    stream = RolloutStream(queue, reward=build_reward("math_verifier"), reward_timeout_s=10.0,
+                           groups_per_batch=2, max_staleness=1, current_version=lambda: 0,
+                           on_drop=lambda g, lag: None, normalize_std=False, should_stop=never,
+                           timeout_s=0.3)
     with pytest.raises(TimeoutError, match="rollouts"):
-        next_batch(stream)
+        stream.next_batch()
+
+
+# --------------------------------------------------------------------------- closing the stream
+
+def test_closing_the_stream_stops_its_worker_thread_polling_the_store(queue):
+    """After close() the prefetcher's daemon thread never touches the store again (one
+    caught inside a store call at interpreter exit aborts the process)."""
+    stream = RolloutStream(queue, reward=build_reward("math_verifier"), reward_timeout_s=1.0,
+                           groups_per_batch=1, max_staleness=0, current_version=lambda: 0,
+                           on_drop=lambda g, lag: None, normalize_std=False, should_stop=never,
+                           timeout_s=600.0)
+    queue.push(message(0, 0, n_correct=1), timeout_s=5)
+    stream.next_batch()  # the worker thread now waits on the empty queue for up to 600 s
+    stream.close()
+    stream.close()  # twice is fine
+    queue.push(message(1, 0, n_correct=1), timeout_s=5)
+    time.sleep(0.3)  # ample time for a live poller (it polls every <= 10 ms) to take it
+    assert queue.depth() == 1, "a closed stream popped a message"
+    with pytest.raises(Stopped, match="closed"):
+        stream.next_batch()
+
+
+def test_gate_waits_for_the_stage_inside_it_and_then_stays_shut():
+    gate, inside, release = Gate(), threading.Event(), threading.Event()
+
+    def stage() -> None:
+        with gate:
+            inside.set()
+            release.wait(30)
+
+    worker = threading.Thread(target=stage)
+    worker.start()
+    inside.wait(30)
+    with pytest.raises(TimeoutError, match="still busy"):
+        gate.close(timeout_s=0.1)  # the stage is still inside
+    release.set()
+    gate.close(timeout_s=30)
+    worker.join(30)
+    with pytest.raises(StopIteration):
+        with gate:
+            pass
