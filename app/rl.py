@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from app import losses, tasks
 from app.policy import encode_prompts
 from app.rewards import CompositeReward, RewardResult, Sample
-from app.sampler import SamplingParams, sample
+from app.sampler import SamplingParams, cache_kwarg, sample
 
 
 @dataclass
@@ -78,9 +78,9 @@ def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_
         p_ids[u, P - len(p):] = torch.tensor(p, device=device)
         p_mask[u, P - len(p):] = 1
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, past_key_values=cache,
-                use_cache=True)
+    cache, cache_arg = DynamicCache(), cache_kwarg(model)
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
+                **{cache_arg: cache})
     first_BV = out.logits[:, -1][row_prompt]  # predicts each completion's first token
 
     T = max(len(r.completion_ids) for r in rollouts)
@@ -95,7 +95,7 @@ def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_
         attn = torch.cat([p_mask[row_prompt], mask[:, :-1].long()], dim=-1)
         pos = p_pos[row_prompt][:, -1:] + 1 + torch.arange(T - 1, device=device)
         rest = model(input_ids=targets[:, :-1], attention_mask=attn, position_ids=pos,
-                     past_key_values=cache, use_cache=True).logits
+                     use_cache=True, **{cache_arg: cache}).logits
         logits_BTV = torch.cat([logits_BTV, rest], dim=1)
     logits_BTV = logits_BTV.float() / (temperature if temperature > 0 else 1.0)
     logp_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, targets[:, :, None]).squeeze(-1)

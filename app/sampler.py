@@ -304,8 +304,9 @@ def prefill_groups(lengths: list[int], call_cost_tokens: int = PREFILL_CALL_COST
     return groups[::-1]
 
 
-def _cache_kwarg(model: PreTrainedModel) -> str:
-    """transformers 5 renamed ``past_key_values`` to ``cache``."""
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The name of the forward argument that takes a KV cache: transformers 5 renamed
+    ``past_key_values`` to ``cache`` (and warns on the old name)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -321,7 +322,7 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device
 
 
 def _prefill(model: PreTrainedModel, prompts: list[list[int]], *, pad_id: int, capacity: int,
-             cache_kwarg: str
+             cache_arg: str
              ) -> tuple[DynamicCache, bool, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run ``prompts`` (left-padded to a common length P) through ``model``.
 
@@ -339,7 +340,7 @@ def _prefill(model: PreTrainedModel, prompts: list[list[int]], *, pad_id: int, c
               else [list(range(U))])
     if len(groups) == 1:
         out = model(input_ids=ids_UP, attention_mask=valid_UP.long(), position_ids=positions_UP,
-                    use_cache=True, logits_to_keep=1, **{cache_kwarg: cache})
+                    use_cache=True, logits_to_keep=1, **{cache_arg: cache})
         return cache, fast, out.logits[:, -1], valid_UP, positions_UP
     logits_UV = None
     for group in groups:
@@ -349,7 +350,7 @@ def _prefill(model: PreTrainedModel, prompts: list[list[int]], *, pad_id: int, c
         cols = slice(P - P_g, P)  # the group's prompts all fit in the last P_g columns
         out = model(input_ids=ids_UP[rows, cols], attention_mask=valid_UP[rows, cols].long(),
                     position_ids=positions_UP[rows, cols], use_cache=True, logits_to_keep=1,
-                    **{cache_kwarg: part})
+                    **{cache_arg: part})
         if logits_UV is None:
             logits_UV = out.logits.new_empty((U, out.logits.shape[-1]))
         logits_UV[rows] = out.logits[:, -1]
@@ -373,10 +374,10 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingPar
     distinct: dict[tuple[int, ...], int] = {}
     src_B = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts],
                          device=device)
-    cache_kwarg = _cache_kwarg(model)
+    cache_arg = cache_kwarg(model)
     P = max(len(p) for p in prompts)
     cache, fast, logits_RV, valid_UP, positions_UP = _prefill(
-        model, [list(p) for p in distinct], pad_id=pad_id, capacity=P + T, cache_kwarg=cache_kwarg)
+        model, [list(p) for p in distinct], pad_id=pad_id, capacity=P + T, cache_arg=cache_arg)
     if len(distinct) < B:
         cache.batch_select_indices(src_B)
         logits_RV = logits_RV[src_B]
@@ -419,7 +420,7 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingPar
             if mask is None:
                 mask = valid_RL[:, : P + t + 1].long()
             out = model(input_ids=tok_R[:, None], attention_mask=mask, position_ids=next_pos_R1,
-                        use_cache=True, **{cache_kwarg: cache})
+                        use_cache=True, **{cache_arg: cache})
             logits_RV = out.logits[:, -1]
         next_pos_R1 = next_pos_R1 + 1
     return Samples(tokens_BT=tokens_BT, logprobs_BT=logprobs_BT, lengths_B=lengths_B)

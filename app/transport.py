@@ -279,7 +279,7 @@ def _sleep_or_stop(delay_s: float, should_stop: Callable[[], bool] | None, what:
     time.sleep(delay_s)
 
 
-class _Backoff:
+class Backoff:
     """Poll delays: quick first checks for latency, then longer sleeps to spare the CPU."""
 
     def __init__(self, first_s: float = 0.0005, max_s: float = 0.01) -> None:
@@ -316,7 +316,7 @@ class StoreQueue:
             raise ValueError(f"queue {self.name!r}: a {len(frame)}-byte message exceeds the "
                              f"control store's limit of {MAX_FRAME_BYTES} bytes per value")
         deadline = time.monotonic() + timeout_s
-        backoff = _Backoff()
+        backoff = Backoff()
         while (depth := self.depth()) >= self.maxlen:
             if time.monotonic() >= deadline:
                 raise TimeoutError(
@@ -329,7 +329,7 @@ class StoreQueue:
             should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
         """The oldest message, or ``None`` if none arrived within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        backoff = _Backoff()
+        backoff = Backoff()
         while True:
             frame = self._try_pop()
             if frame is not None:
@@ -442,7 +442,7 @@ class Control:
                          should_stop: Callable[[], bool] | None = None) -> list[str]:
         """Wait until replicas ``0..n-1`` of each role in ``expected`` have registered."""
         deadline = time.monotonic() + timeout_s
-        backoff = _Backoff(first_s=0.005, max_s=0.1)
+        backoff = Backoff(first_s=0.005, max_s=0.1)
         while True:
             present = set(self.members())
             missing = [Keys.member(role, r) for role, n in expected.items() for r in range(n)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from app.transport import Stopped
+from app.transport import Backoff, Stopped
 
 __all__ = [
     "SyncStats",
@@ -323,7 +323,11 @@ def _handshake(group: WeightGroup, layout: _Layout) -> None:
 # --------------------------------------------------------------------------- sender
 
 _ANNOUNCE_KEY = "syncs"
-_WAKE_S = 0.05  # a receiver blocked on the next announcement checks for stop this often
+# A receiver waiting for the next announcement polls the store at most this far apart:
+# the most a sync can start late. (A blocking ``store.wait`` with a short timeout would
+# react sooner but c10d logs two warnings for every wait that times out: 40 lines a
+# second per idle generator.)
+_POLL_MAX_S = 0.005
 
 
 def _announce_key(sync: int) -> str:
@@ -461,22 +465,16 @@ class WeightReceiver:
     # -- receiving -----------------------------------------------------------------------
     def _wait_announced(self, timeout_s: float | None,
                         should_stop: Callable[[], bool] | None) -> None:
-        # store.wait wakes up the moment the trainer sets the key (polling would add its
-        # sleep to every sync); the short wait timeout keeps stop requests responsive.
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         key = _announce_key(self.group.syncs + 1)
-        while True:
+        backoff = Backoff(max_s=_POLL_MAX_S)
+        while not self.group.store.check([key]):
             if self._stop.is_set() or (should_stop is not None and should_stop()):
                 raise _StopReceiving()
-            left = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.monotonic())
-            if left <= 0:
+            if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"weight sync: no new version announced by the trainer within "
                                    f"{timeout_s:g} s (last received: {self._front_version})")
-            try:
-                self.group.store.wait([key], datetime.timedelta(seconds=left))
-                return
-            except dist.DistStoreError:  # timed out: look at the stop flags again
-                continue
+            time.sleep(backoff.next())
 
     def _receive_into(self, buffers: list[torch.Tensor]) -> SyncStats:
         g, layout = self.group, self.layout
