@@ -31,6 +31,7 @@ ROLLOUTS, SCORED, METRICS = "rollouts", "scored", "metrics"
 METRICS_MAXLEN = 4096
 GROUPS_MAXLEN = 256  # rollout groups per queue; the staleness budget usually binds first
 HEARTBEAT_S = 1.0
+STOP_CHECK_S = 0.05  # how stale a "keep going" answer of should_stop may be
 EXITED_KEY = "llamarl/exited/"
 POLICY_KEY = "llamarl/policy_path"
 RESERVED_KEY = "llamarl/groups_reserved"
@@ -84,6 +85,7 @@ class Runtime:
     _beating: threading.Event = field(default_factory=threading.Event)
     _pending_metrics: list[dict[str, Any]] = field(default_factory=list)
     _heart: threading.Thread | None = None
+    _stop_seen: tuple[float, bool] = (float("-inf"), False)  # (monotonic time, stopped)
 
     @classmethod
     def join(cls, role: str, replica: int, store: dist.TCPStore) -> "Runtime":
@@ -106,7 +108,14 @@ class Runtime:
                 return
 
     def should_stop(self) -> bool:
-        return self.control.stopped()
+        """Whether the run is ending: a store round trip at most every ``STOP_CHECK_S``
+        (every poll loop of every thread asks; the answer is cached in between)."""
+        checked_at, stopped = self._stop_seen
+        if stopped or time.monotonic() - checked_at < STOP_CHECK_S:
+            return stopped
+        stopped = self.control.stopped()
+        self._stop_seen = (time.monotonic(), stopped)  # one tuple: safe across threads
+        return stopped
 
     def emit(self, events: list[dict[str, Any]], *, flush: bool = False) -> None:
         """Queue metric events for trainer replica 0 (sent in batches)."""

@@ -328,8 +328,6 @@ _ANNOUNCE_KEY = "syncs"
 # react sooner but c10d logs two warnings for every wait that times out: 40 lines a
 # second per idle generator.)
 _POLL_MAX_S = 0.005
-# The stop flags (one of them a store round trip) are looked at less often than the key.
-_STOP_CHECK_S = 0.05
 
 
 def _announce_key(sync: int) -> str:
@@ -470,14 +468,9 @@ class WeightReceiver:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         key = _announce_key(self.group.syncs + 1)
         backoff = Backoff(max_s=_POLL_MAX_S)
-        next_stop_check = 0.0
         while not self.group.store.check([key]):
-            if self._stop.is_set():
+            if self._stop.is_set() or (should_stop is not None and should_stop()):
                 raise _StopReceiving()
-            if should_stop is not None and time.monotonic() >= next_stop_check:
-                if should_stop():
-                    raise _StopReceiving()
-                next_stop_check = time.monotonic() + _STOP_CHECK_S
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"weight sync: no new version announced by the trainer within "
                                    f"{timeout_s:g} s (last received: {self._front_version})")

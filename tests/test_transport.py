@@ -321,3 +321,26 @@ def test_control_members_heartbeats_and_failures(store):
     assert "reward/0" in trainer.dead_members(max_age_s=60)
     with pytest.raises(ValueError):
         peers.register("bad/role", 0)
+
+
+def test_runtime_should_stop_sees_a_stop_and_spares_the_store(store, monkeypatch):
+    """Every poll loop of every thread asks should_stop: the answer comes from the store
+    at most every STOP_CHECK_S, and a stop is seen within that time and then for good."""
+    from app import runtime
+
+    rt = runtime.Runtime(role="generator", replica=0, store=store, control=Control(store), secret=SECRET)
+    round_trips = []
+    real_stopped = rt.control.stopped
+    monkeypatch.setattr(rt.control, "stopped", lambda: round_trips.append(1) or real_stopped())
+
+    t0 = time.monotonic()
+    for _ in range(2000):
+        assert rt.should_stop() is False
+    elapsed = time.monotonic() - t0
+    assert len(round_trips) <= 2 + elapsed / runtime.STOP_CHECK_S
+
+    Control(store).request_stop("finished")
+    time.sleep(runtime.STOP_CHECK_S)
+    assert rt.should_stop() is True
+    calls = len(round_trips)
+    assert all(rt.should_stop() for _ in range(100)) and len(round_trips) == calls
