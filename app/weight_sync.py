@@ -276,7 +276,7 @@ def _joined(spans: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     """Consecutive bucket spans of one storage as one 1-d view, else None."""
     if any(span is None for span in spans):
         return None
-    first, last = spans[0], spans[-1]
+    first = spans[0]
     ptr = first.untyped_storage().data_ptr()
     offset = first.storage_offset()
     for span in spans:

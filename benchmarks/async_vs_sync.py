@@ -110,20 +110,16 @@ def main() -> None:
     pairs = [(summarise(launch("sync", 0, args)), summarise(launch("async", 1, args)))
              for _ in range(args.pairs)]
 
-    def median(key: str, mode: int) -> float:
-        return statistics.median(p[mode][key] for p in pairs)
-
-    def median_idle(mode: int) -> dict[str, float]:
-        roles = sorted({r for p in pairs for r in p[mode]["idle"]})
-        return {r: statistics.median(p[mode]["idle"].get(r, 0.0) for p in pairs) for r in roles}
+    def across_pairs(mode: int) -> dict:
+        """One mode's figures: the median over the pairs of each."""
+        runs = [p[mode] for p in pairs]
+        roles = sorted({r for run in runs for r in run["idle"]})
+        return {**{k: statistics.median(run[k] for run in runs) for k in ("median_step_s", "acc", "mean_staleness")},
+                "trained_samples": runs[0]["trained_samples"],
+                "idle": {r: statistics.median(run["idle"].get(r, 0.0) for run in runs) for r in roles}}
 
     speedups = [s["median_step_s"] / a["median_step_s"] for s, a in pairs]
-    sync = {"median_step_s": median("median_step_s", 0), "acc": median("acc", 0),
-            "trained_samples": pairs[0][0]["trained_samples"], "mean_staleness": median("mean_staleness", 0),
-            "idle": median_idle(0)}
-    async_ = {"median_step_s": median("median_step_s", 1), "acc": median("acc", 1),
-              "trained_samples": pairs[0][1]["trained_samples"], "mean_staleness": median("mean_staleness", 1),
-              "idle": median_idle(1)}
+    sync, async_ = across_pairs(0), across_pairs(1)
     result = {
         "sync_step_s": sync["median_step_s"], "async_step_s": async_["median_step_s"],
         "speedup": statistics.median(speedups), "pair_speedups": speedups,
