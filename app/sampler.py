@@ -6,19 +6,21 @@ and top-p), which the trainer uses as the behaviour policy mu in AIPO.
 
 Speed comes from doing less per step than ``generate``:
 
-- the KV cache is preallocated once (``KVBufferLayer``) and written in place, instead of
-  ``DynamicCache`` concatenating every layer's keys and values at every step;
-- the decode-step attention mask is a view of one preallocated buffer handed to the
-  model as a ready 4D mask, so the model skips building a mask each step;
+- the KV cache is preallocated (``KVBufferLayer``) and written in place, instead of
+  ``DynamicCache`` concatenating every layer's keys and values at every step; on CPU its
+  storage is lent from one buffer that outlives the call (``ReusedStorage``), because
+  fresh memory costs a page fault per 4 KiB on first touch;
 - rows that have finished (EOS) leave the batch and the cache, so a batch costs what its
-  live rows cost; compaction copies the cache, so it waits until a quarter of the rows
-  are done rather than copying on every single EOS;
-- for Llama-architecture models, a decode step runs straight from the weights
-  (``LlamaDecodeStep``: fused q/k/v and gate/up matmuls, no module or kwargs plumbing),
-  which halves the per-step fixed cost that dominates small models; the prefill still
-  runs through the model's own forward;
-- prompts of very different lengths are prefilled in length groups, so short prompts
-  are not padded to the longest one;
+  live rows cost; leaving copies the cache (into spare buffers that then swap roles), so
+  it waits until a quarter of the rows are done rather than copying on every single EOS;
+- for Llama-architecture models, prefill and decode run straight from the weights
+  (``LlamaFastPath``): fused matmuls, norm weights and the attention scale folded into
+  them, a packed prefill with no padding in any matmul, and a last layer that runs its
+  MLP only for the token whose logits are wanted. This halves the per-step fixed cost
+  (module calls, kwargs plumbing, masks, temporaries) that dominates small models;
+- other models run their own forward with a ready 4D decode mask, and prompts of very
+  different lengths are prefilled in length groups, so short prompts are not padded to
+  the longest one;
 - a token is drawn by inverting the CDF with one uniform number per row, not by
   ``torch.multinomial``'s one exponential per vocabulary entry;
 - identical prompts (RL samples each prompt G times) are prefilled once, and their cache
@@ -30,7 +32,11 @@ keep HF's ``DynamicCache`` and 2D masks: slower, still correct.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import math
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +49,46 @@ COMPACT_WHEN_DONE = 0.25
 # What one more prefill forward costs, in padded prompt tokens (a few ms of fixed cost):
 # prompts are prefilled in length groups when that saves more padding than this.
 PREFILL_CALL_COST_TOKENS = 64
+
+
+class ReusedStorage:
+    """One buffer lent to one ``sample`` call at a time, instead of fresh memory per call.
+
+    Fresh CPU memory costs a page fault per 4 KiB on its first touch, and the KV cache of
+    a batch is megabytes: on a small VM the faults alone were ~5% of a ``sample`` call.
+    CUDA's caching allocator already reuses freed blocks, so only CPU buffers are kept.
+    A call that finds the buffer lent out (a second thread sampling) gets fresh memory.
+    The buffer grows to the largest request and is kept for the process's lifetime.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buf: torch.Tensor | None = None
+        self._lent = False
+
+    @contextlib.contextmanager
+    def lend(self, shape: tuple[int, ...] | None, dtype: torch.dtype, device: torch.device
+             ) -> Iterator[torch.Tensor | None]:
+        """A tensor of ``shape`` (uninitialised), or None when ``shape`` is None."""
+        if shape is None:
+            yield None
+            return
+        numel, buf = math.prod(shape), None
+        with self._lock:
+            if device.type == "cpu" and not self._lent:
+                if self._buf is None or self._buf.numel() < numel or self._buf.dtype != dtype:
+                    self._buf = torch.empty(numel, dtype=dtype)
+                buf, self._lent = self._buf, True
+        try:
+            yield (buf[:numel].view(shape) if buf is not None
+                   else torch.empty(shape, dtype=dtype, device=device))
+        finally:
+            if buf is not None:
+                with self._lock:
+                    self._lent = False
+
+
+KV_STORAGE = ReusedStorage()
 
 
 @dataclass(kw_only=True)
@@ -117,20 +163,33 @@ class KVBufferLayer(DynamicLayer):
 
     Behaves like ``DynamicLayer`` for the model (``keys``/``values`` are the filled part)
     but never concatenates: ``update`` copies the new states into the next free slots.
+    It holds two pairs of key/value buffers: the current one, and a spare that row
+    selection (dropping finished rows, fanning a prompt out to its G samples) gathers
+    into before the two swap roles: one copy per selection, no fresh memory.
     """
 
     is_croppable = False
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, storage: torch.Tensor | None = None) -> None:
+        """``storage``, if given, is ``(2, 2, rows, kv_heads, capacity, head_dim)``:
+        [current, spare] x [keys, values], used instead of fresh memory when it fits."""
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self._storage = storage
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # full-row buffers
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         B, H = key_states.shape[:2]
-        self.key_buf = key_states.new_empty((B, H, self.capacity, key_states.shape[-1]))
-        self.value_buf = value_states.new_empty((B, H, self.capacity, value_states.shape[-1]))
+        st = self._storage
+        if st is not None and st.shape[2] >= B and st.shape[3:] == (H, self.capacity,
+                                                                     key_states.shape[-1]):
+            self._pairs = [(st[0, 0], st[0, 1]), (st[1, 0], st[1, 1])]
+        else:
+            self._pairs = [(key_states.new_empty((B, H, self.capacity, key_states.shape[-1])),
+                            value_states.new_empty((B, H, self.capacity, value_states.shape[-1])))]
+        self.key_buf, self.value_buf = (buf[:B] for buf in self._pairs[0])
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -150,19 +209,20 @@ class KVBufferLayer(DynamicLayer):
         return self.length
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep (or repeat) rows ``indices``; only the filled positions are copied, and
-        into the same storage when the batch shrinks (fresh memory costs page faults)."""
+        """Keep (or repeat) rows ``indices``: gathered into the spare buffers (only the
+        filled positions), which become the current ones."""
         if not self.is_initialized:
             return
-        for name in ("key_buf", "value_buf"):
-            old = getattr(self, name)
-            kept = old[indices, :, : self.length]
-            new = old[: len(indices)] if len(indices) <= old.shape[0] else old.new_empty(
-                (len(indices), *old.shape[1:]))
-            new[:, :, : self.length] = kept
-            setattr(self, name, new)
-        self.keys = self.key_buf[:, :, : self.length]
-        self.values = self.value_buf[:, :, : self.length]
+        n, end = len(indices), self.length
+        if len(self._pairs) == 1:
+            self._pairs.append(tuple(torch.empty_like(buf) for buf in self._pairs[0]))
+        if n > self._pairs[1][0].shape[0]:
+            self._pairs[1] = tuple(buf.new_empty((n, *buf.shape[1:])) for buf in self._pairs[1])
+        for old, spare in zip((self.key_buf, self.value_buf), self._pairs[1]):
+            torch.index_select(old[:, :, :end], 0, indices, out=spare[:n, :, :end])
+        self._pairs.reverse()
+        self.key_buf, self.value_buf = (buf[:n] for buf in self._pairs[0])
+        self.keys, self.values = self.key_buf[:, :, :end], self.value_buf[:, :, :end]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
@@ -178,6 +238,7 @@ class KVBufferLayer(DynamicLayer):
             D_v = part.value_buf.shape[-1]
             self.key_buf = part.key_buf.new_empty((n_rows, H, self.capacity, D))
             self.value_buf = part.value_buf.new_empty((n_rows, H, self.capacity, D_v))
+            self._pairs = [(self.key_buf, self.value_buf)]
             # Zeros, not garbage, where groups leave gaps: those positions are masked, but
             # attention still multiplies their values by 0, and 0 * NaN is NaN.
             self.key_buf[:, :, :end].zero_()
@@ -192,77 +253,187 @@ class KVBufferLayer(DynamicLayer):
         raise NotImplementedError("KVBufferLayer is for sampling only")
 
 
-class LlamaDecodeStep:
-    """One decode step of a Llama-architecture model, computed straight from its weights.
+# Rotary types whose cos/sin at a position do not depend on the sequence length, so one
+# table per call serves prefill and every decode step ("dynamic" and "longrope" rescale
+# with the length seen so far).
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
-    At this project's model sizes a decode step is mostly per-op fixed cost, and HF's
-    forward spends about as much again in Python (module calls, kwargs plumbing, mask and
-    output bookkeeping). This does the same math in fewer ops: q/k/v and gate/up each as
-    one matmul over weights concatenated when the step is built (a copy of those weights
-    for the duration of one ``sample`` call), ``F.rms_norm``, rotary on q and k at once,
-    SDPA. Log-probs agree with the model's own forward to ~1e-6. It only runs for
-    configs it knows (``supports``), on a cache of ``KVBufferLayer``s filled by the
-    model's own prefill.
+
+def _rope_type(config) -> str:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    return (rope or {}).get("rope_type", "default")
+
+
+class LlamaFastPath:
+    """Prefill and decode steps of a Llama-architecture model, computed straight from its
+    weights.
+
+    At this project's model sizes HF's forward spends about as long in Python (module
+    calls, kwargs plumbing, mask and output bookkeeping) and in fresh allocations as in
+    arithmetic. This does the same math with fewer ops and fewer temporaries:
+
+    - q/k/v and gate/up are one matmul each, over weights concatenated when the path is
+      built (a copy of those weights for the duration of one ``sample`` call); residual
+      adds are fused into the matmuls (``addmm_``), SiLU and the gate product run in place;
+    - rotary cos/sin are computed once per call for every position, then looked up;
+    - the prefill packs the prompts (no padding in any matmul) and pads only for
+      attention, right-padded so that plain causal attention needs no mask;
+    - past the last layer's keys and values, only each prompt's last token matters, so
+      the last layer's attention output, o-projection and MLP run for those tokens only;
+    - decode attention is two batched matmuls with the kv heads as the batch and each kv
+      head's group of query heads as the rows (GQA without repeating keys and values).
+
+    Log-probs agree with the model's own forward to ~1e-6. It only runs for configs it
+    knows (``supports``), on a cache of ``KVBufferLayer``s.
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, max_positions: int) -> None:
         cfg, body = model.config, model.model
         self.model = model
         self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = body.layers[0].self_attn.head_dim
         self.scaling = body.layers[0].self_attn.scaling
         self.eps = cfg.rms_norm_eps
+        # Norm weights scale the inputs of the matmul that follows, and the attention
+        # scale commutes with rotary: both are folded into the (copied) weights.
         self.layers = []
         for layer in body.layers[: cfg.num_hidden_layers]:
             attn, mlp = layer.self_attn, layer.mlp
+            w_qkv = torch.cat([attn.q_proj.weight * self.scaling, attn.k_proj.weight,
+                               attn.v_proj.weight])
+            w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
             self.layers.append((
-                layer.input_layernorm.weight,
-                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                attn.o_proj.weight,
-                layer.post_attention_layernorm.weight,
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                mlp.down_proj.weight,
+                (w_qkv * layer.input_layernorm.weight).t(),
+                attn.o_proj.weight.t(),
+                (w_gate_up * layer.post_attention_layernorm.weight).t(),
+                mlp.down_proj.weight.t(),
             ))
+        self.w_head = (model.lm_head.weight * body.norm.weight).t()
+        D = self.head_dim
+        weight = body.embed_tokens.weight
+        positions_1L = torch.arange(max_positions, device=weight.device)[None]
+        cos_1LD, sin_1LD = body.rotary_emb(weight[:1, None], positions_1L)
+        self.cos_LD = cos_1LD[0].to(weight.dtype)
+        # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated)
+        self.sin_LD = torch.cat([-sin_1LD[0, :, : D // 2], sin_1LD[0, :, D // 2:]], -1).to(weight.dtype)
+
+    def storage_shape(self, rows: int, capacity: int) -> tuple[int, ...]:
+        """The cache's storage for ``rows`` rows: [current, spare] x [keys, values] x
+        layers x rows x kv heads x ``capacity`` positions x head dim."""
+        return (2, 2, len(self.layers), rows, self.n_kv_heads, capacity, self.head_dim)
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
         cfg = model.config
         return (cfg.model_type == "llama" and cfg.hidden_act == "silu" and not cfg.mlp_bias
-                and not cfg.attention_bias and getattr(cfg, "pretraining_tp", 1) == 1)
+                and not cfg.attention_bias and getattr(cfg, "pretraining_tp", 1) == 1
+                and getattr(model.lm_head, "bias", None) is None
+                and _rope_type(cfg) in STATIC_ROPE_TYPES)
 
-    def __call__(self, tok_R: torch.Tensor, pos_R1: torch.Tensor, cache: DynamicCache,
-                 mask_R11L: torch.Tensor) -> torch.Tensor:
-        """Logits ``(R, V)`` of the token after ``tok_R`` (at positions ``pos_R1``);
-        appends the step's keys and values to ``cache``."""
-        body = self.model.model
+    def _norm(self, x_NE: torch.Tensor) -> torch.Tensor:
+        """RMS norm without its weight (folded into the next matmul's)."""
+        return x_NE * torch.rsqrt(x_NE.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def _rotary(self, pos_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos_LD[pos_N, None], self.sin_LD[pos_N, None]
+
+    def _rotate(self, qk_NXD: torch.Tensor, cos_N1D: torch.Tensor, sin_N1D: torch.Tensor
+                ) -> torch.Tensor:
+        return torch.addcmul(qk_NXD * cos_N1D, qk_NXD.roll(self.head_dim // 2, -1), sin_N1D)
+
+    def _mlp_(self, h_NE: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+        """``h_NE += MLP(norm(h_NE))``, in place."""
+        gate_up_NI = torch.mm(self._norm(h_NE), w_gate_up)
+        half = gate_up_NI.shape[-1] // 2
+        act_NI = F.silu(gate_up_NI[:, :half], inplace=True).mul_(gate_up_NI[:, half:])
+        h_NE.addmm_(act_NI, w_down)
+
+    def prefill(self, prompts: list[list[int]], cache: DynamicCache
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fill ``cache`` with ``prompts`` (U of them, right-padded to the longest, P).
+
+        Returns the next-token logits ``(U, V)``, ``valid_UP`` (True on prompt tokens) and
+        each prompt's next position ``(U, 1)``."""
+        device = self.cos_LD.device
+        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
+        U = len(prompts)
+        lengths_U = torch.tensor([len(p) for p in prompts])
+        P = int(lengths_U.max())
+        starts_U = lengths_U.cumsum(0) - lengths_U
+        N = int(lengths_U.sum())
+        pos_N = torch.arange(N) - starts_U.repeat_interleave(lengths_U)
+        slot_N = (torch.arange(U).repeat_interleave(lengths_U) * P + pos_N).to(device)
+        pos_N, last_U = pos_N.to(device), (starts_U + lengths_U - 1).to(device)
+        valid_UP = (torch.arange(P)[None, :] < lengths_U[:, None]).to(device)
+
+        ids_N = torch.tensor([tok for p in prompts for tok in p], device=device)
+        h_NE = self.model.model.embed_tokens(ids_N)
+        # Zeros where padding is: padded keys and values are attended with weight 0 only
+        # after the mask, and 0 * garbage can be NaN.
+        qkv_pad = h_NE.new_zeros((U * P, H + 2 * K, D))
+        rotary = self._rotary(pos_N)
+        for i, ((w_qkv, w_o, w_gate_up, w_down), kv) in enumerate(zip(self.layers, cache.layers)):
+            qkv_NXD = torch.mm(self._norm(h_NE), w_qkv).view(N, H + 2 * K, D)
+            qkv_NXD[:, : H + K] = self._rotate(qkv_NXD[:, : H + K], *rotary)
+            qkv_pad[slot_N] = qkv_NXD
+            qkv_UXPD = qkv_pad.view(U, P, H + 2 * K, D).transpose(1, 2)
+            k_UKPD, v_UKPD = kv.update(qkv_UXPD[:, H: H + K], qkv_UXPD[:, H + K:])
+            if i + 1 < len(self.layers):
+                o_UHPD = F.scaled_dot_product_attention(
+                    qkv_UXPD[:, :H], k_UKPD, v_UKPD, is_causal=True, scale=1.0,
+                    enable_gqa=H != K)
+                o_NE = o_UHPD.transpose(1, 2).reshape(U * P, H * D)[slot_N]
+            else:  # what follows only feeds the logits: the last token of each prompt
+                h_NE = h_NE[last_U]
+                o_NE = self._attend(qkv_NXD[last_U, :H], k_UKPD, v_UKPD,
+                                    self.mask_bias(valid_UP))
+            h_NE.addmm_(o_NE, w_o)
+            self._mlp_(h_NE, w_gate_up, w_down)
+        logits_UV = torch.mm(self._norm(h_NE), self.w_head)
+        return logits_UV, valid_UP, lengths_U[:, None].to(device)
+
+    def mask_bias(self, valid_RL: torch.Tensor) -> torch.Tensor:
+        """Additive attention bias ``(R, 1, 1, L)``: 0 where valid, -inf elsewhere."""
+        bias_RL = torch.zeros(valid_RL.shape, dtype=self.cos_LD.dtype, device=valid_RL.device)
+        return bias_RL.masked_fill_(~valid_RL, float("-inf"))[:, None, None, :]
+
+    def _attend(self, q_RHD: torch.Tensor, k_RKLD: torch.Tensor, v_RKLD: torch.Tensor,
+                bias_R11L: torch.Tensor) -> torch.Tensor:
+        """One query per row: ``(R, H*D)``; query heads grouped under their kv head."""
+        R, H, D = q_RHD.shape
+        K = k_RKLD.shape[1]
+        q_RKGD = q_RHD.reshape(R, K, H // K, D)
+        scores_RKGL = torch.matmul(q_RKGD, k_RKLD.transpose(-1, -2))  # q carries the scale
+        probs_RKGL = scores_RKGL.add_(bias_R11L).softmax(-1)
+        return torch.matmul(probs_RKGL, v_RKLD).view(R, H * D)
+
+    def decode(self, tok_R: torch.Tensor, pos_R: torch.Tensor, cache: DynamicCache,
+               bias_R11L: torch.Tensor) -> torch.Tensor:
+        """Logits ``(R, V)`` of the token after ``tok_R`` (at positions ``pos_R``); appends
+        the step's keys and values to ``cache``. ``bias_R11L`` masks the cache (see
+        ``mask_bias``), this step's position included."""
         R, H, K, D = tok_R.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
-        h_RE = body.embed_tokens(tok_R)
-        E = (h_RE.shape[-1],)
-        cos_R1D, sin_R1D = (x.view(R, 1, D) for x in body.rotary_emb(h_RE, pos_R1))
-        # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated)
-        sin_R1D = torch.cat([-sin_R1D[..., : D // 2], sin_R1D[..., D // 2:]], dim=-1)
-        for (w_norm1, w_qkv, w_o, w_norm2, w_gate_up, w_down), kv in zip(self.layers, cache.layers):
-            qkv_RND = F.linear(F.rms_norm(h_RE, E, w_norm1, self.eps), w_qkv).view(R, H + 2 * K, D)
-            qk_RND = qkv_RND[:, : H + K]
-            qk_RND = torch.addcmul(qk_RND * cos_R1D, qk_RND.roll(D // 2, -1), sin_R1D)
-            k_RKLD, v_RKLD = kv.update(qk_RND[:, H:, None], qkv_RND[:, H + K:, None])
-            o_RH1D = F.scaled_dot_product_attention(qk_RND[:, :H, None], k_RKLD, v_RKLD,
-                                                    attn_mask=mask_R11L, scale=self.scaling,
-                                                    enable_gqa=H != K)
-            h_RE = h_RE + F.linear(o_RH1D.reshape(R, H * D), w_o)
-            x_RE = F.rms_norm(h_RE, E, w_norm2, self.eps)
-            gate_RI, up_RI = F.linear(x_RE, w_gate_up).chunk(2, -1)
-            h_RE = h_RE + F.linear(F.silu(gate_RI) * up_RI, w_down)
-        return self.model.lm_head(F.rms_norm(h_RE, E, body.norm.weight, self.eps))
+        h_RE = self.model.model.embed_tokens(tok_R)
+        rotary = self._rotary(pos_R)
+        for (w_qkv, w_o, w_gate_up, w_down), kv in zip(self.layers, cache.layers):
+            qkv_RXD = torch.mm(self._norm(h_RE), w_qkv).view(R, H + 2 * K, D)
+            qk_RXD = self._rotate(qkv_RXD[:, : H + K], *rotary)
+            k_RKLD, v_RKLD = kv.update(qk_RXD[:, H:, None], qkv_RXD[:, H + K:, None])
+            h_RE.addmm_(self._attend(qk_RXD[:, :H], k_RKLD, v_RKLD, bias_R11L), w_o)
+            self._mlp_(h_RE, w_gate_up, w_down)
+        return torch.mm(self._norm(h_RE), self.w_head)
 
 
-def _new_cache(model: PreTrainedModel, capacity: int) -> tuple[DynamicCache, bool]:
+def _new_cache(model: PreTrainedModel, capacity: int, storage: torch.Tensor | None = None
+               ) -> tuple[DynamicCache, bool]:
     """A cache for ``model`` and whether it is the preallocated kind (plain full
-    attention in every layer); other models keep HF's own layers."""
+    attention in every layer); other models keep HF's own layers. ``storage``: see
+    ``LlamaFastPath.storage_shape``."""
     cache = DynamicCache(config=model.config)
     fast = bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
     if fast:
-        cache.layers = [KVBufferLayer(capacity) for _ in cache.layers]
+        cache.layers = [KVBufferLayer(capacity, None if storage is None else storage[:, :, i])
+                        for i in range(len(cache.layers))]
     return cache, fast
 
 
@@ -321,27 +492,28 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device
     return ids_BP.to(device), valid_BP.to(device)
 
 
-def _prefill(model: PreTrainedModel, prompts: list[list[int]], *, pad_id: int, capacity: int,
-             cache_arg: str
-             ) -> tuple[DynamicCache, bool, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run ``prompts`` (left-padded to a common length P) through ``model``.
+def _prefill(model: PreTrainedModel, prompts: list[list[int]], cache: DynamicCache, *,
+             fast: bool, pad_id: int, cache_arg: str
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run ``prompts`` (left-padded to a common length P) through ``model`` into ``cache``
+    (``fast``: made of ``KVBufferLayer``s).
 
-    Returns the filled cache, whether it is the preallocated kind, the next-token logits
-    ``(U, V)``, and the ``valid_UP`` mask and ``positions_UP`` of the padded prompts. With
-    the preallocated cache, prompts of very different lengths are prefilled in length
-    groups (``prefill_groups``) and their keys/values placed right-aligned in one cache.
+    Returns the next-token logits ``(U, V)``, the ``valid_UP`` mask of the padded prompts
+    and each prompt's next position ``(U, 1)``. With the preallocated cache, prompts of
+    very different lengths are prefilled in length groups (``prefill_groups``) and their
+    keys/values placed right-aligned in one cache.
     """
     device = next(model.parameters()).device
     ids_UP, valid_UP = _left_pad(prompts, pad_id, device)
     positions_UP = (valid_UP.long().cumsum(-1) - 1).clamp(min=0)
+    next_pos_U1 = positions_UP[:, -1:] + 1
     U, P = ids_UP.shape
-    cache, fast = _new_cache(model, capacity)
     groups = (prefill_groups([len(p) for p in prompts], PREFILL_CALL_COST_TOKENS) if fast
               else [list(range(U))])
     if len(groups) == 1:
         out = model(input_ids=ids_UP, attention_mask=valid_UP.long(), position_ids=positions_UP,
                     use_cache=True, logits_to_keep=1, **{cache_arg: cache})
-        return cache, fast, out.logits[:, -1], valid_UP, positions_UP
+        return out.logits[:, -1], valid_UP, next_pos_U1
     logits_UV = None
     for group in groups:
         rows = torch.tensor(group, device=device)
@@ -356,7 +528,7 @@ def _prefill(model: PreTrainedModel, prompts: list[list[int]], *, pad_id: int, c
         logits_UV[rows] = out.logits[:, -1]
         for layer, part_layer in zip(cache.layers, part.layers):
             layer.place(part_layer, rows, n_rows=U, end=P)
-    return cache, fast, logits_UV, valid_UP, positions_UP
+    return logits_UV, valid_UP, next_pos_U1
 
 
 @torch.inference_mode()
@@ -367,41 +539,63 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingPar
     ``params.max_new_tokens``; ``generator`` makes the draws reproducible."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    weight = next(model.parameters())
+    B, T = len(prompts), params.max_new_tokens
+    P = max(len(p) for p in prompts)
+    fast_path = LlamaFastPath(model, P + T) if LlamaFastPath.supports(model) else None
+    shape = fast_path.storage_shape(B, P + T) if fast_path is not None else None
+    with KV_STORAGE.lend(shape, weight.dtype, weight.device) as storage:
+        cache, fast = _new_cache(model, P + T, storage)
+        return _decode(model, prompts, params, cache, fast=fast,
+                       fast_path=fast_path if fast else None, eos_id=eos_id, pad_id=pad_id,
+                       generator=generator)
+
+
+def _decode(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams,
+            cache: DynamicCache, *, fast: bool, fast_path: LlamaFastPath | None, eos_id: int,
+            pad_id: int, generator: torch.Generator | None) -> Samples:
+    """``sample`` on a fresh ``cache`` (``fast``: of ``KVBufferLayer``s): prefill, then
+    the decode loop."""
     device = next(model.parameters()).device
     B, T = len(prompts), params.max_new_tokens
+    P = max(len(p) for p in prompts)
 
     # Prefill each distinct prompt once; src_B says which one each row continues.
     distinct: dict[tuple[int, ...], int] = {}
     src_B = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts],
                          device=device)
+    unique = [list(p) for p in distinct]
     cache_arg = cache_kwarg(model)
-    P = max(len(p) for p in prompts)
-    cache, fast, logits_RV, valid_UP, positions_UP = _prefill(
-        model, [list(p) for p in distinct], pad_id=pad_id, capacity=P + T, cache_arg=cache_arg)
+    if fast_path is not None:
+        logits_RV, valid_UP, next_pos_U1 = fast_path.prefill(unique, cache)
+    else:
+        logits_RV, valid_UP, next_pos_U1 = _prefill(model, unique, cache, fast=fast,
+                                                    pad_id=pad_id, cache_arg=cache_arg)
     if len(distinct) < B:
         cache.batch_select_indices(src_B)
         logits_RV = logits_RV[src_B]
 
-    # Per batch row r: rows_R[r] is the output row it fills, alive_R whether it still decodes.
+    # Batch row r fills output row rows_R[r]; alive_R: it has not produced EOS yet.
+    # Finished rows ride along until the next compaction, writing tokens past their EOS
+    # that the final mask removes.
     tokens_BT = torch.full((B, T), pad_id, dtype=torch.long, device=device)
     logprobs_BT = torch.zeros((B, T), dtype=torch.float32, device=device)
-    lengths_B = torch.zeros(B, dtype=torch.long, device=device)
     rows_R = torch.arange(B, device=device)
     alive_R = torch.ones(B, dtype=torch.bool, device=device)
-    valid_RL = torch.zeros((B, P + T), dtype=torch.bool, device=device)
+    # Decode positions are valid once reached, and attention only sees reached ones.
+    valid_RL = torch.ones((B, P + T), dtype=torch.bool, device=device)
     valid_RL[:, :P] = valid_UP[src_B]
-    next_pos_R1 = positions_UP[src_B, -1:] + 1
+    next_pos_R = next_pos_U1[src_B].squeeze(-1)
+    # What decode steps mask with: an additive bias (R, 1, 1, P + T) for the fast path, the
+    # validity mask (R, P + T) for the model's own forward.
+    mask_RL = fast_path.mask_bias(valid_RL) if fast_path is not None else valid_RL
     attn_impl = getattr(model.config, "_attn_implementation", None)
-    decode_step = LlamaDecodeStep(model) if fast and LlamaDecodeStep.supports(model) else None
 
     for t in range(T):
         logp_RV = process_logits(logits_RV, params.temperature, params.top_p)
         tok_R = logp_RV.argmax(-1) if params.temperature == 0 else draw(logp_RV, generator)
-        logp_R = logp_RV.gather(-1, tok_R[:, None]).squeeze(-1)
-        # Finished rows still ride along until the next compaction; they record nothing.
-        tokens_BT[rows_R, t] = torch.where(alive_R, tok_R, pad_id)
-        logprobs_BT[rows_R, t] = torch.where(alive_R, logp_R, 0.0)
-        lengths_B[rows_R] += alive_R
+        tokens_BT[rows_R, t] = tok_R
+        logprobs_BT[rows_R, t] = logp_RV.gather(-1, tok_R[:, None]).squeeze(-1)
         alive_R &= tok_R != eos_id
         n_alive = int(alive_R.sum())
         if n_alive == 0 or t + 1 == T:
@@ -411,16 +605,22 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingPar
             keep_R = alive_R.nonzero().squeeze(-1)
             cache.batch_select_indices(keep_R)
             rows_R, alive_R, tok_R = rows_R[keep_R], alive_R[keep_R], tok_R[keep_R]
-            valid_RL, next_pos_R1 = valid_RL[keep_R], next_pos_R1[keep_R]
-        valid_RL[:, P + t] = True
-        if decode_step is not None:
-            logits_RV = decode_step(tok_R, next_pos_R1, cache, valid_RL[:, None, None, : P + t + 1])
+            mask_RL, next_pos_R = mask_RL[keep_R], next_pos_R[keep_R]
+        L = P + t + 1
+        if fast_path is not None:
+            logits_RV = fast_path.decode(tok_R, next_pos_R, cache, mask_RL[..., :L])
         else:
-            mask = _decode_mask(valid_RL[:, : P + t + 1], attn_impl) if fast else None
+            mask = _decode_mask(mask_RL[:, :L], attn_impl) if fast else None
             if mask is None:
-                mask = valid_RL[:, : P + t + 1].long()
-            out = model(input_ids=tok_R[:, None], attention_mask=mask, position_ids=next_pos_R1,
-                        use_cache=True, **{cache_arg: cache})
+                mask = mask_RL[:, :L].long()
+            out = model(input_ids=tok_R[:, None], attention_mask=mask,
+                        position_ids=next_pos_R[:, None], use_cache=True, **{cache_arg: cache})
             logits_RV = out.logits[:, -1]
-        next_pos_R1 = next_pos_R1 + 1
-    return Samples(tokens_BT=tokens_BT, logprobs_BT=logprobs_BT, lengths_B=lengths_B)
+        next_pos_R = next_pos_R + 1
+
+    # Lengths run to the first EOS (included), or to T; everything after it is padding.
+    is_eos_BT = tokens_BT == eos_id
+    lengths_B = torch.where(is_eos_BT.any(-1), is_eos_BT.int().argmax(-1) + 1, T)
+    after_BT = torch.arange(T, device=device)[None, :] >= lengths_B[:, None]
+    return Samples(tokens_BT=tokens_BT.masked_fill_(after_BT, pad_id),
+                   logprobs_BT=logprobs_BT.masked_fill_(after_BT, 0.0), lengths_B=lengths_B)

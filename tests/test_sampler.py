@@ -10,7 +10,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 
 from app import rl, sampler, tasks
 from app.policy import build_tokenizer, encode_prompts
-from app.sampler import (KVBufferLayer, LlamaDecodeStep, SamplingParams, Samples, draw,
+from app.sampler import (KVBufferLayer, LlamaFastPath, SamplingParams, Samples, draw,
                          prefill_groups, process_logits, sample)
 
 PAD = 0
@@ -109,7 +109,7 @@ def test_logprobs_match_trainer_forward(kind, compact_when_done, prefill_call_co
 def test_each_model_takes_the_path_meant_for_it(tokenizer):
     llama, gpt2 = make_model("llama", len(tokenizer)), make_model("gpt2", len(tokenizer))
     mistral = make_model("mistral-sliding", len(tokenizer))
-    assert LlamaDecodeStep.supports(llama) and not LlamaDecodeStep.supports(gpt2)
+    assert LlamaFastPath.supports(llama) and not LlamaFastPath.supports(gpt2)
     assert sampler._new_cache(llama, 8)[1] and sampler._new_cache(gpt2, 8)[1]
     assert not sampler._new_cache(mistral, 8)[1]  # sliding window: HF's own cache layers
 
@@ -261,3 +261,96 @@ def test_kv_buffer_layer_refuses_to_overflow():
     layer.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))
     with pytest.raises(RuntimeError, match="capacity"):
         layer.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))
+
+
+def test_kv_buffer_layer_selects_rows_through_its_spare_buffers():
+    """Shrinking, reordering and fanning out rows keep each row's own keys and values,
+    with storage lent from outside and without it."""
+    B, H, C, D = 4, 2, 6, 3
+    for storage in (None, torch.full((2, 2, B, H, C, D), float("nan"))):
+        layer = KVBufferLayer(capacity=C, storage=storage)
+        keys = torch.arange(B, dtype=torch.float32).view(B, 1, 1, 1).expand(B, H, 2, D)
+        layer.update(keys, -keys)
+        layer.batch_select_indices(torch.tensor([3, 1]))
+        assert layer.keys[:, 0, 0, 0].tolist() == [3.0, 1.0]
+        assert layer.values[:, 0, 0, 0].tolist() == [-3.0, -1.0]
+        layer.update(torch.full((2, H, 1, D), 7.0), torch.full((2, H, 1, D), 8.0))
+        layer.batch_select_indices(torch.tensor([1, 1, 0, 0, 1]))  # more rows than storage
+        assert layer.keys.shape == (5, H, 3, D)
+        assert layer.keys[:, 0, 0, 0].tolist() == [1.0, 1.0, 3.0, 3.0, 1.0]
+        assert (layer.keys[:, :, 2] == 7.0).all() and (layer.values[:, :, 2] == 8.0).all()
+        assert not layer.keys.isnan().any() and not layer.values.isnan().any()
+
+
+def test_reused_storage_lends_one_buffer_and_falls_back_when_lent_out():
+    pool = sampler.ReusedStorage()
+    cpu = torch.device("cpu")
+    with pool.lend((2, 3), torch.float32, cpu) as a:
+        ptr = a.data_ptr()
+        with pool.lend((2, 3), torch.float32, cpu) as b:  # a second borrower: fresh memory
+            assert b.data_ptr() != ptr
+    with pool.lend((3, 2), torch.float32, cpu) as c:
+        assert c.data_ptr() == ptr and c.shape == (3, 2)  # reused once given back
+    with pool.lend((100,), torch.float32, cpu) as d:
+        assert d.shape == (100,)  # grows to the largest request
+    with pool.lend(None, torch.float32, cpu) as e:
+        assert e is None
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-gqa-tied"])
+def test_llama_fast_path_prefill_and_decode_match_the_model(kind, tokenizer, prompts):
+    """Logits of the fast path against the model's own forward, prefill (each prompt's
+    next token) and one decode step."""
+    torch.manual_seed(0)
+    tied = kind == "llama-gqa-tied"
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2 if tied else 4,
+        max_position_embeddings=256, tie_word_embeddings=tied, pad_token_id=PAD,
+        rope_scaling={"rope_type": "linear", "factor": 2.0} if tied else None)).eval()
+    assert sampler.LlamaFastPath.supports(model)
+    P = max(len(p) for p in prompts)
+    fast = sampler.LlamaFastPath(model, P + 4)
+    cache, is_fast = sampler._new_cache(model, P + 4)
+    assert is_fast
+    with torch.inference_mode():
+        logits_UV, valid_UP, next_pos_U1 = fast.prefill(prompts, cache)
+        nxt_U = logits_UV.argmax(-1)
+        valid_UL = torch.cat([valid_UP, torch.ones(len(prompts), 1, dtype=torch.bool)], -1)
+        step_UV = fast.decode(nxt_U, next_pos_U1.squeeze(-1), cache, fast.mask_bias(valid_UL))
+        for i, p in enumerate(prompts):
+            ref_TV = model(input_ids=torch.tensor([p + [int(nxt_U[i])]])).logits[0]
+            assert (logits_UV[i] - ref_TV[-2]).abs().max() <= 1e-4
+            assert (step_UV[i] - ref_TV[-1]).abs().max() <= 1e-4
+    assert next_pos_U1.squeeze(-1).tolist() == [len(p) for p in prompts]
+
+
+def test_fast_path_refuses_rotary_that_depends_on_the_length(tokenizer):
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, max_position_embeddings=256,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert not sampler.LlamaFastPath.supports(model)
+
+
+def test_reused_kv_storage_leaves_no_trace_between_calls(tokenizer, prompts, monkeypatch):
+    """Sampling on storage full of NaN (left by an earlier call) gives exactly what it
+    gives on fresh memory: nothing reads a position it has not written."""
+    model = make_model("llama", len(tokenizer))
+    params = SamplingParams(max_new_tokens=6)
+    batch = [p for p in prompts for _ in range(2)]
+
+    def run() -> Samples:
+        return sample(model, batch, params, eos_id=-1, pad_id=PAD,
+                      generator=torch.Generator().manual_seed(5))
+
+    poisoned = sampler.ReusedStorage()
+    with poisoned.lend((1_000_000,), torch.float32, torch.device("cpu")) as buf:
+        buf.fill_(float("nan"))
+    monkeypatch.setattr(sampler, "KV_STORAGE", poisoned)
+    reused = run()
+    monkeypatch.setattr(sampler, "KV_STORAGE", sampler.ReusedStorage())
+    fresh = run()
+    assert torch.isfinite(reused.logprobs_BT).all()
+    assert torch.equal(reused.tokens_BT, fresh.tokens_BT)
+    assert torch.equal(reused.logprobs_BT, fresh.logprobs_BT)
