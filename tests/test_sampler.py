@@ -88,10 +88,11 @@ def check_stopping(out: Samples, eos_id: int, T: int) -> None:
 def test_logprobs_match_trainer_forward(kind, compact_when_done, prefill_call_cost, tokenizer,
                                         prompts, monkeypatch):
     """(0.0, 0): finished rows leave the batch and cache at once, and every prompt length
-    is prefilled on its own; (0.25, 64): one prefill, and row 0, finished first, rides
-    along to the end."""
+    (every prompt, on the Llama fast path) is prefilled on its own; (0.25, 64): one
+    prefill, and row 0, finished first, rides along to the end."""
     monkeypatch.setattr(sampler, "COMPACT_WHEN_DONE", compact_when_done)
     monkeypatch.setattr(sampler, "PREFILL_CALL_COST_TOKENS", prefill_call_cost)
+    monkeypatch.setattr(sampler, "PREFILL_CHUNK_TOKENS", 1 if prefill_call_cost == 0 else 256)
     model = make_model(kind, len(tokenizer))
     T = 12
     eos = frequent_token_as_eos(model, prompts, T)
@@ -309,6 +310,7 @@ def test_llama_fast_path_prefill_and_decode_match_the_model(kind, tokenizer, pro
         max_position_embeddings=256, tie_word_embeddings=tied, pad_token_id=PAD,
         rope_scaling={"rope_type": "linear", "factor": 2.0} if tied else None)).eval()
     assert sampler.LlamaFastPath.supports(model)
+    prompts = sorted(prompts, key=len)
     P = max(len(p) for p in prompts)
     fast = sampler.LlamaFastPath(model, P + 4)
     cache, is_fast = sampler._new_cache(model, P + 4)
