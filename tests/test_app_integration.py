@@ -166,8 +166,10 @@ def test_async_app_with_reward_executor(tiny_policy, tmp_path):
             log = app.log(role, replica)
             assert f"stopping: finished {STEPS} steps" in log, log[-2000:]
             assert " ERROR " not in log, log[-2000:]
-            # Waiting for weights is silent (c10d logs two warnings per timed-out store wait).
+            # Waiting for weights is silent (c10d logs two warnings per timed-out store wait),
+            # and so is loading the policy (no progress bars).
             assert "[c10d]" not in log, log[-2000:]
+            assert "Loading weights" not in log, log[-2000:]
 
         # The run directory keeps every role's log beside the config and the metrics.
         run_dir = app.runs_dir / app.app_id
