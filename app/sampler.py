@@ -297,11 +297,13 @@ class LlamaFastPath:
     arithmetic. This does the same math with fewer ops and fewer temporaries:
 
     - q/k/v and gate/up are one matmul each, over weights concatenated when the path is
-      built (a copy of those weights for the duration of one ``sample`` call); residual
-      adds are fused into the matmuls (``addmm_``), SiLU and the gate product run in place;
+      built (a copy for the duration of one ``sample`` call) with the norms' weights and
+      the attention scale folded in; residual adds are fused into the matmuls
+      (``addmm_``), SiLU and the gate product run in place;
     - rotary cos/sin are computed once per call for every position, then looked up;
     - the prefill packs the prompts (no padding in any matmul) and pads only for
-      attention, right-padded so that plain causal attention needs no mask;
+      attention, right-padded so that plain causal attention needs no mask; it runs in
+      chunks of prompts of similar length (``PREFILL_CHUNK_TOKENS``);
     - past the last layer's keys and values, only each prompt's last token matters, so
       the last layer's attention output, o-projection and MLP run for those tokens only;
     - decode attention is two batched matmuls with the kv heads as the batch and each kv
@@ -343,7 +345,8 @@ class LlamaFastPath:
         cos_1LD, sin_1LD = body.rotary_emb(weight[:1, None], positions_1L)
         self.cos_LD = cos_1LD[0].to(weight.dtype)
         # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated)
-        self.sin_LD = torch.cat([-sin_1LD[0, :, : D // 2], sin_1LD[0, :, D // 2:]], -1).to(weight.dtype)
+        sin_LD = torch.cat([-sin_1LD[0, :, : D // 2], sin_1LD[0, :, D // 2:]], -1)
+        self.sin_LD = sin_LD.to(weight.dtype)
 
     def storage_shape(self, rows: int, capacity: int) -> tuple[int, ...]:
         """The cache's storage for ``rows`` rows: [current, spare] x [keys, values] x
@@ -436,8 +439,8 @@ class LlamaFastPath:
             else:  # what follows only feeds the logits: the last token of each prompt
                 h_NE = h_NE[last_U]
                 valid_UP = (torch.arange(P)[None, :] < lengths_U[:, None]).to(device)
-                o_NE = self._attend(qkv_NXD[last_U, :H], k_UKPD.contiguous(),
-                                    v_UKPD.contiguous(), self.mask_bias(valid_UP))
+                o_NE = self._attend(qkv_NXD[last_U, :H], kv.key_buf[rows, :, :P],
+                                    kv.value_buf[rows, :, :P], self.mask_bias(valid_UP))
             h_NE.addmm_(o_NE, w_o)
             self._mlp_(h_NE, w_gate_up, w_down)
         return torch.mm(self._norm(h_NE), self.w_head)
@@ -455,7 +458,8 @@ class LlamaFastPath:
         q_NGD = q_RHD.reshape(R * K, H // K, D)  # N = R * K: one batch entry per kv head
         scores_NGL = torch.bmm(q_NGD, k_RKLD.view(R * K, L, D).transpose(1, 2))
         probs_RKGL = scores_NGL.view(R, K, H // K, L).add_(bias_R11L).softmax(-1)
-        return torch.bmm(probs_RKGL.view(R * K, H // K, L), v_RKLD.view(R * K, L, D)).view(R, H * D)
+        o_NGD = torch.bmm(probs_RKGL.view(R * K, H // K, L), v_RKLD.view(R * K, L, D))
+        return o_NGD.view(R, H * D)
 
     def decode(self, tok_R: torch.Tensor, pos_R: torch.Tensor, cache: DynamicCache,
                bias_R11L: torch.Tensor) -> torch.Tensor:
