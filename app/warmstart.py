@@ -114,7 +114,8 @@ def ensure_warmstart(path: str | Path = "checkpoints/warmstart", *, log=print) -
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "config.json").is_file():
-            log(f"no warm-started policy at {path}: training it now (once, a minute or two)")
+            log(f"no warm-started policy at {path}: training it now "
+                "(once; 3 to 6 minutes on 2 CPU cores)")
             warm_start(WarmStartConfig(out=str(path)), log=log)
     return path
 
