@@ -22,7 +22,8 @@ import torch
 from app import cli, metrics, rl, tasks
 from app.config import GeneratorConfig, TrainerConfig, parse_levels
 from app.policy import load_policy
-from app.rewards import build_reward, quarantine_counts, reward_events
+from app.rewards import (build_reward, exit_without_teardown_if_calls_hang, quarantine_counts,
+                         reward_events)
 from app.warmstart import ensure_warmstart
 
 
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(cfg, gen)
     first, last = result.evals[0][1]["accuracy"], result.evals[-1][1]["accuracy"]
     print(f"done in {result.seconds:.0f}s: held-out accuracy {first:.3f} -> {last:.3f}; run directory {result.run_dir}")
+    exit_without_teardown_if_calls_hang()
 
 
 if __name__ == "__main__":

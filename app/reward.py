@@ -17,7 +17,7 @@ import torch
 
 from app import metrics, runtime
 from app.generator import read_config
-from app.rewards import Sample, build_reward
+from app.rewards import Sample, build_reward, exit_without_teardown_if_calls_hang
 
 MAX_GROUPS_PER_BATCH = 16
 
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     args = runtime.role_arguments("reward executor", __doc__.splitlines()[0]).parse_args(argv)
     with runtime.join_role("reward", args) as rt:
         run(rt, config_timeout_s=args.config_timeout_s)
+    exit_without_teardown_if_calls_hang()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ from app.config import GeneratorConfig, TrainerConfig
 from app.generator import WEIGHT_TIMEOUT_S, publish_config
 from app.local import eval_problems, resolve_policy
 from app.policy import load_policy
-from app.rewards import build_reward, parse_spec, reward_events
+from app.rewards import (build_reward, exit_without_teardown_if_calls_hang, parse_spec,
+                         reward_events)
 from app.weight_sync import WeightSender, flatten_parameters_, init_weight_group
 from pipelines.rollouts import RolloutStream
 
@@ -279,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if world > 1:
             dist.destroy_process_group()
+    exit_without_teardown_if_calls_hang()
 
 
 if __name__ == "__main__":

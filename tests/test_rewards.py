@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import re
 import sqlite3
+import subprocess
+import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -457,3 +459,54 @@ def test_write_your_own_reward_example_end_to_end(tmp_path, monkeypatch):
     db = sqlite3.connect(tmp_path / metrics.DB_NAME)
     assert db.execute("SELECT COUNT(*) FROM rewards WHERE component = 'brevity'").fetchone() == (3,)
     assert db.execute("SELECT value FROM scalars WHERE name = 'reward/brevity'").fetchone()[0] > 0
+
+
+TORCH_REWARD_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from app.rewards import Component, CompositeReward, Sample, abandoned_calls_running
+    from app.rewards import exit_without_teardown_if_calls_hang
+
+    a = torch.randn(128, 128)
+
+    def spin(prompt, completion, meta):  # never returns, always inside torch
+        while True:
+            torch.mm(a, a)
+
+    def once(prompt, completion, meta):
+        return float(torch.mm(a, a).sum() * 0) + 1.0
+
+    fn = spin if sys.argv[2] == "hang" else once
+    reward = CompositeReward([Component(name="r", fn=fn)], timeout_s=0.2)
+    (result,) = reward.score([Sample(prompt="p", completion="c")])
+    reward.close()
+    print("quarantined:", result.quarantined, "running:", abandoned_calls_running(), flush=True)
+    exit_without_teardown_if_calls_hang(int(sys.argv[1]))
+    print("returned", flush=True)
+""")
+
+
+def run_torch_reward_script(tmp_path: Path, code: int, mode: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "torch_reward.py"
+    script.write_text(TORCH_REWARD_SCRIPT)
+    return subprocess.run([sys.executable, str(script), str(code), mode], capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_process_with_a_hung_torch_reward_still_exits_with_its_own_code(code, tmp_path):
+    """Interpreter teardown with a reward thread still inside torch aborts the process
+    (status 134, 'terminate called without an active exception'); the exit helper ends
+    it first, with the code it was given, its output flushed."""
+    proc = run_torch_reward_script(tmp_path, code, "hang")
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert "quarantined: timeout running: 1" in proc.stdout
+    assert "returned" not in proc.stdout
+    assert "abandoned past their timeout are still running" in proc.stderr
+    assert "terminate called" not in proc.stderr
+
+
+def test_the_exit_helper_returns_when_no_call_hangs(tmp_path):
+    proc = run_torch_reward_script(tmp_path, 3, "fine")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "quarantined: None running: 0" in proc.stdout and "returned" in proc.stdout

@@ -14,7 +14,9 @@ from app.rewards.core import (
     RewardFn,
     RewardResult,
     Sample,
+    abandoned_calls_running,
     check_score,
+    exit_without_teardown_if_calls_hang,
     quarantine_counts,
     reward_events,
 )
@@ -32,6 +34,7 @@ from app.rewards.spec import (
 __all__ = [
     "BUILTINS", "ENTRY_POINT_GROUP", "BatchedReward", "Component", "ComponentSpec", "CompositeReward",
     "HFClassifier", "LengthPenalty", "RewardFn", "RewardResult", "Sample", "SemanticSimilarity",
-    "available", "build_reward", "check_score", "format_reward", "installed_plugins", "math_verifier",
+    "abandoned_calls_running", "available", "build_reward", "check_score",
+    "exit_without_teardown_if_calls_hang", "format_reward", "installed_plugins", "math_verifier",
     "parse_spec", "quarantine_counts", "reward_events",
 ]

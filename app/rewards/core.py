@@ -23,15 +23,21 @@ quarantined as ``timeout`` straight away. So a hung reward costs at most
 ``max_hung_calls * timeout_s`` of waiting and that many threads, never an unbounded wait
 or unbounded threads. Daemon threads, not a ``ThreadPoolExecutor``: the executor joins its
 workers at interpreter exit, so one hung reward would keep the process from exiting.
+A daemon thread still inside torch when the interpreter tears down aborts the process
+("terminate called without an active exception"), so a process that ends with abandoned
+calls still running ends through ``exit_without_teardown_if_calls_hang``.
 
 Pure: no process groups, no transport, no torch at import time.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
+import os
 import queue
+import sys
 import threading
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -129,6 +135,42 @@ def check_score(value: object) -> tuple[float | None, str | None]:
     if math.isinf(x):
         return None, INF
     return x, None
+
+
+# Threads of abandoned calls, across every composite of the process.
+_abandoned: list[threading.Thread] = []
+_abandoned_lock = threading.Lock()
+
+
+def _abandon(thread: threading.Thread) -> None:
+    with _abandoned_lock:
+        _abandoned[:] = [t for t in _abandoned if t.is_alive()] + [thread]
+
+
+def abandoned_calls_running() -> int:
+    """Calls abandoned past their timeout, by any composite, whose threads still run."""
+    with _abandoned_lock:
+        return sum(t.is_alive() for t in _abandoned)
+
+
+def exit_without_teardown_if_calls_hang(code: int = 0) -> None:
+    """End the process now, with ``code``, when abandoned reward calls are still running.
+
+    Interpreter teardown stops daemon threads where they next take the GIL; one that is
+    inside a torch op then unwinds through C++ that cannot unwind, and the process aborts
+    (exit status 134) after a run that succeeded. So: flush the logs and streams, and leave
+    without teardown (``os._exit``). Returns when no abandoned call is running.
+    """
+    running = abandoned_calls_running()
+    if not running:
+        return
+    logging.getLogger(__name__).warning(
+        "%d reward call(s) abandoned past their timeout are still running; exiting without "
+        "interpreter teardown, which would abort the process", running)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _raised(exc: BaseException) -> str:
@@ -245,6 +287,7 @@ class CompositeReward:
         except TimeoutError:
             worker.retire()
             self._hung.append(worker.thread)
+            _abandon(worker.thread)
             del self._workers[component.name]
             return None, TIMEOUT
         return (value, None) if ok else (None, _raised(value))
