@@ -8,6 +8,8 @@ uses ``AutoModelForCausalLM`` / ``AutoTokenizer``.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -60,10 +62,25 @@ def create_default_policy(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTok
     return LlamaForCausalLM(config), tokenizer
 
 
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """Without transformers' progress bars, which it draws for every load and save: noise
+    in every role's log, for local directories that take milliseconds. The caller's
+    setting is restored."""
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def save_policy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    with no_progress_bars():
+        model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -79,15 +96,8 @@ def load_policy(path: str | Path, *, device: str | torch.device = "cpu",
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    # transformers draws a progress bar per load: noise in every role's log (a local
-    # directory of this size loads in milliseconds). The caller's setting is restored.
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
+    with no_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer

@@ -106,6 +106,20 @@ def test_save_load_round_trip_is_an_ordinary_hf_directory(default_policy, tmp_pa
     assert plain_tok.decode(plain_tok(text, add_special_tokens=False)["input_ids"]) == text
 
 
+def test_saving_and_loading_draw_no_progress_bars(default_policy, tmp_path, capfd):
+    """transformers draws a bar per load and save; role logs should not carry them, and
+    the caller's own setting must survive."""
+    from transformers.utils import logging as hf_logging
+
+    model, tok = default_policy
+    hf_logging.enable_progress_bar()
+    capfd.readouterr()
+    policy.load_policy(policy.save_policy(model, tok, tmp_path / "policy"))
+    out, err = capfd.readouterr()
+    assert "Loading weights" not in out + err and "Writing model" not in out + err, err
+    assert hf_logging.is_progress_bar_enabled()
+
+
 def test_load_policy_without_config_json_gives_a_clear_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="config.json"):

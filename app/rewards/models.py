@@ -30,9 +30,12 @@ def load_local(kind: Literal["encoder", "classifier"], path: str | Path, device:
             os.environ["HF_HUB_OFFLINE"] = "1"
             from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
+            from app.policy import no_progress_bars
+
             model_cls = AutoModel if kind == "encoder" else AutoModelForSequenceClassification
             tokenizer = AutoTokenizer.from_pretrained(key[1], local_files_only=True)
-            model = model_cls.from_pretrained(key[1], local_files_only=True).to(device).eval()
+            with no_progress_bars():
+                model = model_cls.from_pretrained(key[1], local_files_only=True).to(device).eval()
             if tokenizer.pad_token is None and tokenizer.eos_token is not None:
                 # Decoder-only reward models often ship without a pad token; batching needs
                 # one, and the model finds each sequence's last token through its id.
