@@ -80,7 +80,7 @@ def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
     cache, cache_arg = DynamicCache(), cache_kwarg(model)
     out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
-                **{cache_arg: cache})
+                logits_to_keep=1, **{cache_arg: cache})  # only the last position's are used
     first_BV = out.logits[:, -1][row_prompt]  # predicts each completion's first token
 
     T = max(len(r.completion_ids) for r in rollouts)
