@@ -257,17 +257,13 @@ class KVBufferLayer(DynamicLayer):
         """Copy ``part``'s keys/values into batch rows ``rows``, right-aligned to end at
         position ``end`` (how length groups of a prefill share one left-padded layout)."""
         if not self.is_initialized:
-            self.device = part.device
-            _, H, _, D = part.key_buf.shape
-            D_v = part.value_buf.shape[-1]
-            self.key_buf = part.key_buf.new_empty((n_rows, H, self.capacity, D))
-            self.value_buf = part.value_buf.new_empty((n_rows, H, self.capacity, D_v))
-            self._pairs = [(self.key_buf, self.value_buf)]
+            H, D, D_v = part.key_buf.shape[1], part.key_buf.shape[-1], part.value_buf.shape[-1]
+            self.lazy_initialization(part.key_buf.new_empty((n_rows, H, 0, D)),
+                                     part.value_buf.new_empty((n_rows, H, 0, D_v)))
             # Zeros, not garbage, where groups leave gaps: those positions are masked, but
             # attention still multiplies their values by 0, and 0 * NaN is NaN.
             self.key_buf[:, :, :end].zero_()
             self.value_buf[:, :, :end].zero_()
-            self.is_initialized = True
         self.key_buf[rows, :, end - part.length: end] = part.keys
         self.value_buf[rows, :, end - part.length: end] = part.values
         self.length = end
