@@ -15,43 +15,44 @@ import time
 
 import torch
 
-from app import metrics, runtime
-from app.generator import read_config
-from app.rewards import Sample, build_reward, exit_without_teardown_if_calls_hang
+from app import metrics, names, rl, runtime
+from app.contract import Rejections, to_message
+from app.rewards import build_reward
 
 MAX_GROUPS_PER_BATCH = 16
 
 
 def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
-    cfg, _, _ = read_config(rt.store, rt, config_timeout_s)
+    cfg, _, _ = runtime.read_config(rt, config_timeout_s)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     reward = build_reward(cfg.rewards, timeout_s=cfg.reward_timeout_s)
     reward.load()
-    inbox, outbox = rt.queue(runtime.ROLLOUTS), rt.queue(runtime.SCORED)
+    inbox, outbox = rt.queue(names.ROLLOUTS), rt.queue(names.SCORED)
+    rejections = Rejections(f"reward/{rt.replica}")
     timeline = metrics.Timeline("reward", rt.replica)
     try:
         while True:
             with timeline.idle("wait_rollouts"):
-                msgs = inbox.pop_many(MAX_GROUPS_PER_BATCH, timeout_s=1.0, should_stop=rt.should_stop)
-            if not msgs:
+                msgs = inbox.pop_many(MAX_GROUPS_PER_BATCH, timeout_s=1.0, should_stop=rt.should_stop,
+                                      on_reject=rejections)
+            # The trainer checks token ids against its vocabulary again; here what matters
+            # is what scoring reads.
+            groups = rejections.decode(msgs, group_size=cfg.group_size)
+            if not groups:
                 continue
             t0 = time.time()
             with timeline.busy("score"):
-                samples = [Sample(prompt=m["meta"].get("prompt", ""), completion=text, meta=m["meta"])
-                           for m in msgs for text in m["texts"]]
-                results = reward.score(samples)
+                results = rl.score_groups(groups, reward)
             dt = time.time() - t0
             with timeline.idle("queue_full"):
-                i = 0
-                for m in msgs:
-                    n = len(m["texts"])
-                    m["results"] = [r.to_dict() for r in results[i:i + n]]
-                    i += n
-                    outbox.push(m, timeout_s=600.0, should_stop=rt.should_stop)
-            rt.emit(metrics.scalars({"reward/samples_per_s": len(samples) / max(dt, 1e-9),
-                                     "idle_fraction": timeline.idle_fraction()},
-                                    role="reward", replica=rt.replica) + timeline.drain(), flush=True)
+                for group in groups:
+                    outbox.push(to_message(group), timeout_s=600.0, should_stop=rt.should_stop)
+            values = {names.REWARD_SAMPLES_PER_S: len(results) / max(dt, 1e-9),
+                      names.IDLE_FRACTION: timeline.idle_fraction(),
+                      **{names.rejected_metric(k): n for k, n in rejections.counts.items()}}
+            rt.emit(metrics.scalars(values, role="reward", replica=rt.replica) + timeline.drain(),
+                    flush=True)
     finally:
         reward.close()
 
@@ -60,7 +61,6 @@ def main(argv: list[str] | None = None) -> None:
     args = runtime.role_arguments("reward executor", __doc__.splitlines()[0]).parse_args(argv)
     with runtime.join_role("reward", args) as rt:
         run(rt, config_timeout_s=args.config_timeout_s)
-    exit_without_teardown_if_calls_hang()
 
 
 if __name__ == "__main__":

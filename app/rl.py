@@ -8,35 +8,17 @@ asynchronous app differ only in where rollouts come from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from dataclasses import dataclass
+from typing import Callable, Literal
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from app import losses, tasks
+from app.contract import GroupId, Rollout, RolloutGroup
 from app.policy import encode_prompts
-from app.rewards import CompositeReward, RewardResult, Sample
+from app.rewards import CompositeReward, RewardResult
 from app.sampler import SamplingParams, cache_kwarg, sample
-
-
-@dataclass
-class Rollout:
-    """One sampled completion and everything the trainer needs to learn from it."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    behaviour_logprobs: list[float]
-    """log mu(y_t) recorded by the generator, one per completion token."""
-    version: int
-    """Policy version of the weights that sampled it."""
-    group: str
-    """Id of the prompt it answers; the G rollouts of one prompt share it."""
-    meta: dict[str, Any] = field(default_factory=dict)
-    """Task metadata: reference ``answer``, ``solution``, ``level``, the prompt text..."""
-    reward: float | None = None
-    rewards: dict[str, float] = field(default_factory=dict)
-    advantage: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -123,9 +105,10 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     statistics describe the rollouts that were passed through.
 
     ``reduce_grads`` (data parallel) is called once with every parameter's gradient after
-    the last backward, whatever the number of micro-batches this rank ran.
+    the last backward, whatever the number of micro-batches this rank ran; a data-parallel
+    rank with no usable rollout this step still joins it with a zero gradient.
     """
-    if not rollouts:
+    if not rollouts and reduce_grads is None:
         raise ValueError("train_step needs at least one rollout")
     # Dropout stays off: pi_theta must be the same function the generator sampled from
     # (mu), or the importance ratios measure dropout noise instead of policy change.
@@ -179,27 +162,28 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     optimizer.step()
     return {**stats, "ratio_max": ratio_max, "grad_norm": float(grad_norm),
-            "response_len": total_tokens / len(rollouts), "frac_skipped": 1 - len(active) / len(rollouts)}
+            "response_len": total_tokens / max(1, len(rollouts)),
+            "frac_skipped": 1 - len(active) / max(1, len(rollouts))}
 
 
-def score_rollouts(rollouts: list[Rollout], reward: CompositeReward,
-                   timeout_s: float | None = None) -> list[RewardResult]:
-    """Set each rollout's total and per-component rewards. Quarantined rollouts keep
-    ``reward = None``; the caller drops them and logs the results' reasons."""
-    samples = [Sample(prompt=r.meta.get("prompt", ""), completion=r.meta.get("completion", ""),
-                      meta=r.meta) for r in rollouts]
-    results = reward.score(samples, timeout_s)
-    for r, res in zip(rollouts, results):
-        r.reward, r.rewards = res.total, dict(res.components)
+def score_groups(groups: list[RolloutGroup], reward: CompositeReward,
+                 timeout_s: float | None = None) -> list[RewardResult]:
+    """Score every rollout of ``groups`` in one batched call and attach the results.
+    Quarantined rollouts get ``reward = None``: the trainer never learns from them."""
+    results = reward.score([r.sample() for g in groups for r in g.rollouts], timeout_s)
+    i = 0
+    for g in groups:
+        g.attach(results[i: i + len(g.rollouts)])
+        i += len(g.rollouts)
     return results
 
 
 def set_group_advantages(rollouts: list[Rollout], *, normalize_std: bool) -> dict[str, float]:
     """Group-relative advantages within each prompt's group (groups may differ in size
     when some rollouts were quarantined; a group of one has advantage 0)."""
-    groups: dict[str, list[Rollout]] = {}
+    groups: dict[GroupId, list[Rollout]] = {}
     for r in rollouts:
-        groups.setdefault(r.group, []).append(r)
+        groups.setdefault(r.group_id, []).append(r)
     zero_var = 0
     for g in groups.values():
         rewards_1G = torch.tensor([[r.reward for r in g]], dtype=torch.float32)
@@ -210,28 +194,32 @@ def set_group_advantages(rollouts: list[Rollout], *, normalize_std: bool) -> dic
     return {"frac_zero_var": zero_var / max(1, len(groups))}
 
 
-def generate_rollouts(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                      problems: list[tasks.Problem], *, group_size: int, params: SamplingParams,
-                      version: int, generator: torch.Generator | None = None,
-                      group_prefix: str = "") -> list[Rollout]:
-    """G completions for each problem, tagged with ``version``."""
+def generate_groups(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                    problems: list[tasks.Problem], *, group_size: int, params: SamplingParams,
+                    version: int, rng: torch.Generator | None = None, generator_id: int = 0,
+                    first_seq: int = 0) -> list[RolloutGroup]:
+    """A group of ``group_size`` completions for each problem, sampled in one batch and
+    tagged with ``version``; group ids ``(generator_id, first_seq + i)``."""
     model.eval()
-    prompts = encode_prompts(tokenizer, [tasks.format_prompt(p.question) for p in problems])
+    texts = [tasks.format_prompt(p.question) for p in problems]
+    prompts = encode_prompts(tokenizer, texts)
     repeated = [ids for ids in prompts for _ in range(group_size)]
     out = sample(model, repeated, params, eos_id=tokenizer.eos_token_id,
-                 pad_id=tokenizer.pad_token_id, generator=generator)
-    rollouts = []
-    for i, ids in enumerate(repeated):
-        p = problems[i // group_size]
-        n = int(out.lengths_B[i])
-        rollouts.append(Rollout(
-            prompt_ids=ids, completion_ids=out.tokens_BT[i, :n].tolist(),
-            behaviour_logprobs=out.logprobs_BT[i, :n].tolist(), version=version,
-            group=f"{group_prefix}{i // group_size}",
-            meta={"answer": p.answer, "solution": p.solution, "level": p.level,
-                  "prompt": tasks.format_prompt(p.question),
-                  "completion": tokenizer.decode(out.tokens_BT[i, :n], skip_special_tokens=True)}))
-    return rollouts
+                 pad_id=tokenizer.pad_token_id, generator=rng)
+    groups = []
+    for g, (p, text, ids) in enumerate(zip(problems, texts, prompts)):
+        group_id = GroupId(generator_id, first_seq + g)
+        task = {"answer": p.answer, "solution": p.solution, "level": p.level}
+        rollouts = []
+        for i in range(g * group_size, (g + 1) * group_size):
+            n = int(out.lengths_B[i])
+            rollouts.append(Rollout(
+                prompt_ids=ids, completion_ids=out.tokens_BT[i, :n].tolist(),
+                behaviour_logprobs=out.logprobs_BT[i, :n].tolist(), version=version,
+                group_id=group_id, prompt=text, task=task,
+                completion=tokenizer.decode(out.tokens_BT[i, :n], skip_special_tokens=True)))
+        groups.append(RolloutGroup(group_id=group_id, version=version, rollouts=rollouts))
+    return groups
 
 
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[tasks.Problem],

@@ -10,6 +10,7 @@ loop raises ``Stopped`` and the role exits 0 after acknowledging.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import threading
@@ -21,21 +22,18 @@ from typing import Any
 
 import torch.distributed as dist
 
-from app import transport
+from app import cli, names, transport
+from app.config import GeneratorConfig, TrainerConfig
 from app.transport import Control, StoreQueue
 
 log = logging.getLogger("llamarl")
 
-# Queue names and sizes. Bounds keep memory flat whatever the relative speeds.
-ROLLOUTS, SCORED, METRICS = "rollouts", "scored", "metrics"
+# Queue sizes. Bounds keep memory flat whatever the relative speeds.
 METRICS_MAXLEN = 4096
 GROUPS_MAXLEN = 256  # rollout groups per queue; the staleness budget usually binds first
 HEARTBEAT_S = 1.0
 STOP_CHECK_S = 0.05  # how stale a "keep going" answer of should_stop may be
-EXITED_KEY = "llamarl/exited/"
-POLICY_KEY = "llamarl/policy_path"
-RESERVED_KEY = "llamarl/groups_reserved"
-DROPPED_KEY = "llamarl/groups_dropped"
+WEIGHT_TIMEOUT_S = 120.0  # one weight sync may not take longer (the group's collective timeout)
 
 
 def role_arguments(role: str, description: str) -> argparse.ArgumentParser:
@@ -97,7 +95,7 @@ class Runtime:
         return rt
 
     def queue(self, name: str) -> StoreQueue:
-        maxlen = METRICS_MAXLEN if name == METRICS else GROUPS_MAXLEN
+        maxlen = METRICS_MAXLEN if name == names.METRICS else GROUPS_MAXLEN
         return StoreQueue(self.store, name, self.secret, maxlen)
 
     def _heartbeat_loop(self) -> None:
@@ -117,6 +115,19 @@ class Runtime:
         self._stop_seen = (time.monotonic(), stopped)  # one tuple: safe across threads
         return stopped
 
+    def wait_key(self, key: str, timeout_s: float, what: str) -> bytes:
+        """The value of ``key`` once someone sets it; ``TimeoutError`` naming ``what``
+        after ``timeout_s``, ``Stopped`` once the run is stopping."""
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            if self.should_stop():
+                raise transport.Stopped(f"stopped while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{names.member(self.role, self.replica)}: no {what} from the "
+                                   f"trainer after {timeout_s:g} s")
+            time.sleep(0.05)
+        return self.store.get(key)
+
     def emit(self, events: list[dict[str, Any]], *, flush: bool = False) -> None:
         """Queue metric events for trainer replica 0 (sent in batches)."""
         self._pending_metrics.extend(events)
@@ -131,7 +142,7 @@ class Runtime:
     def flush_metrics(self) -> None:
         if self._pending_metrics:
             batch, self._pending_metrics = self._pending_metrics, []
-            self.queue(METRICS).push({"events": batch}, timeout_s=30.0, should_stop=None)
+            self.queue(names.METRICS).push({"events": batch}, timeout_s=30.0, should_stop=None)
 
     def __enter__(self) -> "Runtime":
         return self
@@ -154,7 +165,7 @@ class Runtime:
         # tears the store down aborts the process.
         self._heart.join(timeout=10.0)
         try:
-            self.store.add(EXITED_KEY + transport.Keys.member(self.role, self.replica), 1)
+            self.store.add(names.exited_key(names.member(self.role, self.replica)), 1)
         except Exception:
             pass
         if exc_type is not None and issubclass(exc_type, transport.Stopped):
@@ -170,12 +181,30 @@ class Runtime:
             return False
 
 
+def publish_config(store: dist.Store, trainer: TrainerConfig, gen: GeneratorConfig, *,
+                   policy_path: str, run_dir: str) -> None:
+    """Trainer replica 0: the run's configs, for every other role to read (``read_config``),
+    so that no role can disagree with the trainer about a knob."""
+    store.set(names.CONFIG_KEY, json.dumps({"trainer": cli.to_dict(trainer),
+                                            "generator": cli.to_dict(gen), "run_dir": run_dir}))
+    store.set(names.POLICY_KEY, policy_path)
+
+
+def read_config(rt: Runtime, timeout_s: float) -> tuple[TrainerConfig, GeneratorConfig, str]:
+    """The trainer's configs and policy path; from then on this role also logs to
+    ``<run_dir>/logs/<role>-<replica>.log`` (when the run directory is reachable here)."""
+    raw = json.loads(rt.wait_key(names.CONFIG_KEY, timeout_s, "run config"))
+    policy = rt.wait_key(names.POLICY_KEY, timeout_s, "policy path").decode()
+    log_to_run_dir(raw["run_dir"], rt.role, rt.replica)
+    return TrainerConfig(**raw["trainer"]), GeneratorConfig(**raw["generator"]), policy
+
+
 def wait_for_exits(store: dist.TCPStore, members: list[str], timeout_s: float) -> list[str]:
     """Trainer replica 0 keeps the store up until every other member has acknowledged the
     stop (or the timeout passes); returns the members that never did."""
     deadline = time.monotonic() + timeout_s
     missing = list(members)
     while missing and time.monotonic() < deadline:
-        missing = [m for m in missing if not store.check([EXITED_KEY + m])]
+        missing = [m for m in missing if not store.check([names.exited_key(m)])]
         time.sleep(0.05)
     return missing

@@ -3,6 +3,17 @@
     torchrun --standalone --nproc_per_node 1 -m app.trainer --store-port 29600 \\
         --num-generators 2 --num-reward 0 [TrainerConfig and GeneratorConfig flags]
 
+The loop this module drives (one message per rollout group; app/contract.py)::
+
+    generator/i --(queue "rollouts")--> [reward/j --(queue "scored")-->] trainer pipeline
+        ^                                                                      |
+        |                  pipelines/rollouts.py: poll -> contract check -> score (inline)
+        |                  -> advantages -> staleness filter -> batch          |
+        |                                                                      v
+        |                                                 rl.train_step (AIPO), version += 1
+        |                                                                      |
+        +-------- weight plane: broadcast of version v+1 (gloo / NCCL) <-------+
+
 Replica 0 is the single controller: it hosts the control store, publishes the run's
 config and policy, is the only writer of the metrics database, sends weights to the
 generators after every step, watches every role's health, and ends the run. With
@@ -23,24 +34,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from app import cli, metrics, rl, runtime, transport
+from app import cli, metrics, names, rl, runtime, steps, transport
 from app.config import GeneratorConfig, TrainerConfig
-from app.generator import WEIGHT_TIMEOUT_S, publish_config
-from app.local import eval_problems, resolve_policy
+from app.contract import Rejections, RolloutGroup
+from app.data import eval_problems, resolve_policy
 from app.policy import load_policy
-from app.rewards import (build_reward, exit_without_teardown_if_calls_hang, parse_spec,
-                         reward_events)
+from app.rewards import build_reward, parse_spec
 from app.weight_sync import WeightSender, flatten_parameters_, init_weight_group
 from pipelines.rollouts import RolloutStream
 
 log = logging.getLogger("llamarl")
-
-
-def _staleness(batch: list[rl.Rollout], version: int, step: int) -> tuple[list[dict], dict[str, float]]:
-    """One staleness row per consumed rollout, and the step's mean and max lag."""
-    lags = [version - r.version for r in batch]
-    rows = [metrics.staleness(step, r.version, lag, True) for r, lag in zip(batch, lags)]
-    return rows, {"staleness/mean": sum(lags) / len(lags), "staleness/max": max(lags)}
 
 
 def average_across_ranks(grads: list[torch.Tensor]) -> None:
@@ -56,14 +59,6 @@ def average_across_ranks(grads: list[torch.Tensor]) -> None:
         offset += g.numel()
 
 
-def raise_if_all_quarantined(groups: list[list[rl.Rollout]], step: int) -> None:
-    """A whole batch without one usable reward means the reward setup is broken (every
-    component raising, say): stop with the reasons rather than train on nothing."""
-    reasons = sorted({str(r.meta["reward_result"].quarantined) for g in groups for r in g})
-    raise RuntimeError(f"step {step}: every rollout of the batch was quarantined by the rewards "
-                       f"({', '.join(reasons)}); check --rewards")
-
-
 class Trainer:
     def __init__(self, rt: runtime.Runtime, cfg: TrainerConfig, gen: GeneratorConfig, *,
                  num_generators: int, num_reward: int, rank: int, world: int) -> None:
@@ -73,6 +68,8 @@ class Trainer:
         self.timeline = metrics.Timeline("trainer", rank)
         self.version = 0
         self.dropped = 0
+        self.guard = steps.SkipGuard()
+        self.rejections = Rejections(f"trainer/{rank}")
 
     # --- setup ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -81,16 +78,16 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         if self.rank == 0:
             policy = resolve_policy(cfg.policy, log=log.info)
-            rt.store.add(runtime.RESERVED_KEY, 0)
-            rt.store.add(runtime.DROPPED_KEY, 0)
+            rt.store.add(names.RESERVED_KEY, 0)
+            rt.store.add(names.DROPPED_KEY, 0)
             self.run_dir = metrics.new_run_dir(cfg.runs_dir, cfg.run_id, self._config_dict())
             runtime.log_to_run_dir(str(self.run_dir), "trainer", 0)
             self.writer = metrics.MetricsWriter(self.run_dir, run_id=self.run_dir.name, config=self._config_dict())
-            publish_config(rt.store, cfg, self.gen, str(policy.resolve()), str(self.run_dir.resolve()))
+            runtime.publish_config(rt.store, cfg, self.gen, policy_path=str(policy.resolve()),
+                                   run_dir=str(self.run_dir.resolve()))
             log.info("run directory %s", self.run_dir)
         else:
-            from app.generator import read_config
-            _, _, policy = read_config(rt.store, rt, 900.0)
+            _, _, policy = runtime.read_config(rt, 900.0)
         self.model, self.tokenizer = load_policy(policy)
         # Before DDP and the optimizer: they then update the flat buffers the weight sync
         # broadcasts without packing.
@@ -107,15 +104,16 @@ class Trainer:
         rt.control.wait_for_members(expected, timeout_s=900.0, should_stop=rt.should_stop)
         if self.rank == 0:
             group = init_weight_group(rt.store, rank=0, world_size=self.num_generators + 1,
-                                      device=torch.device("cpu"), timeout_s=WEIGHT_TIMEOUT_S)
+                                      device=torch.device("cpu"), timeout_s=runtime.WEIGHT_TIMEOUT_S)
             self.sender = WeightSender(group, list(self.model.named_parameters()))
             self._sync()
         self.stream = RolloutStream(
-            rt.queue(runtime.ROLLOUTS if inline else runtime.SCORED), reward=self.reward,
+            rt.queue(names.ROLLOUTS if inline else names.SCORED), reward=self.reward,
             reward_timeout_s=cfg.reward_timeout_s, groups_per_batch=cfg.prompts_per_step // self.world,
             max_staleness=cfg.max_staleness, current_version=lambda: self.version,
             on_drop=self._on_drop, normalize_std=cfg.normalize_std, should_stop=rt.should_stop,
-            timeout_s=600.0)
+            timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,
+            vocab_size=self.model.get_input_embeddings().num_embeddings)
 
     def _config_dict(self) -> dict:
         return {"mode": "async" if self.cfg.max_staleness > 0 else "sync",
@@ -123,10 +121,10 @@ class Trainer:
                 "trainer_ranks": self.world, **cli.to_dict(self.cfg), **cli.to_dict(self.gen)}
 
     # --- the loop ----------------------------------------------------------------------
-    def _on_drop(self, group: list[rl.Rollout], lag: int) -> None:
+    def _on_drop(self, group: RolloutGroup, lag: int) -> None:
         self.dropped += 1
-        self.rt.store.add(runtime.DROPPED_KEY, 1)  # generators may fill the slot again
-        self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group])
+        self.rt.store.add(names.DROPPED_KEY, 1)  # generators may fill the slot again
+        self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
 
     def _sync(self) -> None:
         with self.timeline.busy("weight_sync"):
@@ -146,16 +144,16 @@ class Trainer:
     def _drain_metrics(self) -> None:
         """Replica 0 writes its own events directly and everyone else's from the queue."""
         self.writer.write(self.rt.take_metrics() + self.timeline.drain())
-        queue = self.rt.queue(runtime.METRICS)
-        while msgs := queue.pop_many(256, timeout_s=0.0):
+        queue = self.rt.queue(names.METRICS)
+        while msgs := queue.pop_many(256, timeout_s=0.0, on_reject=self.rejections):
             self.writer.write(e for m in msgs for e in m["events"])
 
     def evaluate(self, step: int) -> dict[str, float]:
         with self.timeline.busy("eval"):
-            m = rl.evaluate(self.model, self.tokenizer, self.held_out,
-                            max_new_tokens=self.gen.max_new_tokens)
-        self.rt.emit(metrics.scalars({f"eval/{k}": v for k, v in m.items()}, role="trainer", step=step))
-        log.info("step %d held-out accuracy %.3f", step, m["accuracy"])
+            m = steps.evaluate(self.model, self.tokenizer, self.held_out, self.gen, step)
+        self.rt.emit(steps.eval_events(m, step=step, role="trainer"))
+        log.info("step %d held-out accuracy %.3f (greedy), %.3f (sampled)", step, m["accuracy"],
+                 m["sampled_accuracy"])
         return m
 
     def run(self) -> None:
@@ -167,47 +165,37 @@ class Trainer:
         for step in range(1, cfg.steps + 1):
             with self.timeline.idle("wait_rollouts"):
                 groups = self.stream.next_batch()
-            batch = [r for g in groups for r in g if r.reward is not None]
             t0 = time.time()
-            if not batch:
-                raise_if_all_quarantined(groups, step)
-            with self.timeline.busy("train"):
-                m = rl.train_step(self.model, self.optimizer, batch, step_cfg,
-                                  pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model,
-                                  reduce_grads=average_across_ranks if self.world > 1 else None)
+            train = None
+            # Every rank decides alone: with data parallel ranks, one rank's batch may have
+            # no usable rollout while another's has; it still joins the gradient average.
+            if not self.guard.should_skip(groups, step) or self.world > 1:
+                with self.timeline.busy("train"):
+                    train = rl.train_step(self.model, self.optimizer, steps.usable(groups), step_cfg,
+                                          pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model,
+                                          reduce_grads=average_across_ranks if self.world > 1 else None)
             t_train = time.time() - t0
             consumed_version = self.version
             self.version += 1
-            events, values_staleness = _staleness(batch, consumed_version, step)
-            all_rollouts = [r for g in groups for r in g]
-            tokens = sum(len(r.completion_ids) for r in batch)
-            step_s = time.time() - t_prev
-            t_prev = time.time()
-            values = {("aipo/" + k if k in ("ratio_mean", "ratio_max", "frac_truncated") else k): v
-                      for k, v in m.items()}
-            values.update({"train/tokens_per_s": tokens / t_train, "train/samples_per_s": len(batch) / t_train,
-                           "train/step_s": step_s, "train/steps_per_min": 60.0 / step_s,
-                           "dropped_stale": self.dropped, "train/version": self.version,
-                           "idle_fraction": self.timeline.idle_fraction(),
-                           "queue/rollouts": self.rt.queue(runtime.ROLLOUTS).depth(),
-                           "queue/scored": self.rt.queue(runtime.SCORED).depth(),
-                           **values_staleness})
-            events += metrics.scalars(values, role="trainer", replica=self.rank, step=step)
-            events += reward_events([r.meta["reward_result"] for r in all_rollouts], self.reward_names,
-                                    step, role="trainer", replica=self.rank)
+            step_s, t_prev = time.time() - t_prev, time.time()
+            values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
+                                       consumed_version=consumed_version, skipped=self.guard.skipped,
+                                       dropped=self.dropped, idle_fraction=self.timeline.idle_fraction())
+            values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
+            values.update({names.rejected_metric(k): n for k, n in self.rejections.counts.items()})
+            events, values = steps.step_events(step, groups, values, consumed_version=consumed_version,
+                                               reward_names=self.reward_names, role="trainer",
+                                               replica=self.rank)
             if self.rank != 0:  # the other ranks' events travel to replica 0 in batches
                 self.rt.emit(events + self.timeline.drain())
-            else:
-                self.rt.emit(events)
-            if self.rank == 0:
-                self._sync()
-                if step % cfg.eval_every == 0 or step == cfg.steps:
-                    self.evaluate(step)
-                self._check_health()
-                self._drain_metrics()
-                log.info("step %d/%d reward %.3f loss %+.4f staleness mean %.2f max %d dropped %d %.2fs",
-                         step, cfg.steps, sum(r.reward for r in batch) / len(batch), m["loss"], values["staleness/mean"],
-                         values["staleness/max"], self.dropped, step_s)
+                continue
+            self.rt.emit(events)
+            self._sync()
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                self.evaluate(step)
+            self._check_health()
+            self._drain_metrics()
+            log.info("%s", steps.summary(step, cfg.steps, groups, values))
 
     def close(self, reason: str, *, failed: bool = False) -> None:
         """Every rank: stop the rollout stream's thread. Replica 0 then asks every role to
@@ -280,7 +268,6 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if world > 1:
             dist.destroy_process_group()
-    exit_without_teardown_if_calls_hang()
 
 
 if __name__ == "__main__":

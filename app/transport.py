@@ -11,7 +11,7 @@ replica 0 (see DESIGN.md, "Planes"). Three layers, top to bottom:
   (``push`` waits while the queue holds ``maxlen`` messages) and waits that always end:
   by a timeout, or by ``should_stop`` becoming true.
 - ``Control``: the policy version, the stop flag, membership, heartbeats and failure
-  flags, under key names kept in ``Keys``.
+  flags, under the key names of ``app.names``.
 
 Frame layout (all integers little-endian)::
 
@@ -44,10 +44,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from app import names
+
 __all__ = [
     "AuthenticationError",
     "Control",
-    "Keys",
     "MAX_FRAME_BYTES",
     "SECRET_ENV",
     "StoreQueue",
@@ -82,6 +83,12 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.uint16, torch.uint32, torch.uint64, torch.bool,
     )
 }
+
+
+# Why a frame was dropped on receipt (see ``StoreQueue.pop_many``).
+BAD_TAG, MALFORMED_FRAME = "bad_tag", "malformed_frame"
+OnReject = Callable[[str, str], None]
+"""``on_reject(reason, detail)``: told about each frame a queue dropped on receipt."""
 
 
 class AuthenticationError(Exception):
@@ -303,7 +310,7 @@ class StoreQueue:
             raise ValueError(f"queue {name!r}: maxlen must be >= 1, got {maxlen}")
         _check_secret(secret)
         self.store, self.name, self.secret, self.maxlen = store, name, secret, maxlen
-        self.key = Keys.queue(name)
+        self.key = names.queue_key(name)
 
     def depth(self) -> int:
         return int(self.store.queue_len(self.key))
@@ -325,28 +332,36 @@ class StoreQueue:
             _sleep_or_stop(backoff.next(), should_stop, f"room in queue {self.name!r}")
         self.store.queue_push(self.key, frame)
 
-    def pop(self, timeout_s: float,
-            should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+    def pop(self, timeout_s: float, should_stop: Callable[[], bool] | None = None,
+            on_reject: OnReject | None = None) -> dict[str, Any] | None:
         """The oldest message, or ``None`` if none arrived within ``timeout_s``."""
+        got = self.pop_many(1, timeout_s, should_stop, on_reject)
+        return got[0] if got else None
+
+    def pop_many(self, max_n: int, timeout_s: float, should_stop: Callable[[], bool] | None = None,
+                 on_reject: OnReject | None = None) -> list[dict[str, Any]]:
+        """Wait up to ``timeout_s`` for one message, then take up to ``max_n`` without waiting.
+
+        A frame that does not decode (a bad tag, a malformed frame) is handed to
+        ``on_reject(reason, detail)`` and skipped; without ``on_reject`` it raises.
+        """
         deadline = time.monotonic() + timeout_s
         backoff = Backoff()
-        while True:
+        out: list[dict[str, Any]] = []
+        while len(out) < max_n:
             frame = self._try_pop()
-            if frame is not None:
-                return decode(frame, self.secret)
-            if time.monotonic() >= deadline:
-                return None
-            _sleep_or_stop(backoff.next(), should_stop, f"a message on queue {self.name!r}")
-
-    def pop_many(self, max_n: int, timeout_s: float,
-                 should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
-        """Wait up to ``timeout_s`` for one message, then take up to ``max_n`` without waiting."""
-        first = self.pop(timeout_s, should_stop)
-        if first is None:
-            return []
-        out = [first]
-        while len(out) < max_n and (frame := self._try_pop()) is not None:
-            out.append(decode(frame, self.secret))
+            if frame is None:
+                if out or time.monotonic() >= deadline:
+                    return out
+                _sleep_or_stop(backoff.next(), should_stop, f"a message on queue {self.name!r}")
+                continue
+            try:
+                out.append(decode(frame, self.secret))
+            except (AuthenticationError, ValueError) as e:
+                if on_reject is None:
+                    raise
+                on_reject(BAD_TAG if isinstance(e, AuthenticationError) else MALFORMED_FRAME,
+                          f"queue {self.name!r}: {e}")
         return out
 
     def _try_pop(self) -> bytes | None:
@@ -357,33 +372,6 @@ class StoreQueue:
 
 
 # --------------------------------------------------------------------------- control
-
-
-class Keys:
-    """Every control-store key name, in one place."""
-
-    VERSION = "llamarl/version"
-    STOP = "llamarl/stop"
-    MEMBERS = "llamarl/members"  # append-only "role/replica;" list
-    FAILED = "llamarl/failed"  # append-only "role/replica;" list
-
-    @staticmethod
-    def member(role: str, replica: int) -> str:
-        if "/" in role or ";" in role or not role:
-            raise ValueError(f"role names may not be empty or contain '/' or ';': {role!r}")
-        return f"{role}/{int(replica)}"
-
-    @staticmethod
-    def heartbeat(member: str) -> str:
-        return f"llamarl/heartbeat/{member}"
-
-    @staticmethod
-    def failure(member: str) -> str:
-        return f"llamarl/failure/{member}"
-
-    @staticmethod
-    def queue(name: str) -> str:
-        return f"llamarl/queue/{name}"
 
 
 def _split_list(raw: bytes) -> list[str]:
@@ -409,33 +397,33 @@ class Control:
 
     # policy version -----------------------------------------------------------------
     def set_version(self, version: int) -> None:
-        self.store.set(Keys.VERSION, str(int(version)))
+        self.store.set(names.VERSION_KEY, str(int(version)))
 
     def version(self) -> int:
-        raw = self._get(Keys.VERSION)
+        raw = self._get(names.VERSION_KEY)
         return int(raw) if raw is not None else 0
 
     # stop ---------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
         """Ask every role to stop; the first reason given wins."""
-        self.store.compare_set(Keys.STOP, "", reason or "stop requested")
+        self.store.compare_set(names.STOP_KEY, "", reason or "stop requested")
 
     def stop_reason(self) -> str | None:
-        raw = self._get(Keys.STOP)
+        raw = self._get(names.STOP_KEY)
         return raw.decode() if raw is not None else None
 
     def stopped(self) -> bool:
         """For ``should_stop=`` arguments: one store round trip."""
-        return self.store.check([Keys.STOP])
+        return self.store.check([names.STOP_KEY])
 
     # membership and health ------------------------------------------------------------
     def register(self, role: str, replica: int) -> None:
-        member = Keys.member(role, replica)
-        self.store.add(Keys.heartbeat(member), 1)
-        self.store.append(Keys.MEMBERS, member + ";")
+        member = names.member(role, replica)
+        self.store.add(names.heartbeat_key(member), 1)
+        self.store.append(names.MEMBERS_KEY, member + ";")
 
     def members(self) -> list[str]:
-        raw = self._get(Keys.MEMBERS)
+        raw = self._get(names.MEMBERS_KEY)
         return _split_list(raw) if raw is not None else []
 
     def wait_for_members(self, expected: dict[str, int], timeout_s: float,
@@ -445,8 +433,8 @@ class Control:
         backoff = Backoff(first_s=0.005, max_s=0.1)
         while True:
             present = set(self.members())
-            missing = [Keys.member(role, r) for role, n in expected.items() for r in range(n)
-                       if Keys.member(role, r) not in present]
+            missing = [names.member(role, r) for role, n in expected.items() for r in range(n)
+                       if names.member(role, r) not in present]
             if not missing:
                 return sorted(present)
             if time.monotonic() >= deadline:
@@ -456,14 +444,14 @@ class Control:
             _sleep_or_stop(backoff.next(), should_stop, "members to register")
 
     def heartbeat(self, role: str, replica: int) -> None:
-        self.store.add(Keys.heartbeat(Keys.member(role, replica)), 1)
+        self.store.add(names.heartbeat_key(names.member(role, replica)), 1)
 
     def last_heartbeats(self) -> dict[str, float]:
         """Seconds since this observer last saw each member's heartbeat move, by member."""
         members = self.members()
         if not members:
             return {}
-        counts = self.store.multi_get([Keys.heartbeat(m) for m in members])
+        counts = self.store.multi_get([names.heartbeat_key(m) for m in members])
         now = time.monotonic()
         ages: dict[str, float] = {}
         for member, raw in zip(members, counts):
@@ -481,15 +469,15 @@ class Control:
         return sorted(failed | stale)
 
     def mark_failed(self, role: str, replica: int, error: str) -> None:
-        member = Keys.member(role, replica)
-        self.store.set(Keys.failure(member), error[:4000])
-        self.store.append(Keys.FAILED, member + ";")
+        member = names.member(role, replica)
+        self.store.set(names.failure_key(member), error[:4000])
+        self.store.append(names.FAILED_KEY, member + ";")
         self.request_stop(f"{member} failed: {error[:500]}")
 
     def failures(self) -> dict[str, str]:
-        raw = self._get(Keys.FAILED)
+        raw = self._get(names.FAILED_KEY)
         if raw is None:
             return {}
         members = _split_list(raw)
-        errors = self.store.multi_get([Keys.failure(m) for m in members])
+        errors = self.store.multi_get([names.failure_key(m) for m in members])
         return {m: e.decode(errors="replace") for m, e in zip(members, errors)}

@@ -77,7 +77,7 @@ def warm_start(cfg: WarmStartConfig, *, log=print) -> dict[str, float]:
              else tasks.format_completion(p) for p in problems]
     completions = [ids + [tokenizer.eos_token_id]
                    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    data = [rl.Rollout(prompt_ids=p, completion_ids=c, behaviour_logprobs=[], version=0, group="")
+    data = [rl.Rollout(prompt_ids=p, completion_ids=c, behaviour_logprobs=[], version=0)
             for p, c in zip(prompts, completions)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()

@@ -27,6 +27,7 @@ sys.path.insert(0, str(_DASHBOARD_DIR.parent))
 import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
+from app import names  # noqa: E402
 from dashboard import charts, data  # noqa: E402
 
 log = logging.getLogger("llamarl.dashboard")
@@ -34,13 +35,16 @@ log = logging.getLogger("llamarl.dashboard")
 RUNS_ENV = "LLAMARL_RUNS_DIR"
 REFRESH_CHOICES_S = (1, 2, 5, 10, 30)
 TIMELINE_WINDOWS_S = {"last 30 s": 30.0, "last 2 min": 120.0, "last 10 min": 600.0, "whole run": None}
-THROUGHPUT = ["gen/tokens_per_s", "train/tokens_per_s"]
-LEARNING = ["eval/accuracy", "reward/total", "loss", "kl", "response_len"]
-AIPO = ["aipo/ratio_mean", "aipo/ratio_max", "aipo/frac_truncated"]
-COUNTS = ["dropped_stale"]
+THROUGHPUT = [names.GEN_TOKENS_PER_S, names.TRAIN_TOKENS_PER_S]
+LEARNING = [names.EVAL_ACCURACY, names.REWARD_TOTAL, names.LOSS, names.KL, names.RESPONSE_LEN]
+AIPO = [names.AIPO_RATIO_MEAN, names.AIPO_RATIO_MAX, names.AIPO_FRAC_TRUNCATED]
+COUNTS = [names.DROPPED_STALE, names.TRAIN_SKIPPED_STEPS]
 # Scalars drawn by a dedicated view; the "All scalars" tab offers the rest.
-SHOWN = {*THROUGHPUT, *LEARNING, *AIPO, *COUNTS, "gen/seqs_per_s", "train/samples_per_s",
-         "train/steps_per_min", "train/step_s", "idle_fraction", "staleness/mean", "staleness/max"}
+SHOWN = {*THROUGHPUT, *LEARNING, *AIPO, *COUNTS, names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S,
+         names.TRAIN_STEPS_PER_MIN, names.TRAIN_STEP_S, names.IDLE_FRACTION, names.STALENESS_MEAN,
+         names.STALENESS_MAX}
+# Prefixes of counters drawn in the Queues tab.
+DROP_PREFIXES = (names.QUARANTINED_PREFIX, names.REJECTED_PREFIX)
 
 
 def runs_dir_from_args(argv: list[str]) -> Path:
@@ -106,14 +110,14 @@ def throughput_tab(run: data.Run) -> None:
         df = run.scalar_series(THROUGHPUT, replicas="sum")
         chart(charts.line_figure(df, "Throughput (all replicas)", y_title="tokens/s"), "tput-tokens")
     with right:
-        df = run.scalar_series(["train/steps_per_min"])
+        df = run.scalar_series([names.TRAIN_STEPS_PER_MIN])
         chart(charts.line_figure(df, "RL steps per minute", y_title="steps/min"), "tput-steps")
     left, right = st.columns(2)
     with left:
-        chart(charts.line_figure(run.scalar_series(["gen/seqs_per_s", "train/samples_per_s"], replicas="sum"),
+        chart(charts.line_figure(run.scalar_series([names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S], replicas="sum"),
                                  "Sequences per second", y_title="seqs/s"), "tput-seqs")
     with right:
-        chart(charts.line_figure(run.scalar_series(["train/step_s"]), "End-to-end step time",
+        chart(charts.line_figure(run.scalar_series([names.TRAIN_STEP_S]), "End-to-end step time",
                                  y_title="seconds"), "tput-step-s")
 
 
@@ -122,7 +126,7 @@ def executors_tab(run: data.Run) -> None:
     with left:
         chart(charts.idle_figure(run.idle_fractions()), "exec-idle")
     with right:
-        chart(charts.line_figure(run.scalar_series(["idle_fraction"]), "Idle fraction over time",
+        chart(charts.line_figure(run.scalar_series([names.IDLE_FRACTION]), "Idle fraction over time",
                                  y_title="idle share"), "exec-idle-t")
     window = st.segmented_control("Timeline window", list(TIMELINE_WINDOWS_S), default="last 30 s",
                                   key="timeline-window")
@@ -159,18 +163,18 @@ def learning_tab(run: data.Run) -> None:
     with left:
         chart(charts.rewards_figure(run.rewards()), "learn-rewards")
     with right:
-        chart(charts.line_figure(run.scalar_series(["eval/accuracy", "reward/total"]), "Accuracy and mean reward"),
-              "learn-acc")
+        chart(charts.line_figure(run.scalar_series([names.EVAL_ACCURACY, names.REWARD_TOTAL]),
+                                 "Accuracy and mean reward"), "learn-acc")
     left, right = st.columns(2)
     with left:
-        chart(charts.line_figure(run.scalar_series(["loss"]), "AIPO loss"), "learn-loss")
+        chart(charts.line_figure(run.scalar_series([names.LOSS]), "AIPO loss"), "learn-loss")
     with right:
-        chart(charts.line_figure(run.scalar_series(["kl"]), "KL to reference"), "learn-kl")
+        chart(charts.line_figure(run.scalar_series([names.KL]), "KL to reference"), "learn-kl")
     left, right = st.columns(2)
     with left:
         chart(charts.line_figure(run.scalar_series(AIPO), "AIPO importance ratio"), "learn-aipo")
     with right:
-        chart(charts.line_figure(run.scalar_series(["response_len"]), "Response length",
+        chart(charts.line_figure(run.scalar_series([names.RESPONSE_LEN]), "Response length",
                                  y_title="tokens"), "learn-len")
     reasons = run.quarantine_reasons()
     if not reasons.empty:
@@ -183,17 +187,18 @@ def queues_tab(run: data.Run) -> None:
     with left:
         chart(charts.queues_figure(run.queue_depths()), "queues-depth")
     with right:
-        df = pd.concat([run.scalar_series(COUNTS), run.scalar_series(prefix="quarantined/")])
-        chart(charts.line_figure(df, "Dropped and quarantined rollouts per step", y_title="rollouts"),
+        df = pd.concat([run.scalar_series(COUNTS)] + [run.scalar_series(prefix=p) for p in DROP_PREFIXES])
+        chart(charts.line_figure(df, "Dropped, quarantined and rejected (counts so far)", y_title="count"),
               "queues-dropped")
 
 
 def other_scalars_tab(run: data.Run) -> None:
-    names = [n for n in run.scalar_names() if n not in SHOWN and not n.startswith(("queue/", "quarantined/"))]
-    if not names:
+    others = [s for s in run.scalar_names()
+              if s not in SHOWN and not s.startswith((names.QUEUE_PREFIX, *DROP_PREFIXES))]
+    if not others:
         st.info("Every scalar this run records is drawn in the other tabs.")
         return
-    picked = st.multiselect("Scalars", names, default=names[:4], key="other-scalars")
+    picked = st.multiselect("Scalars", others, default=others[:4], key="other-scalars")
     for name in picked:
         chart(charts.line_figure(run.scalar_series([name]), name), f"other-{name}")
 
@@ -255,12 +260,12 @@ def compare_page(paths: list[Path]) -> None:
         with right:
             chart(charts.staleness_compare_figure({k: r.staleness_histogram() for k, r in runs.items()}, colors),
                   "cmp-stale")
-        grid = [("gen/tokens_per_s", "Generated tokens/s (all replicas)", "sum"),
-                ("train/tokens_per_s", "Trained tokens/s", "sum"),
-                ("train/steps_per_min", "RL steps per minute", "mean"),
-                ("reward/total", "Mean reward", "mean"),
-                ("eval/accuracy", "Accuracy", "mean"),
-                ("staleness/mean", "Mean staleness per step", "mean")]
+        grid = [(names.GEN_TOKENS_PER_S, "Generated tokens/s (all replicas)", "sum"),
+                (names.TRAIN_TOKENS_PER_S, "Trained tokens/s", "sum"),
+                (names.TRAIN_STEPS_PER_MIN, "RL steps per minute", "mean"),
+                (names.REWARD_TOTAL, "Mean reward", "mean"),
+                (names.EVAL_ACCURACY, "Accuracy", "mean"),
+                (names.STALENESS_MEAN, "Mean staleness per step", "mean")]
         for i in range(0, len(grid), 2):
             for col, (name, title, fold) in zip(st.columns(2), grid[i:i + 2]):
                 with col:

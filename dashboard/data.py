@@ -32,6 +32,7 @@ from typing import Any, Literal, Sequence
 
 import pandas as pd
 
+from app import names
 from app.metrics import COLUMNS, DB_NAME, SCHEMA_VERSION, TABLES
 
 CONFIG_NAME = "config.json"
@@ -428,13 +429,14 @@ class Run:
         else:
             # Runs whose executors report only the scalar, not the intervals.
             idle_fraction = _to_float(self._one(
-                "SELECT AVG(value) FROM scalars WHERE name = 'idle_fraction' AND t >= ?", [last - window_s]))
+                "SELECT AVG(value) FROM scalars WHERE name = ? AND t >= ?",
+                [names.IDLE_FRACTION, last - window_s]))
         sync = self._frame("SELECT version, MAX(seconds) AS seconds, MAX(t) AS t FROM weight_sync "
                            "WHERE version = (SELECT MAX(version) FROM weight_sync) GROUP BY version")
         h = Headline(
             step=None if step is None else int(step),
-            gen_tokens_per_s=self._recent_rate("gen/tokens_per_s", window_s),
-            train_tokens_per_s=self._recent_rate("train/tokens_per_s", window_s),
+            gen_tokens_per_s=self._recent_rate(names.GEN_TOKENS_PER_S, window_s),
+            train_tokens_per_s=self._recent_rate(names.TRAIN_TOKENS_PER_S, window_s),
             idle_fraction=idle_fraction,
             mean_staleness=_to_float(self._one("SELECT AVG(staleness) FROM staleness WHERE used = 1")),
             elapsed_s=last - self.t0,
@@ -584,8 +586,8 @@ class Run:
 
     def queue_depths(self, *, max_points: int = MAX_POINTS) -> pd.DataFrame:
         """Depth of each queue (scalars ``queue/<name>``) over time; ``queue`` column added."""
-        df = self.scalar_series(prefix="queue/", max_points=max_points)
-        df.insert(0, "queue", df["name"].astype(str).str.removeprefix("queue/"))
+        df = self.scalar_series(prefix=names.QUEUE_PREFIX, max_points=max_points)
+        df.insert(0, "queue", df["name"].astype(str).str.removeprefix(names.QUEUE_PREFIX))
         return df
 
 

@@ -1,8 +1,9 @@
 """The trainer's rollout stream as a ``torchdata.nodes`` graph.
 
-    QueueSource (polls the control store with a timeout)
-      -> Mapper: decode the group message, score it (inline rewards) or read the scores
-         a reward executor attached
+    QueueSource (polls the control store with a timeout; checks each message against the
+                 rollout contract, dropping and counting the ones that break it)
+      -> Mapper: score the group (inline rewards), or keep the scores a reward executor
+         attached
       -> Prefetcher (a thread: polling, decoding and scoring overlap the training step)
       -> Mapper: group-relative advantages
       -> StalenessFilter: drop and count groups older than ``max_staleness``
@@ -23,12 +24,14 @@ from __future__ import annotations
 
 import heapq
 import threading
+import time
 from typing import Any, Callable
 
 from torchdata.nodes import BaseNode, Batcher, Mapper, Prefetcher
 
-from app.rewards import CompositeReward, RewardResult
-from app.rl import Rollout, score_rollouts, set_group_advantages
+from app import rl
+from app.contract import Rejections, RolloutGroup
+from app.rewards import CompositeReward
 from app.transport import StoreQueue, Stopped
 
 
@@ -60,88 +63,89 @@ class Gate:
         self._lock.release()
 
 
-class QueueSource(BaseNode[dict]):
-    """Messages from a store queue, forever, oldest policy version first among those
+class QueueSource(BaseNode[RolloutGroup]):
+    """Rollout groups from a store queue, forever, oldest policy version first among those
     waiting (groups from several generators arrive out of order; taking the oldest
-    first keeps them inside the staleness bound). A silent queue is an error after
-    ``timeout_s``."""
+    first keeps them inside the staleness bound). A frame that does not decode or a
+    message that breaks the rollout contract is dropped and counted in ``rejections``.
+    A silent queue is an error after ``timeout_s``. ``checks``: ``from_message``'s
+    bounds (``vocab_size``, ``group_size``)."""
 
     def __init__(self, queue: StoreQueue, *, timeout_s: float, should_stop: Callable[[], bool],
-                 what: str = "rollouts", lookahead: int = 64, gate: Gate | None = None) -> None:
+                 rejections: Rejections, what: str = "rollouts", lookahead: int = 64,
+                 gate: Gate | None = None, **checks: Any) -> None:
         super().__init__()
         self.queue, self.timeout_s, self.what = queue, timeout_s, what
+        self.rejections, self.checks = rejections, checks
         self.gate = gate or Gate()
         self.should_stop = lambda: self.gate.is_closed() or should_stop()
         self.lookahead = lookahead
-        self._waiting: list[tuple[int, int, dict]] = []  # heap of (version, arrival, message)
+        self._waiting: list[tuple[int, int, RolloutGroup]] = []  # heap of (version, arrival, group)
         self._arrivals = 0
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
 
-    def next(self) -> dict:
-        wait_s = 0.0 if self._waiting else self.timeout_s
-        with self.gate:
-            for msg in self.queue.pop_many(self.lookahead, wait_s, should_stop=self.should_stop):
-                heapq.heappush(self._waiting, (msg["version"], self._arrivals, msg))
+    def next(self) -> RolloutGroup:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            # Wait only when nothing is waiting; rejected messages are not traffic, so the
+            # deadline stands through them.
+            wait_s = 0.0 if self._waiting else max(0.0, deadline - time.monotonic())
+            with self.gate:
+                msgs = self.queue.pop_many(self.lookahead, wait_s, should_stop=self.should_stop,
+                                           on_reject=self.rejections)
+            for group in self.rejections.decode(msgs, **self.checks):
+                heapq.heappush(self._waiting, (group.version, self._arrivals, group))
                 self._arrivals += 1
-        if not self._waiting:
-            raise TimeoutError(f"no {self.what} arrived on queue {self.queue.name!r} for "
-                               f"{self.timeout_s:g} s: are the producers alive?")
-        return heapq.heappop(self._waiting)[2]
+            if self._waiting:
+                return heapq.heappop(self._waiting)[2]
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no {self.what} arrived on queue {self.queue.name!r} for "
+                                   f"{self.timeout_s:g} s: are the producers alive?")
 
     def get_state(self) -> dict[str, Any]:
         return {}  # a live stream: nothing to resume from
 
 
-def group_from_message(msg: dict) -> list[Rollout]:
-    """The rollouts of one group message (see ``app.generator.group_message``)."""
-    return [Rollout(prompt_ids=msg["prompt_ids"], completion_ids=ids, behaviour_logprobs=lp,
-                    version=msg["version"], group=msg["group"],
-                    meta={**msg["meta"], "completion": text, "generator": msg["generator"]})
-            for ids, lp, text in zip(msg["completions"], msg["logprobs"], msg["texts"])]
-
-
-def attach_results(group: list[Rollout], results: list[RewardResult]) -> list[Rollout]:
-    for r, res in zip(group, results):
-        r.reward, r.rewards = res.total, dict(res.components)
-        r.meta["reward_result"] = res  # in-process only: for the trainer's reward events
-    return group
-
-
 class Scored:
-    """Decode a message and score it: inline with ``reward``, or from the results a
-    reward executor attached (``reward=None``)."""
+    """Score a group inline with ``reward``; or, with ``reward=None``, pass on the scores
+    a reward executor attached (a group that arrives without them is dropped and counted)."""
 
-    def __init__(self, reward: CompositeReward | None, timeout_s: float | None = None,
-                 gate: Gate | None = None) -> None:
-        self.reward, self.timeout_s, self.gate = reward, timeout_s, gate or Gate()
+    def __init__(self, reward: CompositeReward | None, rejections: Rejections,
+                 timeout_s: float | None = None, gate: Gate | None = None) -> None:
+        self.reward, self.rejections = reward, rejections
+        self.timeout_s, self.gate = timeout_s, gate or Gate()
 
-    def __call__(self, msg: dict) -> list[Rollout]:
-        group = group_from_message(msg)
+    def __call__(self, group: RolloutGroup) -> RolloutGroup | None:
         if self.reward is None:
-            return attach_results(group, [RewardResult.from_dict(d) for d in msg["results"]])
+            if not group.scored:
+                self.rejections("missing_field", f"group {group.group_id} came without reward "
+                                "results from the reward executor", "results")
+                return None
+            return group
         with self.gate:
-            results = score_rollouts(group, self.reward, self.timeout_s)
-        return attach_results(group, results)
+            rl.score_groups([group], self.reward, self.timeout_s)
+        return group
 
 
-def with_advantages(normalize_std: bool) -> Callable[[list[Rollout]], list[Rollout]]:
-    def apply(group: list[Rollout]) -> list[Rollout]:
-        kept = [r for r in group if r.reward is not None]
+def with_advantages(normalize_std: bool) -> Callable[[RolloutGroup | None], RolloutGroup | None]:
+    def apply(group: RolloutGroup | None) -> RolloutGroup | None:
+        kept = [r for r in group.rollouts if r.reward is not None] if group is not None else []
         if kept:
-            set_group_advantages(kept, normalize_std=normalize_std)
+            rl.set_group_advantages(kept, normalize_std=normalize_std)
         return group
     return apply
 
 
-class StalenessFilter(BaseNode[list[Rollout]]):
-    """Passes groups whose lag (trainer version now - rollout version) is within bound;
-    hands the others to ``on_drop`` (for counting and metrics) and moves on."""
+class StalenessFilter(BaseNode[RolloutGroup]):
+    """Passes groups whose lag (trainer version now - group version) is within bound;
+    hands the others to ``on_drop`` (for counting and metrics) and moves on. Skips the
+    ``None`` that an upstream stage leaves for a group it dropped."""
 
-    def __init__(self, source: BaseNode[list[Rollout]], *, max_staleness: int,
+    def __init__(self, source: BaseNode[RolloutGroup | None], *, max_staleness: int,
                  current_version: Callable[[], int],
-                 on_drop: Callable[[list[Rollout], int], None]) -> None:
+                 on_drop: Callable[[RolloutGroup, int], None]) -> None:
         super().__init__()
         self.source, self.max_staleness = source, max_staleness
         self.current_version, self.on_drop = current_version, on_drop
@@ -150,10 +154,12 @@ class StalenessFilter(BaseNode[list[Rollout]]):
         super().reset(initial_state)
         self.source.reset(None)
 
-    def next(self) -> list[Rollout]:
+    def next(self) -> RolloutGroup:
         while True:
             group = next(self.source)
-            lag = self.current_version() - group[0].version
+            if group is None:
+                continue
+            lag = self.current_version() - group.version
             if lag <= self.max_staleness:
                 return group
             self.on_drop(group, lag)
@@ -164,23 +170,27 @@ class StalenessFilter(BaseNode[list[Rollout]]):
 
 class RolloutStream:
     """The graph above; ``next_batch()`` gives a batch: a list of ``groups_per_batch``
-    groups. Call ``close()`` before the process exits (see the module docstring)."""
+    groups. Call ``close()`` before the process exits (see the module docstring).
+    ``rejections`` counts the messages dropped on receipt; ``checks`` bound what a
+    message may hold (``vocab_size``, ``group_size``: see ``app.contract.from_message``)."""
 
     def __init__(self, queue: StoreQueue, *, reward: CompositeReward | None, reward_timeout_s: float | None,
                  groups_per_batch: int, max_staleness: int, current_version: Callable[[], int],
-                 on_drop: Callable[[list[Rollout], int], None], normalize_std: bool,
-                 should_stop: Callable[[], bool], timeout_s: float, prefetch: int = 2) -> None:
+                 on_drop: Callable[[RolloutGroup, int], None], normalize_std: bool,
+                 should_stop: Callable[[], bool], timeout_s: float, rejections: Rejections,
+                 prefetch: int = 2, **checks: Any) -> None:
         self.gate = Gate()
         self.close_timeout_s = (reward_timeout_s or 0.0) + 30.0
-        node: BaseNode = QueueSource(queue, timeout_s=timeout_s, should_stop=should_stop, gate=self.gate)
-        node = Mapper(node, Scored(reward, reward_timeout_s, gate=self.gate))
+        node: BaseNode = QueueSource(queue, timeout_s=timeout_s, should_stop=should_stop,
+                                     rejections=rejections, gate=self.gate, **checks)
+        node = Mapper(node, Scored(reward, rejections, reward_timeout_s, gate=self.gate))
         node = Prefetcher(node, prefetch_factor=prefetch)
         node = Mapper(node, with_advantages(normalize_std))
         node = StalenessFilter(node, max_staleness=max_staleness, current_version=current_version,
                                on_drop=on_drop)
         self.root = Batcher(node, batch_size=groups_per_batch, drop_last=False)
 
-    def next_batch(self) -> list[list[Rollout]]:
+    def next_batch(self) -> list[RolloutGroup]:
         """The next batch; the pipeline's stop becomes ``Stopped`` for the caller."""
         if self.gate.is_closed():
             raise Stopped("the rollout stream is closed")
@@ -195,5 +205,4 @@ class RolloutStream:
         self.gate.close(self.close_timeout_s)
 
 
-__all__ = ["Gate", "QueueSource", "RolloutStream", "Scored", "StalenessFilter", "attach_results",
-           "group_from_message", "with_advantages"]
+__all__ = ["Gate", "QueueSource", "RolloutStream", "Scored", "StalenessFilter", "with_advantages"]

@@ -22,6 +22,9 @@ import pytest
 from torchx.runner import Runner, get_runner
 from torchx.specs import AppState, is_terminal, parse_app_handle
 
+from app import names
+from app.contract import GroupId, Rollout, RolloutGroup, to_message
+from app.transport import SECRET_ENV, StoreQueue, connect_store
 from app.warmstart import WarmStartConfig, warm_start
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -210,14 +213,45 @@ def test_two_data_parallel_trainer_ranks(tiny_policy, tmp_path):
         assert f"run finished: finished 2 steps" in app.log("trainer")
 
 
+def push_bad_messages(app: App) -> None:
+    """On the rollouts queue of a running app: a garbage frame, a frame signed with another
+    secret, and three messages signed with the app's own secret that break the rollout
+    contract (a missing field, a wrong type, log-probs that do not match the tokens)."""
+    pattern = f"app.generator --store-addr .*:{app.store_port} --replica 0 "
+    (pid,) = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    environ = dict(kv.split("=", 1) for kv in
+                   Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+    secret = bytes.fromhex(environ[SECRET_ENV])
+    store = connect_store(f"127.0.0.1:{app.store_port}", timeout_s=30)
+    good = to_message(RolloutGroup(group_id=GroupId(99, 0), version=0, rollouts=[
+        Rollout(prompt_ids=[5, 6], completion_ids=[7, 8], behaviour_logprobs=[-1.0, -1.0],
+                version=0, group_id=GroupId(99, 0), task={"answer": 1.0})] * GROUP_SIZE))
+    missing = {k: v for k, v in good.items() if k != "prompt_ids"}
+    wrong_type = {**good, "version": "0"}
+    short = {**good, "logprobs": [lp[:1] for lp in good["logprobs"]]}
+    queue = StoreQueue(store, names.ROLLOUTS, secret, maxlen=1000)
+    for msg in (missing, wrong_type, short):
+        queue.push(msg, timeout_s=10)
+    StoreQueue(store, names.ROLLOUTS, bytes(32), maxlen=1000).push(good, timeout_s=10)
+    store.queue_push(queue.key, b"\x00garbage")
+
+
 def test_synchronous_baseline_trains_only_fresh_rollouts(tiny_policy, tmp_path):
-    """max_staleness = 0, same code path: generate, train, sync."""
+    """max_staleness = 0, same code path: generate, train, sync. Bad messages pushed on the
+    rollouts queue are dropped and counted, never trained on, and the run goes on."""
     with launch(tiny_policy, tmp_path, steps=3, num_reward=0, max_staleness=0) as app:
+        app.wait_for_log("trainer", "run directory", timeout_s=APP_TIMEOUT_S)
+        push_bad_messages(app)
         assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
         db = app.db()
         used = rows(db, "SELECT step, version, staleness FROM staleness WHERE used = 1")
         assert len(used) == 3 * PROMPTS_PER_STEP * GROUP_SIZE
         assert all(lag == 0 and version == step - 1 for step, version, lag in used)
+        rejected = dict(rows(db, "SELECT name, max(value) FROM scalars WHERE name LIKE "
+                                 "'security/rejected_frames/%' GROUP BY name"))
+        assert rejected == {names.rejected_metric(r): 1.0 for r in
+                            ("missing_field", "wrong_type", "wrong_length", "bad_tag", "malformed_frame")}
+        assert "dropped a message (wrong_length in 'logprobs[0]')" in app.log("trainer")
         assert rows(db, "SELECT count(*) FROM staleness WHERE used = 0") == [(0,)]
         config = dict(rows(db, "SELECT key, value FROM meta"))["config"]
         assert '"mode": "sync"' in config

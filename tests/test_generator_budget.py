@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from app import runtime
+from app import names
 from app.generator import SlotBudget
 from app.transport import connect_store, host_store
 
@@ -23,8 +23,8 @@ B = 4  # groups per step
 def store():
     store = host_store(0, None, timeout_s=30, host="127.0.0.1")
     # What trainer replica 0 does before any generator starts.
-    store.add(runtime.RESERVED_KEY, 0)
-    store.add(runtime.DROPPED_KEY, 0)
+    store.add(names.RESERVED_KEY, 0)
+    store.add(names.DROPPED_KEY, 0)
     return store
 
 
@@ -51,7 +51,7 @@ def test_reserve_stops_at_the_staleness_cap(store):
 def test_dropped_groups_are_handed_out_again(store):
     budget = SlotBudget(store, groups_per_step=B, max_staleness=0)
     assert budget.reserve(100, version=0) == range(0, 4)
-    store.add(runtime.DROPPED_KEY, 3)  # the trainer dropped three stale groups
+    store.add(names.DROPPED_KEY, 3)  # the trainer dropped three stale groups
     assert budget.reserve(100, version=0) == range(4, 7)
     assert budget.reserve(100, version=0) == range(0)
 
@@ -65,7 +65,7 @@ def test_random_reservations_never_exceed_the_bound(store):
         if action < 0.2:
             version += 1
         elif action < 0.3:
-            store.add(runtime.DROPPED_KEY, 1)
+            store.add(names.DROPPED_KEY, 1)
             dropped += 1
         else:
             slots = budget.reserve(rng.randint(1, 6), version)

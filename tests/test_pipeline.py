@@ -9,11 +9,10 @@ import time
 import pytest
 from torchdata.nodes import IterableWrapper
 
-from app.generator import group_message
-from app.rewards import Sample, build_reward
-from app.rl import Rollout
-from app.transport import Stopped, StoreQueue, decode, encode, host_store
-from pipelines.rollouts import Gate, QueueSource, RolloutStream, StalenessFilter, group_from_message
+from app.contract import GroupId, Rejections, Rollout, RolloutGroup, to_message
+from app.rewards import build_reward
+from app.transport import Stopped, StoreQueue, host_store
+from pipelines.rollouts import Gate, QueueSource, RolloutStream, StalenessFilter
 
 SECRET = bytes(range(32))
 G = 4  # completions per group
@@ -25,43 +24,36 @@ def queue():
     return StoreQueue(store, "rollouts", SECRET, maxlen=64)
 
 
-def make_group(slot: int, version: int, texts: list[str], *, answer: float | None = 7.0) -> list[Rollout]:
-    """G rollouts of one prompt, as a generator makes them (meta of ``rl.generate_rollouts``)."""
-    meta = {"solution": "3 + 4 = 7", "level": 1, "prompt": "Q: Ann has 3 apples and gets 4 more."}
+def make_group(seq: int, version: int, texts: list[str], *, answer: float | None = 7.0,
+               replica: int = 0) -> RolloutGroup:
+    """G rollouts of one prompt, as a generator makes them (``rl.generate_groups``)."""
+    task = {"solution": "3 + 4 = 7", "level": 1}
     if answer is not None:
-        meta["answer"] = answer
-    return [Rollout(prompt_ids=[5, 6, 7], completion_ids=list(range(i + 1)),
-                    behaviour_logprobs=[-0.5 - 0.25 * i] * (i + 1), version=version, group=f"slot{slot}",
-                    meta={**meta, "completion": text})
-            for i, text in enumerate(texts)]
+        task["answer"] = answer
+    gid = GroupId(replica, seq)
+    return RolloutGroup(group_id=gid, version=version, rollouts=[
+        Rollout(prompt_ids=[5, 6, 7], completion_ids=list(range(i + 1)),
+                behaviour_logprobs=[-0.5 - 0.25 * i] * (i + 1), version=version, group_id=gid,
+                prompt="Q: Ann has 3 apples and gets 4 more.", completion=text, task=task)
+        for i, text in enumerate(texts)])
 
 
-def message(slot: int, version: int, n_correct: int = 1, *, replica: int = 0,
+def message(seq: int, version: int, n_correct: int = 1, *, replica: int = 0,
             answer: float | None = 7.0) -> dict:
     texts = ["3 + 4 = 7\n#### 7"] * n_correct + ["#### 8"] * (G - n_correct)
-    return group_message(make_group(slot, version, texts, answer=answer), replica)
+    return to_message(make_group(seq, version, texts, answer=answer, replica=replica))
 
 
 def never() -> bool:
     return False
 
 
-# --------------------------------------------------------------------------- messages
-
-def test_group_message_round_trips_through_the_wire_format():
-    group = make_group(3, version=5, texts=["#### 7", "#### 1", "no answer", "#### 7.0"])
-    msg = decode(encode(group_message(group, replica=1), SECRET), SECRET)
-    back = group_from_message(msg)
-    assert len(back) == len(group)
-    for sent, got in zip(group, back):
-        assert got.prompt_ids == sent.prompt_ids
-        assert got.completion_ids == sent.completion_ids
-        assert got.behaviour_logprobs == sent.behaviour_logprobs  # exact: never recomputed
-        assert (got.version, got.group) == (5, "slot3")
-        assert got.meta["completion"] == sent.meta["completion"]
-        assert got.meta["answer"] == 7.0 and got.meta["prompt"] == sent.meta["prompt"]
-        assert got.meta["generator"] == 1
-        assert got.reward is None and got.advantage is None
+def stream_over(queue, *, rejections: Rejections | None = None, **overrides) -> RolloutStream:
+    kwargs = dict(reward=build_reward("math_verifier"), reward_timeout_s=10.0, groups_per_batch=2,
+                  max_staleness=1, current_version=lambda: 0, on_drop=lambda g, lag: None,
+                  normalize_std=False, should_stop=never, timeout_s=5.0,
+                  rejections=rejections or Rejections("test"))
+    return RolloutStream(queue, **{**kwargs, **overrides})
 
 
 # --------------------------------------------------------------------------- QueueSource
@@ -69,22 +61,22 @@ def test_group_message_round_trips_through_the_wire_format():
 def test_queue_source_pops_the_oldest_version_first(queue):
     for slot, version in enumerate([2, 0, 3, 1, 0]):
         queue.push(message(slot, version), timeout_s=5)
-    source = QueueSource(queue, timeout_s=5, should_stop=never)
+    source = QueueSource(queue, timeout_s=5, should_stop=never, rejections=Rejections("test"))
     source.reset()
-    got = [(m["version"], m["group"]) for m in (next(source) for _ in range(5))]
+    got = [(g.version, g.group_id.seq) for g in (next(source) for _ in range(5))]
     # By version; among equal versions in arrival order.
-    assert got == [(0, "slot1"), (0, "slot4"), (1, "slot3"), (2, "slot0"), (3, "slot2")]
+    assert got == [(0, 1), (0, 4), (1, 3), (2, 0), (3, 2)]
 
 
 def test_queue_source_times_out_naming_the_queue(queue):
-    source = QueueSource(queue, timeout_s=0.2, should_stop=never)
+    source = QueueSource(queue, timeout_s=0.2, should_stop=never, rejections=Rejections("test"))
     source.reset()
     with pytest.raises(TimeoutError, match=r"queue 'rollouts'.*0\.2 s"):
         next(source)
 
 
 def test_queue_source_stops_when_asked(queue):
-    source = QueueSource(queue, timeout_s=30, should_stop=lambda: True)
+    source = QueueSource(queue, timeout_s=30, should_stop=lambda: True, rejections=Rejections("test"))
     source.reset()
     with pytest.raises(Stopped):
         next(source)
@@ -94,13 +86,13 @@ def test_queue_source_stops_when_asked(queue):
 
 def test_staleness_filter_drops_and_reports_groups_over_the_bound():
     groups = [make_group(i, v, ["#### 7"] * G) for i, v in enumerate([3, 1, 2, 0, 3])]
-    dropped: list[tuple[str, int]] = []
+    dropped: list[tuple[int, int]] = []
     node = StalenessFilter(IterableWrapper(groups), max_staleness=1, current_version=lambda: 3,
-                           on_drop=lambda group, lag: dropped.append((group[0].group, lag)))
+                           on_drop=lambda group, lag: dropped.append((group.group_id.seq, lag)))
     node.reset()
-    kept = [g[0].group for g in node]
-    assert kept == ["slot0", "slot2", "slot4"]  # versions 3, 2, 3: lag <= 1
-    assert dropped == [("slot1", 2), ("slot3", 3)]
+    kept = [g.group_id.seq for g in node]
+    assert kept == [0, 2, 4]  # versions 3, 2, 3: lag <= 1
+    assert dropped == [(1, 2), (3, 3)]
 
 
 def test_staleness_filter_reads_the_version_when_the_group_is_taken():
@@ -111,7 +103,7 @@ def test_staleness_filter_reads_the_version_when_the_group_is_taken():
     node = StalenessFilter(IterableWrapper(groups), max_staleness=0,
                            current_version=lambda: version["now"], on_drop=lambda g, lag: dropped.append(lag))
     node.reset()
-    assert next(node)[0].group == "slot0"
+    assert next(node).group_id.seq == 0
     version["now"] = 1
     with pytest.raises(StopIteration):
         next(node)
@@ -122,61 +114,96 @@ def test_staleness_filter_reads_the_version_when_the_group_is_taken():
 
 def test_rollout_stream_scores_batches_and_filters(queue):
     version = {"now": 2}
-    dropped: list[tuple[str, int]] = []
-    sent = [message(0, 2, n_correct=1), message(1, 0, n_correct=2),  # slot1: too stale
-            message(2, 1, n_correct=3), message(3, 2, answer=None),  # slot3: every reward raises
+    dropped: list[tuple[int, int]] = []
+    sent = [message(0, 2, n_correct=1), message(1, 0, n_correct=2),  # seq 1: too stale
+            message(2, 1, n_correct=3), message(3, 2, answer=None),  # seq 3: every reward raises
             message(4, 2, n_correct=0), message(5, 1, n_correct=4, replica=1)]
     for msg in sent:
         queue.push(msg, timeout_s=5)
-    stream = RolloutStream(queue, reward=build_reward("math_verifier"), reward_timeout_s=10.0,
-                           groups_per_batch=2, max_staleness=1, current_version=lambda: version["now"],
-                           on_drop=lambda g, lag: dropped.append((g[0].group, lag)),
-                           normalize_std=False, should_stop=never, timeout_s=5.0)
+    stream = stream_over(queue, current_version=lambda: version["now"],
+                         on_drop=lambda g, lag: dropped.append((g.group_id.seq, lag)))
     batches = [stream.next_batch() for _ in range(2)]
     assert all(len(b) == 2 for b in batches), "groups_per_batch groups per batch"
-    groups = {g[0].group: g for b in batches for g in b}
-    # Oldest version first: slot1 (v0, dropped), slot2 and slot5 (v1), then slot0 and slot3.
-    assert [[g[0].group for g in b] for b in batches] == [["slot2", "slot5"], ["slot0", "slot3"]]
-    assert dropped == [("slot1", 2)]
-    for name, g in groups.items():
-        assert len(g) == G and len({r.group for r in g}) == 1, "a group never straddles batches"
-        if name == "slot3":  # quarantined: no reward, no advantage, so the trainer leaves them out
-            assert all(r.reward is None and r.advantage is None for r in g)
+    groups = {g.group_id.seq: g for b in batches for g in b}
+    # Oldest version first: seq 1 (v0, dropped), seq 2 and 5 (v1), then seq 0 and 3.
+    assert [[g.group_id for g in b] for b in batches] == [[(0, 2), (1, 5)], [(0, 0), (0, 3)]]
+    assert dropped == [(1, 2)]
+    for seq, g in groups.items():
+        assert len(g.rollouts) == G and {r.group_id for r in g.rollouts} == {g.group_id}
+        if seq == 3:  # quarantined: no reward, no advantage, so the trainer leaves them out
+            assert all(r.reward is None and r.advantage is None for r in g.rollouts)
             continue
-        rewards = [r.reward for r in g]
+        rewards = [r.reward for r in g.rollouts]
         mean = sum(rewards) / G
-        assert all(r.advantage == pytest.approx(r.reward - mean) for r in g)
-        assert math.isclose(sum(r.advantage for r in g), 0.0, abs_tol=1e-6)
-    assert [r.reward for r in groups["slot2"]] == [1.0, 1.0, 1.0, 0.0]
-    assert [r.reward for r in groups["slot0"]] == [1.0, 0.0, 0.0, 0.0]
-    assert [r.advantage for r in groups["slot5"]] == [0.0] * G  # all correct: no signal
-    trained = [r for b in batches for g in b for r in g if r.reward is not None]
+        assert all(r.advantage == pytest.approx(r.reward - mean) for r in g.rollouts)
+        assert math.isclose(sum(r.advantage for r in g.rollouts), 0.0, abs_tol=1e-6)
+    assert [r.reward for r in groups[2].rollouts] == [1.0, 1.0, 1.0, 0.0]
+    assert [r.reward for r in groups[0].rollouts] == [1.0, 0.0, 0.0, 0.0]
+    assert [r.advantage for r in groups[5].rollouts] == [0.0] * G  # all correct: no signal
+    trained = [r for b in batches for g in b for r in g.rollouts if r.reward is not None]
     assert len(trained) == 3 * G
 
 
 def test_rollout_stream_reads_scores_attached_by_a_reward_executor(queue):
-    reward = build_reward("math_verifier")
-    msg = message(0, 0, n_correct=2)
-    results = reward.score([Sample(prompt=msg["meta"]["prompt"], completion=t, meta=msg["meta"])
-                            for t in msg["texts"]])
-    msg["results"] = [r.to_dict() for r in results]
-    queue.push(msg, timeout_s=5)
-    stream = RolloutStream(queue, reward=None, reward_timeout_s=None, groups_per_batch=1,
-                           max_staleness=0, current_version=lambda: 0, on_drop=lambda g, lag: None,
-                           normalize_std=True, should_stop=never, timeout_s=5.0)
-    (group,) = stream.next_batch()
-    assert [r.reward for r in group] == [1.0, 1.0, 0.0, 0.0]
+    group = make_group(0, 0, ["3 + 4 = 7\n#### 7"] * 2 + ["#### 8"] * 2)
+    group.attach(build_reward("math_verifier").score([r.sample() for r in group.rollouts]))
+    queue.push(to_message(group), timeout_s=5)
+    stream = stream_over(queue, reward=None, reward_timeout_s=None, groups_per_batch=1,
+                         max_staleness=0, normalize_std=True)
+    (got,) = stream.next_batch()
+    assert [r.reward for r in got.rollouts] == [1.0, 1.0, 0.0, 0.0]
     # normalize_std: (r - mean) / std with the population std (0.5 here)
-    assert [r.advantage for r in group] == pytest.approx([1.0, 1.0, -1.0, -1.0], abs=1e-4)
+    assert [r.advantage for r in got.rollouts] == pytest.approx([1.0, 1.0, -1.0, -1.0], abs=1e-4)
+
+
+def test_rollout_stream_drops_and_counts_bad_messages_and_goes_on(queue):
+    """Garbage frames, frames under another secret and messages that break the contract
+    (missing field, wrong type, log-probs vs tokens) are dropped and counted by reason;
+    the good groups around them are trained on."""
+    missing = message(1, 0)
+    del missing["prompt_ids"]
+    wrong_type = message(2, 0)
+    wrong_type["version"] = "0"
+    short_logprobs = message(3, 0)
+    short_logprobs["logprobs"][2] = short_logprobs["logprobs"][2][:-1]
+    unscored_ok = message(4, 0)
+    queue.push(message(0, 0), timeout_s=5)
+    for bad in (missing, wrong_type, short_logprobs):
+        queue.push(bad, timeout_s=5)
+    queue.store.queue_push(queue.key, b"not a frame at all")
+    StoreQueue(queue.store, queue.name, bytes(32), maxlen=64).push(message(9, 0), timeout_s=5)
+    queue.push(unscored_ok, timeout_s=5)
+    rejections = Rejections("test")
+    stream = stream_over(queue, rejections=rejections, groups_per_batch=2, max_staleness=0)
+    (first, second) = stream.next_batch()
+    assert [first.group_id.seq, second.group_id.seq] == [0, 4]
+    assert dict(rejections.counts) == {"missing_field": 1, "wrong_type": 1, "wrong_length": 1,
+                                       "malformed_frame": 1, "bad_tag": 1}
 
 
 def test_rollout_stream_surfaces_a_silent_queue(queue):
-    stream = RolloutStream(queue, reward=build_reward("math_verifier"), reward_timeout_s=10.0,
-                           groups_per_batch=2, max_staleness=1, current_version=lambda: 0,
-                           on_drop=lambda g, lag: None, normalize_std=False, should_stop=never,
-                           timeout_s=0.3)
+    stream = stream_over(queue, timeout_s=0.3)
     with pytest.raises(TimeoutError, match="rollouts"):
         stream.next_batch()
+
+
+def test_rejected_messages_do_not_reset_the_silence_deadline(queue):
+    """A stream fed only garbage still reports its producers silent."""
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            queue.store.queue_push(queue.key, b"garbage")
+            time.sleep(0.01)
+
+    feeder = threading.Thread(target=flood)
+    feeder.start()
+    try:
+        with pytest.raises(TimeoutError, match="rollouts"):
+            stream_over(queue, timeout_s=0.5).next_batch()
+    finally:
+        stop.set()
+        feeder.join(5)
 
 
 # --------------------------------------------------------------------------- closing the stream
@@ -184,10 +211,8 @@ def test_rollout_stream_surfaces_a_silent_queue(queue):
 def test_closing_the_stream_stops_its_worker_thread_polling_the_store(queue):
     """After close() the prefetcher's daemon thread never touches the store again (one
     caught inside a store call at interpreter exit aborts the process)."""
-    stream = RolloutStream(queue, reward=build_reward("math_verifier"), reward_timeout_s=1.0,
-                           groups_per_batch=1, max_staleness=0, current_version=lambda: 0,
-                           on_drop=lambda g, lag: None, normalize_std=False, should_stop=never,
-                           timeout_s=600.0)
+    stream = stream_over(queue, reward_timeout_s=1.0, groups_per_batch=1, max_staleness=0,
+                         timeout_s=600.0)
     queue.push(message(0, 0, n_correct=1), timeout_s=5)
     stream.next_batch()  # the worker thread now waits on the empty queue for up to 600 s
     stream.close()

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from app import policy, rl, tasks
-from app.rewards import build_reward
+from app.rewards import RewardResult, build_reward
 from app.sampler import SamplingParams
 
 
@@ -141,20 +141,23 @@ def test_tiny_gpt2_is_a_policy_for_generation_and_training(tokenizer, tmp_path):
     model, tok = policy.load_policy(tmp_path / "gpt2")
     assert isinstance(model, GPT2LMHeadModel)
     problems = tasks.make_split("train", 3, seed=0)
-    rollouts = rl.generate_rollouts(model, tok, problems, group_size=2,
-                                    params=SamplingParams(max_new_tokens=6, temperature=1.0),
-                                    version=3, generator=torch.Generator().manual_seed(0))
+    groups = rl.generate_groups(model, tok, problems, group_size=2,
+                                params=SamplingParams(max_new_tokens=6, temperature=1.0),
+                                version=3, rng=torch.Generator().manual_seed(0), generator_id=4,
+                                first_seq=10)
+    rollouts = [r for g in groups for r in g.rollouts]
     assert len(rollouts) == 6
-    assert [r.group for r in rollouts] == ["0", "0", "1", "1", "2", "2"]
+    assert [g.group_id for g in groups] == [(4, 10), (4, 11), (4, 12)]
+    assert [r.group_id.seq for r in rollouts] == [10, 10, 11, 11, 12, 12]
     assert all(r.version == 3 and 1 <= len(r.completion_ids) <= 6 for r in rollouts)
     assert all(len(r.behaviour_logprobs) == len(r.completion_ids) for r in rollouts)
     assert all(lp <= 0 for r in rollouts for lp in r.behaviour_logprobs)
 
     with build_reward("math_verifier") as reward:
-        rl.score_rollouts(rollouts, reward)
+        rl.score_groups(groups, reward)
     assert all(r.reward in (0.0, 1.0) for r in rollouts)
     for i, r in enumerate(rollouts):  # a signal the random model cannot produce by itself
-        r.reward = float(i % 2)
+        r.result = RewardResult(float(i % 2), {})
     rl.set_group_advantages(rollouts, normalize_std=False)
 
     before = {k: v.clone() for k, v in model.state_dict().items()}

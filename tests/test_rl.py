@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from app import rl, tasks
 from app.policy import create_default_policy
-from app.rewards import build_reward
+from app.contract import GroupId, RolloutGroup
+from app.rewards import RewardResult, build_reward
 from app.sampler import Samples
 
 VOCAB, PAD = 40, 0
@@ -37,7 +38,7 @@ def _ragged_rollouts(n: int = 5, seed: int = 0) -> list[rl.Rollout]:
             prompt_ids=torch.randint(3, VOCAB, (p,), generator=g).tolist(),
             completion_ids=torch.randint(3, VOCAB, (c,), generator=g).tolist(),
             behaviour_logprobs=(-torch.rand(c, generator=g) * 2 - 3).tolist(),
-            version=0, group=str(i // 2), advantage=float(i % 3) - 0.8))
+            version=0, group_id=GroupId(0, i // 2), advantage=float(i % 3) - 0.8))
     return out
 
 
@@ -70,7 +71,7 @@ def test_shared_prompts_run_once_with_the_same_values_and_gradients(tiny_model):
     sequence whole."""
     base = _ragged_rollouts(4, seed=3)
     rollouts = [rl.Rollout(prompt_ids=base[i // 3].prompt_ids, completion_ids=base[i % 4].completion_ids,
-                           behaviour_logprobs=[], version=0, group=str(i // 3)) for i in range(9)]
+                           behaviour_logprobs=[], version=0, group_id=GroupId(0, i // 3)) for i in range(9)]
     model = copy.deepcopy(tiny_model)
     logp_BT, mask_BT = rl.completion_logprobs(model, rollouts, pad_id=PAD)
     (logp_BT * mask_BT).sum().backward()
@@ -178,15 +179,18 @@ def test_train_step_rejects_an_empty_batch(tiny_model):
 # ---- advantages and rewards -------------------------------------------------------------
 
 
-def _rollout(group: str, reward: float | None = None, meta: dict | None = None) -> rl.Rollout:
+def _rollout(group: int, reward: float | None = None, *, prompt: str = "", completion: str = "",
+             task: dict | None = None) -> rl.Rollout:
     return rl.Rollout(prompt_ids=[1], completion_ids=[5], behaviour_logprobs=[-1.0], version=0,
-                      group=group, meta=meta or {}, reward=reward)
+                      group_id=GroupId(0, group), prompt=prompt, completion=completion, task=task or {},
+                      result=None if reward is None else RewardResult(reward, {}))
 
 
 def test_set_group_advantages_ragged_groups_by_id_not_position():
     # groups interleaved: a has 3 rollouts, b has 2 equal rewards, c has one
-    rollouts = [_rollout("a", 1.0), _rollout("b", 1.0), _rollout("a", 0.0), _rollout("c", 1.0),
-                _rollout("b", 1.0), _rollout("a", 0.0)]
+    a, b, c = 0, 1, 2
+    rollouts = [_rollout(a, 1.0), _rollout(b, 1.0), _rollout(a, 0.0), _rollout(c, 1.0),
+                _rollout(b, 1.0), _rollout(a, 0.0)]
     m = rl.set_group_advantages(rollouts, normalize_std=False)
     advantages = [r.advantage for r in rollouts]
     assert advantages == pytest.approx([2 / 3, 0.0, -1 / 3, 0.0, 0.0, -1 / 3])
@@ -198,17 +202,18 @@ def test_set_group_advantages_ragged_groups_by_id_not_position():
     assert [r.advantage for r in rollouts] == pytest.approx([s, 0.0, -1 / s, 0.0, 0.0, -1 / s], rel=1e-4)
 
 
-def test_score_rollouts_with_math_verifier_quarantines_missing_answer():
-    rollouts = [
-        _rollout("0", meta={"answer": 5, "prompt": "Q: x\nA:", "completion": " 2+3=5\n#### 5"}),
-        _rollout("0", meta={"answer": 5, "prompt": "Q: x\nA:", "completion": " 2+3=6\n#### 6"}),
-        _rollout("1", meta={"prompt": "Q: y\nA:", "completion": "#### 5"}),  # no reference answer
-    ]
+def test_score_groups_with_math_verifier_quarantines_missing_answer():
+    first = [_rollout(0, prompt="Q: x\nA:", completion=" 2+3=5\n#### 5", task={"answer": 5}),
+             _rollout(0, prompt="Q: x\nA:", completion=" 2+3=6\n#### 6", task={"answer": 5})]
+    second = [_rollout(1, prompt="Q: y\nA:", completion="#### 5")]  # no reference answer
+    groups = [RolloutGroup(group_id=GroupId(0, 0), version=0, rollouts=first),
+              RolloutGroup(group_id=GroupId(0, 1), version=0, rollouts=second)]
     with build_reward("math_verifier") as reward:
-        results = rl.score_rollouts(rollouts, reward, timeout_s=10.0)
+        results = rl.score_groups(groups, reward, timeout_s=10.0)
+    rollouts = first + second
     assert [r.reward for r in rollouts] == [1.0, 0.0, None]
-    assert rollouts[0].rewards == {"math_verifier": 1.0}
-    assert rollouts[2].rewards == {}
+    assert rollouts[0].result.components == {"math_verifier": 1.0}
+    assert rollouts[2].result.components == {}
     assert results[2].quarantined == "raised:KeyError"
     assert results[0].quarantined is None
 

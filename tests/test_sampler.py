@@ -66,7 +66,7 @@ def frequent_token_as_eos(model, prompts, T: int) -> int:
 
 def trainer_logprobs(model, prompts, out: Samples, temperature: float = 1.0) -> torch.Tensor:
     rollouts = [rl.Rollout(prompt_ids=p, completion_ids=out.completion_ids(i),
-                           behaviour_logprobs=[], version=0, group="")
+                           behaviour_logprobs=[], version=0)
                 for i, p in enumerate(prompts)]
     with torch.no_grad():
         logp_BT, _ = rl.completion_logprobs(model, rollouts, pad_id=PAD, temperature=temperature)

@@ -1,0 +1,146 @@
+"""Every name two processes must agree on: control-store keys, queue names, metric names.
+
+One module, imported by every executor and by the dashboard, so a key or a metric is
+spelled once. Pure: no torch, no process groups (the dashboard imports it).
+
+Store keys all live under ``llamarl/``; the weight plane's rendezvous lives in its own
+``PrefixStore`` (``WEIGHT_PLANE_PREFIX``) of the same store.
+"""
+
+from __future__ import annotations
+
+# --------------------------------------------------------------------------- store keys
+
+_ROOT = "llamarl/"
+
+VERSION_KEY = _ROOT + "version"
+"""The trainer's policy version (the number of optimizer steps published)."""
+STOP_KEY = _ROOT + "stop"
+"""Set once, to the reason, when the run must end."""
+MEMBERS_KEY = _ROOT + "members"
+"""Append-only ``role/replica;`` list of registered members."""
+FAILED_KEY = _ROOT + "failed"
+"""Append-only ``role/replica;`` list of members that reported a failure."""
+CONFIG_KEY = _ROOT + "config"
+"""The run's configs (JSON), published by trainer replica 0."""
+POLICY_KEY = _ROOT + "policy_path"
+"""The policy directory every role loads its architecture and tokenizer from."""
+RESERVED_KEY = _ROOT + "groups_reserved"
+"""Staleness-slot counter: group slots generators have reserved (``count token``)."""
+DROPPED_KEY = _ROOT + "groups_dropped"
+"""Groups the trainer dropped as too stale: their slots may be filled again."""
+
+WEIGHT_PLANE_PREFIX = "weights"
+"""The weight plane's process group rendezvouses under this ``PrefixStore`` prefix."""
+
+
+def member(role: str, replica: int) -> str:
+    """``role/replica``, the id of one process of the app in every key below."""
+    if "/" in role or ";" in role or not role:
+        raise ValueError(f"role names may not be empty or contain '/' or ';': {role!r}")
+    return f"{role}/{int(replica)}"
+
+
+def heartbeat_key(member_id: str) -> str:
+    return f"{_ROOT}heartbeat/{member_id}"
+
+
+def failure_key(member_id: str) -> str:
+    return f"{_ROOT}failure/{member_id}"
+
+
+def exited_key(member_id: str) -> str:
+    """Set by a member when it leaves: trainer replica 0 keeps the store up until then."""
+    return f"{_ROOT}exited/{member_id}"
+
+
+def queue_key(name: str) -> str:
+    return f"{_ROOT}queue/{name}"
+
+
+def weight_sync_announce_key(sync: int) -> str:
+    """Set (inside the weight plane's prefix) before the collectives of sync ``sync``."""
+    return f"announce/{sync}"
+
+
+# --------------------------------------------------------------------------- queues
+
+ROLLOUTS = "rollouts"
+"""Rollout groups from generators, unscored."""
+SCORED = "scored"
+"""Rollout groups with a reward executor's results attached."""
+METRICS = "metrics"
+"""Batches of metric events for trainer replica 0, the metrics database's only writer."""
+
+# --------------------------------------------------------------------------- metrics
+
+# Generators.
+GEN_TOKENS_PER_S = "gen/tokens_per_s"
+GEN_SEQS_PER_S = "gen/seqs_per_s"
+GEN_VERSION = "gen/version"
+
+# Trainer: throughput and step time.
+TRAIN_TOKENS_PER_S = "train/tokens_per_s"
+TRAIN_SAMPLES_PER_S = "train/samples_per_s"
+TRAIN_STEP_S = "train/step_s"
+TRAIN_STEPS_PER_MIN = "train/steps_per_min"
+TRAIN_VERSION = "train/version"
+TRAIN_SKIPPED_STEPS = "train/skipped_steps"
+"""Steps whose batch had no usable reward (every rollout quarantined): no update."""
+
+# Learning (``train_step``'s own names, stored as they come).
+LOSS = "loss"
+KL = "kl"
+RESPONSE_LEN = "response_len"
+GRAD_NORM = "grad_norm"
+FRAC_SKIPPED = "frac_skipped"
+FRAC_ZERO_VAR = "frac_zero_var"
+
+# AIPO importance ratios.
+AIPO_RATIO_MEAN = "aipo/ratio_mean"
+AIPO_RATIO_MAX = "aipo/ratio_max"
+AIPO_FRAC_TRUNCATED = "aipo/frac_truncated"
+AIPO_STATS = {"ratio_mean": AIPO_RATIO_MEAN, "ratio_max": AIPO_RATIO_MAX,
+              "frac_truncated": AIPO_FRAC_TRUNCATED}
+"""``train_step``'s ratio statistics -> their stored names."""
+
+# Staleness.
+STALENESS_MEAN = "staleness/mean"
+STALENESS_MAX = "staleness/max"
+DROPPED_STALE = "dropped_stale"
+
+# Every executor.
+IDLE_FRACTION = "idle_fraction"
+
+# Reward executors.
+REWARD_SAMPLES_PER_S = "reward/samples_per_s"
+
+EVAL_PREFIX = "eval/"
+EVAL_ACCURACY = EVAL_PREFIX + "accuracy"
+QUEUE_PREFIX = "queue/"
+REWARD_PREFIX = "reward/"
+REWARD_TOTAL = REWARD_PREFIX + "total"
+QUARANTINED_PREFIX = "quarantined/"
+QUARANTINED_TOTAL = QUARANTINED_PREFIX + "total"
+REJECTED_PREFIX = "security/rejected_frames/"
+"""Messages dropped on receipt, counted by reason (see ``app.contract``)."""
+
+
+def eval_metric(name: str) -> str:
+    return EVAL_PREFIX + name
+
+
+def queue_metric(queue: str) -> str:
+    return QUEUE_PREFIX + queue
+
+
+def reward_metric(component: str) -> str:
+    return REWARD_PREFIX + component
+
+
+def quarantined_metric(reason: str) -> str:
+    return QUARANTINED_PREFIX + reason
+
+
+def rejected_metric(reason: str) -> str:
+    return REJECTED_PREFIX + reason

@@ -1,0 +1,114 @@
+"""The rollout contract (``app.contract``): one wire format, checked field by field."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from app.contract import (GroupId, MalformedMessage, Rejections, Rollout, RolloutGroup, from_message,
+                          to_message)
+from app.rewards import RewardResult
+from app.transport import decode, encode
+
+SECRET = bytes(range(32))
+
+
+def make_group(G: int = 3, *, version: int = 5, scored: bool = False) -> RolloutGroup:
+    gid = GroupId(2, 17)
+    group = RolloutGroup(group_id=gid, version=version, sent_at=123.5, rollouts=[
+        Rollout(prompt_ids=[5, 6, 7], completion_ids=[10 + i] * (i + 1),
+                behaviour_logprobs=[-0.1234567 * (i + 1)] * (i + 1), version=version, group_id=gid,
+                prompt="Q: 3 + 4?", completion=f"#### {i}", task={"answer": 7.0, "level": 1})
+        for i in range(G)])
+    if scored:
+        group.attach([RewardResult(1.0, {"math_verifier": 1.0}),
+                      RewardResult(None, {}, "timeout", {"math_verifier": "timeout"}),
+                      RewardResult(0.0, {"math_verifier": 0.0})][:G])
+    return group
+
+
+def wire(group: RolloutGroup) -> dict:
+    """The message as a receiver sees it: through an encoded and decoded frame."""
+    return decode(encode(to_message(group), SECRET), SECRET)
+
+
+def test_a_group_round_trips_exactly_through_the_wire_format():
+    sent = make_group(scored=True)
+    got = from_message(wire(sent), vocab_size=32, group_size=3)
+    assert (got.group_id, got.version, got.sent_at) == (GroupId(2, 17), 5, 123.5)
+    for a, b in zip(sent.rollouts, got.rollouts):
+        assert b.prompt_ids == a.prompt_ids and b.completion_ids == a.completion_ids
+        # float32 on the wire: exactly what the sampler recorded (itself float32).
+        assert b.behaviour_logprobs == torch.tensor(a.behaviour_logprobs, dtype=torch.float32).tolist()
+        assert (b.prompt, b.completion, b.task) == (a.prompt, a.completion, a.task)
+        assert b.result == a.result and b.reward == a.reward
+        assert b.group_id == GroupId(2, 17) and b.advantage is None
+
+
+def test_an_unscored_group_has_no_results():
+    got = from_message(wire(make_group()))
+    assert not got.scored and all(r.reward is None for r in got.rollouts)
+
+
+def _break(edit) -> dict:
+    msg = wire(make_group(scored=True))
+    edit(msg)
+    return msg
+
+
+@pytest.mark.parametrize("edit, reason, field", [
+    (lambda m: m.pop("prompt_ids"), "missing_field", "prompt_ids"),
+    (lambda m: m.pop("logprobs"), "missing_field", "logprobs"),
+    (lambda m: m.pop("kind"), "missing_field", "kind"),
+    (lambda m: m.update(kind="metrics"), "bad_value", "kind"),
+    (lambda m: m.update(version="5"), "wrong_type", "version"),
+    (lambda m: m.update(version=True), "wrong_type", "version"),
+    (lambda m: m.update(seq=-1), "bad_value", "generator/seq/version"),
+    (lambda m: m.update(prompt=None), "wrong_type", "prompt"),
+    (lambda m: m.update(task=[1]), "wrong_type", "task"),
+    (lambda m: m["completion_ids"].__setitem__(0, [10]), "wrong_type", "completion_ids[0]"),
+    (lambda m: m["completion_ids"].__setitem__(1, torch.tensor([10, 10], dtype=torch.int32)),
+     "wrong_type", "completion_ids[1]"),
+    (lambda m: m["logprobs"].__setitem__(2, m["logprobs"][2][:-1]), "wrong_length", "logprobs[2]"),
+    (lambda m: m["logprobs"].__setitem__(1, m["logprobs"][1].double()), "wrong_type", "logprobs[1]"),
+    (lambda m: m["logprobs"][0].fill_(float("nan")), "bad_value", "logprobs[0]"),
+    (lambda m: m["logprobs"][0].fill_(0.5), "bad_value", "logprobs[0]"),
+    (lambda m: m["completion_ids"][0].fill_(99), "bad_value", "completion_ids[0]"),
+    (lambda m: m["completion_ids"].__setitem__(0, torch.tensor([], dtype=torch.int64)),
+     "wrong_length", "completion_ids[0]"),
+    (lambda m: m.update(completions=m["completions"][:2]), "wrong_length", "completions"),
+    (lambda m: m.update(logprobs=m["logprobs"][:2]), "wrong_length", "logprobs"),
+    (lambda m: m["results"][0].update(total="1"), "wrong_type", "results[0].total"),
+    (lambda m: m["results"][0].update(total=float("inf")), "bad_value", "results[0]"),
+    (lambda m: m["results"][1].update(total=1.0), "bad_value", "results[1]"),
+    (lambda m: m["results"][0].pop("components"), "missing_field", "results[0].components"),
+])
+def test_a_message_that_breaks_the_contract_is_refused_naming_the_field(edit, reason, field):
+    with pytest.raises(MalformedMessage) as err:
+        from_message(_break(edit), vocab_size=32, group_size=3)
+    assert (err.value.reason, err.value.field) == (reason, field)
+    assert field in str(err.value)
+
+
+def test_rejections_count_by_reason_and_log_each_kind_once(caplog):
+    bad = _break(lambda m: m["logprobs"].__setitem__(0, m["logprobs"][0][:0]))
+    good = wire(make_group())
+    rejections = Rejections("trainer/0")
+    with caplog.at_level(logging.WARNING, logger="llamarl"):
+        groups = rejections.decode([bad, good, bad, bad], group_size=3)
+    assert [g.group_id for g in groups] == [GroupId(2, 17)]
+    assert dict(rejections.counts) == {"wrong_length": 3}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "logprobs[0]" in lines[0] and "trainer/0" in lines[0]
+
+
+def test_a_group_refuses_rollouts_of_another_group_or_version():
+    group = make_group()
+    stray = Rollout(prompt_ids=[5, 6, 7], completion_ids=[1], behaviour_logprobs=[-1.0], version=4,
+                    group_id=GroupId(2, 17))
+    with pytest.raises(ValueError, match="share the group's id, version and prompt"):
+        RolloutGroup(group_id=group.group_id, version=5, rollouts=group.rollouts + [stray])
+    with pytest.raises(ValueError, match="2 reward results for 3 rollouts"):
+        group.attach([RewardResult(1.0, {}), RewardResult(1.0, {})])
