@@ -79,9 +79,6 @@ def llamarl(
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
-    # Each role gets its own copy (``dict(common_env)``): schedulers edit ``role.env`` in
-    # place (local_cwd prepends the cwd to PATH), and a shared dict would collect every
-    # role's edits.
     trainer_cmd = " ".join([
         "python -m torch.distributed.run --standalone --nnodes 1",
         f"--nproc_per_node {nproc_per_node} -m app.trainer",
@@ -92,37 +89,26 @@ def llamarl(
         *trainer_args,
     ])
     roles = [
-        specs.Role(
-            name="trainer",
-            image=image,
-            entrypoint="bash",
-            args=["-c", trainer_cmd],
-            num_replicas=1,
-            resource=specs.Resource(cpu=trainer_cpu, gpu=trainer_gpu, memMB=trainer_mem_mb),
-            env=dict(common_env),
-            port_map={"store": store_port},
-        ),
-        specs.Role(
-            name="generator",
-            image=image,
-            entrypoint="bash",
-            args=["-c", f"python -m app.generator --store-addr {store_addr} "
-                        f"--replica {specs.macros.replica_id} --num-generators {num_generators}"],
-            num_replicas=num_generators,
-            resource=specs.Resource(cpu=generator_cpu, gpu=generator_gpu, memMB=generator_mem_mb),
-            env=dict(common_env),
-        ),
-        specs.Role(
-            name="reward",
-            image=image,
-            entrypoint="bash",
-            args=["-c", f"python -m app.reward --store-addr {store_addr} "
-                        f"--replica {specs.macros.replica_id}"],
-            num_replicas=max(num_reward, 1),
-            resource=specs.Resource(cpu=reward_cpu, gpu=reward_gpu, memMB=reward_mem_mb),
-            env=dict(common_env),
-        ),
+        _role("trainer", image, trainer_cmd, 1, trainer_cpu, trainer_gpu, trainer_mem_mb, common_env,
+              port_map={"store": store_port}),
+        _role("generator", image,
+              f"python -m app.generator --store-addr {store_addr} "
+              f"--replica {specs.macros.replica_id} --num-generators {num_generators}",
+              num_generators, generator_cpu, generator_gpu, generator_mem_mb, common_env),
+        _role("reward", image,
+              f"python -m app.reward --store-addr {store_addr} --replica {specs.macros.replica_id}",
+              max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env),
     ]
     # TorchX refuses a role of zero replicas: with num_reward=0 the reward role is left
     # out (rewards are scored inline by the trainer).
     return specs.AppDef(name="llamarl", roles=roles[: 2 + min(num_reward, 1)])
+
+
+def _role(name: str, image: str, cmd: str, replicas: int, cpu: int, gpu: int, mem_mb: int,
+          env: Dict[str, str], port_map: Optional[Dict[str, int]] = None) -> specs.Role:
+    """One role running ``cmd`` under bash. Each role gets its own copy of ``env``:
+    schedulers edit ``role.env`` in place (local_cwd prepends the cwd to PATH), and a
+    shared dict would collect every role's edits."""
+    return specs.Role(name=name, image=image, entrypoint="bash", args=["-c", cmd],
+                      num_replicas=replicas, resource=specs.Resource(cpu=cpu, gpu=gpu, memMB=mem_mb),
+                      env=dict(env), port_map=port_map or {})

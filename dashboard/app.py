@@ -79,6 +79,13 @@ def chart(fig, key: str) -> None:
     st.plotly_chart(fig, key=key, theme=None, config={"displaylogo": False, "displayModeBar": False})
 
 
+def chart_pair(left: tuple, right: tuple) -> None:
+    """Two charts side by side; each side is ``(figure, key)``."""
+    for col, (fig, key) in zip(st.columns(2), (left, right)):
+        with col:
+            chart(fig, key)
+
+
 # --------------------------------------------------------------------------- one run
 
 
@@ -105,29 +112,21 @@ def headline(run: data.Run) -> None:
 
 
 def throughput_tab(run: data.Run) -> None:
-    left, right = st.columns(2)
-    with left:
-        df = run.scalar_series(THROUGHPUT, replicas="sum")
-        chart(charts.line_figure(df, "Throughput (all replicas)", y_title="tokens/s"), "tput-tokens")
-    with right:
-        df = run.scalar_series([names.TRAIN_STEPS_PER_MIN])
-        chart(charts.line_figure(df, "RL steps per minute", y_title="steps/min"), "tput-steps")
-    left, right = st.columns(2)
-    with left:
-        chart(charts.line_figure(run.scalar_series([names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S], replicas="sum"),
-                                 "Sequences per second", y_title="seqs/s"), "tput-seqs")
-    with right:
-        chart(charts.line_figure(run.scalar_series([names.TRAIN_STEP_S]), "End-to-end step time",
-                                 y_title="seconds"), "tput-step-s")
+    chart_pair((charts.line_figure(run.scalar_series(THROUGHPUT, replicas="sum"), "Throughput (all replicas)",
+                                   y_title="tokens/s"), "tput-tokens"),
+               (charts.line_figure(run.scalar_series([names.TRAIN_STEPS_PER_MIN]), "RL steps per minute",
+                                   y_title="steps/min"), "tput-steps"))
+    chart_pair((charts.line_figure(run.scalar_series([names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S],
+                                                     replicas="sum"),
+                                   "Sequences per second", y_title="seqs/s"), "tput-seqs"),
+               (charts.line_figure(run.scalar_series([names.TRAIN_STEP_S]), "End-to-end step time",
+                                   y_title="seconds"), "tput-step-s"))
 
 
 def executors_tab(run: data.Run) -> None:
-    left, right = st.columns(2)
-    with left:
-        chart(charts.idle_figure(run.idle_fractions()), "exec-idle")
-    with right:
-        chart(charts.line_figure(run.scalar_series([names.IDLE_FRACTION]), "Idle fraction over time",
-                                 y_title="idle share"), "exec-idle-t")
+    chart_pair((charts.idle_figure(run.idle_fractions()), "exec-idle"),
+               (charts.line_figure(run.scalar_series([names.IDLE_FRACTION]), "Idle fraction over time",
+                                   y_title="idle share"), "exec-idle-t"))
     window = st.segmented_control("Timeline window", list(TIMELINE_WINDOWS_S), default="last 30 s",
                                   key="timeline-window")
     span = run.time_span()
@@ -142,11 +141,8 @@ def executors_tab(run: data.Run) -> None:
 
 def staleness_tab(run: data.Run) -> None:
     bound = run.max_staleness
-    left, right = st.columns(2)
-    with left:
-        chart(charts.staleness_histogram_figure(run.staleness_histogram(), bound), "stale-hist")
-    with right:
-        chart(charts.staleness_steps_figure(run.staleness_by_step(), bound), "stale-steps")
+    chart_pair((charts.staleness_histogram_figure(run.staleness_histogram(), bound), "stale-hist"),
+               (charts.staleness_steps_figure(run.staleness_by_step(), bound), "stale-steps"))
     if bound is None:
         st.caption("The run's config has no max_staleness, so no bound is drawn.")
 
@@ -159,23 +155,14 @@ def weight_sync_tab(run: data.Run) -> None:
 
 
 def learning_tab(run: data.Run) -> None:
-    left, right = st.columns(2)
-    with left:
-        chart(charts.rewards_figure(run.rewards()), "learn-rewards")
-    with right:
-        chart(charts.line_figure(run.scalar_series([names.EVAL_ACCURACY, names.REWARD_TOTAL]),
-                                 "Accuracy and mean reward"), "learn-acc")
-    left, right = st.columns(2)
-    with left:
-        chart(charts.line_figure(run.scalar_series([names.LOSS]), "AIPO loss"), "learn-loss")
-    with right:
-        chart(charts.line_figure(run.scalar_series([names.KL]), "KL to reference"), "learn-kl")
-    left, right = st.columns(2)
-    with left:
-        chart(charts.line_figure(run.scalar_series(AIPO), "AIPO importance ratio"), "learn-aipo")
-    with right:
-        chart(charts.line_figure(run.scalar_series([names.RESPONSE_LEN]), "Response length",
-                                 y_title="tokens"), "learn-len")
+    chart_pair((charts.rewards_figure(run.rewards()), "learn-rewards"),
+               (charts.line_figure(run.scalar_series([names.EVAL_ACCURACY, names.REWARD_TOTAL]),
+                                   "Accuracy and mean reward"), "learn-acc"))
+    chart_pair((charts.line_figure(run.scalar_series([names.LOSS]), "AIPO loss"), "learn-loss"),
+               (charts.line_figure(run.scalar_series([names.KL]), "KL to reference"), "learn-kl"))
+    chart_pair((charts.line_figure(run.scalar_series(AIPO), "AIPO importance ratio"), "learn-aipo"),
+               (charts.line_figure(run.scalar_series([names.RESPONSE_LEN]), "Response length",
+                                   y_title="tokens"), "learn-len"))
     reasons = run.quarantine_reasons()
     if not reasons.empty:
         with st.expander("Quarantined rollouts (reward could not be computed)"):
@@ -183,13 +170,10 @@ def learning_tab(run: data.Run) -> None:
 
 
 def queues_tab(run: data.Run) -> None:
-    left, right = st.columns(2)
-    with left:
-        chart(charts.queues_figure(run.queue_depths()), "queues-depth")
-    with right:
-        df = pd.concat([run.scalar_series(COUNTS)] + [run.scalar_series(prefix=p) for p in DROP_PREFIXES])
-        chart(charts.line_figure(df, "Dropped, quarantined and rejected (counts so far)", y_title="count"),
-              "queues-dropped")
+    drops = pd.concat([run.scalar_series(COUNTS)] + [run.scalar_series(prefix=p) for p in DROP_PREFIXES])
+    chart_pair((charts.queues_figure(run.queue_depths()), "queues-depth"),
+               (charts.line_figure(drops, "Dropped, quarantined and rejected (counts so far)",
+                                   y_title="count"), "queues-dropped"))
 
 
 def other_scalars_tab(run: data.Run) -> None:
@@ -253,13 +237,10 @@ def compare_page(paths: list[Path]) -> None:
         st.subheader("Compare: " + " vs ".join(runs))
         st.dataframe(compare_table(runs), hide_index=True)
         colors = charts.run_colors(list(runs))
-        left, right = st.columns(2)
-        with left:
-            chart(charts.idle_compare_figure({k: r.idle_fractions() for k, r in runs.items()}, colors),
-                  "cmp-idle")
-        with right:
-            chart(charts.staleness_compare_figure({k: r.staleness_histogram() for k, r in runs.items()}, colors),
-                  "cmp-stale")
+        chart_pair((charts.idle_compare_figure({k: r.idle_fractions() for k, r in runs.items()}, colors),
+                    "cmp-idle"),
+                   (charts.staleness_compare_figure({k: r.staleness_histogram() for k, r in runs.items()},
+                                                    colors), "cmp-stale"))
         grid = [(names.GEN_TOKENS_PER_S, "Generated tokens/s (all replicas)", "sum"),
                 (names.TRAIN_TOKENS_PER_S, "Trained tokens/s", "sum"),
                 (names.TRAIN_STEPS_PER_MIN, "RL steps per minute", "mean"),

@@ -296,6 +296,13 @@ class Run:
             raise CorruptDatabase(f"run {self.path.name!r}: reading {DB_NAME} failed ({err})") from err
         return pd.DataFrame(rows, columns=[d[0] for d in cur.description])
 
+    def _stride(self, table: str, column: str, max_points: int) -> tuple[int | None, int]:
+        """The smallest value of an integer ``column`` and the stride that groups its range
+        into at most ``max_points`` buckets (1 for an empty table)."""
+        lo = self._one(f"SELECT MIN({column}) FROM {table}")
+        hi = self._one(f"SELECT MAX({column}) FROM {table}")
+        return lo, 1 if lo is None else max(1, math.ceil((hi - lo + 1) / max_points))
+
     def _one(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
         try:
             row = self._db.execute(sql, params).fetchone()
@@ -529,9 +536,7 @@ class Run:
     def staleness_by_step(self, *, max_points: int = MAX_POINTS) -> pd.DataFrame:
         """Per training step (grouped into strides past ``max_points`` steps): staleness of
         the rollouts consumed. Columns: ``step, t, mean, max, used, dropped``."""
-        lo = self._one("SELECT MIN(step) FROM staleness")
-        hi = self._one("SELECT MAX(step) FROM staleness")
-        stride = 1 if lo is None else max(1, math.ceil((hi - lo + 1) / max_points))
+        lo, stride = self._stride("staleness", "step", max_points)
         return self._frame(
             "SELECT MAX(step) AS step, AVG(t) - ? AS t, AVG(CASE WHEN used = 1 THEN staleness END) AS mean, "
             "MAX(staleness) AS max, SUM(used) AS used, SUM(1 - used) AS dropped "
@@ -546,9 +551,7 @@ class Run:
         ``total_bytes`` (all receivers), ``seconds_mean``, ``seconds_max``,
         ``gbytes_per_s`` (payload over the slowest receiver's time).
         """
-        lo = self._one("SELECT MIN(version) FROM weight_sync")
-        hi = self._one("SELECT MAX(version) FROM weight_sync")
-        stride = 1 if lo is None else max(1, math.ceil((hi - lo + 1) / max_points))
+        lo, stride = self._stride("weight_sync", "version", max_points)
         return self._frame(
             "SELECT MAX(version) AS version, AVG(t) - ? AS t, "
             "COUNT(DISTINCT receiver) AS receivers, MAX(bytes) AS bytes, "
