@@ -30,6 +30,8 @@ from pathlib import Path
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
+from app import names
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -69,9 +71,12 @@ def launch(mode: str, max_staleness: int, args: argparse.Namespace) -> Path:
 
 def summarise(run_dir: Path) -> dict:
     db = sqlite3.connect(f"file:{run_dir / 'metrics.db'}?mode=ro", uri=True)
-    step_s = [v for (v,) in db.execute("SELECT value FROM scalars WHERE name = 'train/step_s' ORDER BY step")]
-    acc = db.execute("SELECT value FROM scalars WHERE name = 'eval/accuracy' ORDER BY step DESC LIMIT 1").fetchone()
-    acc0 = db.execute("SELECT value FROM scalars WHERE name = 'eval/accuracy' ORDER BY step LIMIT 1").fetchone()
+    step_s = [v for (v,) in db.execute("SELECT value FROM scalars WHERE name = ? ORDER BY step",
+                                       [names.TRAIN_STEP_S])]
+    acc = db.execute("SELECT value FROM scalars WHERE name = ? ORDER BY step DESC LIMIT 1",
+                     [names.EVAL_ACCURACY]).fetchone()
+    acc0 = db.execute("SELECT value FROM scalars WHERE name = ? ORDER BY step LIMIT 1",
+                      [names.EVAL_ACCURACY]).fetchone()
     # Idle fraction over the steady state: intervals after the first step began.
     t_first = db.execute("SELECT MIN(t0) FROM intervals WHERE role = 'trainer' AND what = 'train'").fetchone()[0]
     idle = {}
