@@ -1,7 +1,7 @@
 """Control and data plane: authenticated messages, bounded queues and control keys.
 
 Everything here rides on the one ``torch.distributed.TCPStore`` hosted by trainer
-replica 0 (see DESIGN.md, "Planes"). Three layers, top to bottom:
+replica 0 (see docs/architecture.md, "Planes"). Three layers, top to bottom:
 
 - ``encode``/``decode``: a message (a dict of JSON-able values and tensors) becomes a
   binary frame that carries an HMAC-SHA256 tag under the app's shared secret. Decoding

@@ -1,6 +1,6 @@
 """The weight plane: the trainer broadcasts new policy weights straight to every generator.
 
-This is the DDMA idea of LlamaRL (DESIGN.md, "Planes"): no files and no parameter
+This is the DDMA idea of LlamaRL (docs/architecture.md, "Planes"): no files and no parameter
 server, just collectives in a process group of its own:
 
 - rank 0 is the trainer rank that holds the full weights, ranks 1..G the generators;

@@ -26,6 +26,7 @@ from app import names
 from app.contract import GroupId, Rollout, RolloutGroup, to_message
 from app.transport import SECRET_ENV, StoreQueue, connect_store
 from app.warmstart import WarmStartConfig, warm_start
+from venv_bin import component_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -111,7 +112,7 @@ def launch(policy: Path, tmp_path: Path, *, steps: int = STEPS, num_generators: 
     args = ["--policy", str(policy), "--runs_dir", str(runs_dir), "--store_port", str(port),
             "--steps", str(steps), "--num_generators", str(num_generators),
             "--num_reward", str(num_reward), "--max_staleness", str(max_staleness),
-            "--rewards", rewards, "--nproc_per_node", str(nproc), "--", *extra]
+            "--rewards", rewards, "--nproc_per_node", str(nproc), *component_env(), "--", *extra]
     with get_runner() as runner:
         handle = runner.run_component("llamarl.llamarl", args, scheduler="local_cwd",
                                       cfg={"log_dir": str(log_dir)})
