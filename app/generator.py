@@ -62,7 +62,7 @@ def run(rt: runtime.Runtime, *, num_generators: int, config_timeout_s: float) ->
         torch.set_num_threads(gen_cfg.gen_threads)
     model, tokenizer = load_policy(policy_path)
     model.eval()
-    flatten_parameters_(model)  # apply() is then one copy per bucket
+    flatten_parameters_(model)  # WeightReceiver needs it: a swap is then one copy per dtype
     group = init_weight_group(store, rank=rt.replica + 1, world_size=num_generators + 1,
                               device=torch.device("cpu"), timeout_s=runtime.WEIGHT_TIMEOUT_S)
     receiver = WeightReceiver(group, list(model.named_parameters()))
