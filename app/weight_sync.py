@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from app import names
 from app.transport import Backoff
 from app.weight_layout import (  # flatten_parameters_: part of this plane's API
     DEFAULT_BUCKET_MB,
@@ -50,12 +51,6 @@ from app.weight_layout import (  # flatten_parameters_: part of this plane's API
 __all__ = ["DEFAULT_BUCKET_MB", "SyncStats", "WeightGroup", "WeightLayoutError", "WeightReceiver",
            "WeightSender", "WeightSyncError", "flatten_parameters_", "init_weight_group"]
 
-# Store names: the group's PrefixStore prefix and the keys under it.
-STORE_PREFIX = "weights"
-LAYOUT_KEY = "layout"
-"""``layout/<handshake>/<rank>``: each rank's layout document."""
-ANNOUNCE_KEY = "syncs"
-"""``syncs/<n>``: set by the sender before sync number n (1-based) starts."""
 
 _HEADER_LEN = 3  # version, layout fingerprint, bitmask of the runs sent whole
 _RING = 2  # packing buffers: one bucket is packed while the one before it is on the wire
@@ -116,7 +111,7 @@ class WeightGroup:
 
 
 def init_weight_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
-                      timeout_s: float = 300.0, prefix: str = STORE_PREFIX) -> WeightGroup:
+                      timeout_s: float = 300.0, prefix: str = names.WEIGHT_PLANE_PREFIX) -> WeightGroup:
     """Join the weight group (collective over all ``world_size`` ranks).
 
     gloo for CPU ``device``, NCCL for CUDA. ``timeout_s`` bounds the rendezvous and
@@ -155,9 +150,9 @@ def _handshake(group: WeightGroup, layout: Layout) -> None:
     """Every rank publishes its layout; mismatches fail on every rank with the same story."""
     g = group
     g.handshakes += 1  # every rank builds its senders/receivers in the same order
-    g.store.set(f"{LAYOUT_KEY}/{g.handshakes}/{g.rank}", layout.describe())
+    g.store.set(names.weight_layout_key(g.handshakes, g.rank), layout.describe())
     peers = range(1, g.world_size) if g.rank == 0 else [0]
-    keys = [f"{LAYOUT_KEY}/{g.handshakes}/{r}" for r in peers]
+    keys = [names.weight_layout_key(g.handshakes, r) for r in peers]
     deadline = time.monotonic() + g.timeout_s
     while not g.store.check(keys):
         if time.monotonic() > deadline:
@@ -173,10 +168,6 @@ def _handshake(group: WeightGroup, layout: Layout) -> None:
                 f"weight layout mismatch between this rank ({g.rank}) and the {who}: "
                 f"{first_difference(mine, theirs)}; both sides must build the same model "
                 f"(names, shapes, dtypes) and the same bucket_mb")
-
-
-def _announce_key(sync: int) -> str:
-    return f"{ANNOUNCE_KEY}/{sync}"
 
 
 # --------------------------------------------------------------------------- sender
@@ -208,7 +199,7 @@ class WeightSender:
         g, layout = self.group, self.layout
         t0 = time.perf_counter()
         try:
-            g.store.set(_announce_key(g.syncs + 1), str(version))
+            g.store.set(names.weight_sync_announce_key(g.syncs + 1), str(version))
             views = [span_view(run, self.params, g.device) for run in layout.runs]
             whole = sum(1 << r for r, view in enumerate(views) if view is not None)
             header = torch.tensor([version, layout.fingerprint, whole], dtype=torch.int64,
@@ -299,7 +290,7 @@ class WeightReceiver:
     # -- receiving -----------------------------------------------------------------------
     def _wait_announced(self, should_stop: Callable[[], bool] | None) -> bool:
         """True once the next sync is announced, False when told to stop first."""
-        key = _announce_key(self.group.syncs + 1)
+        key = names.weight_sync_announce_key(self.group.syncs + 1)
         backoff = Backoff(max_s=_POLL_MAX_S)
         while not self.group.store.check([key]):
             if self._stop.is_set() or (should_stop is not None and should_stop()):
