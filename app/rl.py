@@ -17,7 +17,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from app import losses, tasks
 from app.policy import encode_prompts
 from app.rewards import CompositeReward, RewardResult, Sample
-from app.sampler import SamplingParams, cache_kwarg, sample
+from app.sampling import SamplingParams, cache_kwarg, sample
 
 
 @dataclass

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from app import rl, tasks
 from app.policy import create_default_policy
 from app.rewards import build_reward
-from app.sampler import Samples
+from app.sampling import Samples
 
 VOCAB, PAD = 40, 0
 
