@@ -24,8 +24,8 @@ fanned out, finished rows dropped from the batch and the cache, one token per st
 from ``logits.process_logits`` with one uniform number per row (``logits.draw``), its
 log-prob recorded.
 
-Modules: ``logits`` (the distribution and its log-probs), ``kv_cache`` (the cache and its
-storage), ``llama_fast``, ``generic``, ``decode``.
+Modules: ``logits`` (the distribution and its log-probs), ``kv_cache`` (the cache, its
+storage, the transformers version check), ``llama_fast``, ``generic``, ``decode``.
 """
 
 from __future__ import annotations
@@ -35,14 +35,17 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from app.sampling import decode, kv_cache
+# kv_cache first: importing it checks the transformers version before anything uses it.
+from app.sampling import kv_cache
+from app.sampling import decode
 from app.sampling.generic import cache_kwarg, prefill_groups
-from app.sampling.kv_cache import KVBufferLayer, ReusedStorage, new_cache
+from app.sampling.kv_cache import TESTED_TRANSFORMERS, KVBufferLayer, ReusedStorage, new_cache
 from app.sampling.llama_fast import LlamaFastPath
 from app.sampling.logits import draw, process_logits
 
 __all__ = ["SamplingParams", "Samples", "sample", "process_logits", "draw", "cache_kwarg",
-           "prefill_groups", "KVBufferLayer", "ReusedStorage", "new_cache", "LlamaFastPath"]
+           "prefill_groups", "KVBufferLayer", "ReusedStorage", "new_cache", "LlamaFastPath",
+           "TESTED_TRANSFORMERS"]
 
 
 @dataclass(kw_only=True)

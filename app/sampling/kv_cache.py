@@ -8,6 +8,12 @@ linear-attention layers keep transformers' own ``DynamicCache`` layers.
 On CPU the cache's storage is lent by ``KV_STORAGE`` (one buffer kept for the process's
 lifetime) when the Llama fast path runs, which knows the storage shape up front; other
 models' layers allocate their own buffers on first use.
+
+``KVBufferLayer`` subclasses transformers' ``DynamicLayer`` and relies on internals that
+are not a public API (``lazy_initialization``, ``is_initialized``, how ``DynamicCache``
+builds and calls its layers). Importing this module therefore checks that the installed
+transformers is in the range this was tested with, ``TESTED_TRANSFORMERS``, and refuses
+to run otherwise: a silent change there would corrupt samples, not crash.
 """
 
 from __future__ import annotations
@@ -18,8 +24,29 @@ import threading
 from collections.abc import Iterator
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+import transformers
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+# The transformers versions this module was tested with; pyproject.toml's dependency
+# says the same (a test keeps the two equal).
+TESTED_TRANSFORMERS = ">=5.17,<5.26"
+
+
+def check_transformers(version: str) -> None:
+    """Raise ImportError unless transformers ``version`` is in ``TESTED_TRANSFORMERS``."""
+    if not SpecifierSet(TESTED_TRANSFORMERS).contains(Version(version), prereleases=True):
+        raise ImportError(
+            f"llamarl's sampler needs transformers{TESTED_TRANSFORMERS} (its KV cache builds on "
+            f"transformers' internal DynamicLayer), but transformers {version} is installed. "
+            f"Fix: pip install 'transformers{TESTED_TRANSFORMERS}'")
+
+
+check_transformers(transformers.__version__)
+
+# After the check: outside the tested range these may be missing or behave differently.
+from transformers import DynamicCache, PreTrainedModel  # noqa: E402
+from transformers.cache_utils import DynamicLayer  # noqa: E402
 
 
 class ReusedStorage:
