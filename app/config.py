@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.rl import StepConfig
-from app.sampler import SamplingParams
+from app.sampling import SamplingParams
 
 
 def parse_levels(levels: str) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from app import losses, tasks
 from app.contract import GroupId, Rollout, RolloutGroup
 from app.policy import encode_prompts
 from app.rewards import CompositeReward, RewardResult
-from app.sampler import SamplingParams, cache_kwarg, sample
+from app.sampling import SamplingParams, cache_kwarg, sample
 
 
 @dataclass(kw_only=True)

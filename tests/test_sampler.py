@@ -8,10 +8,11 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, PreTrainedModel)
 
-from app import rl, sampler, tasks
+from app import rl, tasks
 from app.policy import build_tokenizer, encode_prompts
-from app.sampler import (KVBufferLayer, LlamaFastPath, SamplingParams, Samples, draw,
-                         prefill_groups, process_logits, sample)
+from app.sampling import (KVBufferLayer, LlamaFastPath, SamplingParams, Samples, decode, draw,
+                          generic, kv_cache, llama_fast, new_cache, prefill_groups,
+                          process_logits, sample)
 
 PAD = 0
 
@@ -90,9 +91,9 @@ def test_logprobs_match_trainer_forward(kind, compact_when_done, prefill_call_co
     """(0.0, 0): finished rows leave the batch and cache at once, and every prompt length
     (every prompt, on the Llama fast path) is prefilled on its own; (0.25, 64): one
     prefill, and row 0, finished first, rides along to the end."""
-    monkeypatch.setattr(sampler, "COMPACT_WHEN_DONE", compact_when_done)
-    monkeypatch.setattr(sampler, "PREFILL_CALL_COST_TOKENS", prefill_call_cost)
-    monkeypatch.setattr(sampler, "PREFILL_CHUNK_TOKENS", 1 if prefill_call_cost == 0 else 256)
+    monkeypatch.setattr(decode, "COMPACT_WHEN_DONE", compact_when_done)
+    monkeypatch.setattr(generic, "PREFILL_CALL_COST_TOKENS", prefill_call_cost)
+    monkeypatch.setattr(llama_fast, "PREFILL_CHUNK_TOKENS", 1 if prefill_call_cost == 0 else 256)
     model = make_model(kind, len(tokenizer))
     T = 12
     eos = frequent_token_as_eos(model, prompts, T)
@@ -111,8 +112,8 @@ def test_each_model_takes_the_path_meant_for_it(tokenizer):
     llama, gpt2 = make_model("llama", len(tokenizer)), make_model("gpt2", len(tokenizer))
     mistral = make_model("mistral-sliding", len(tokenizer))
     assert LlamaFastPath.supports(llama) and not LlamaFastPath.supports(gpt2)
-    assert sampler._new_cache(llama, 8)[1] and sampler._new_cache(gpt2, 8)[1]
-    assert not sampler._new_cache(mistral, 8)[1]  # sliding window: HF's own cache layers
+    assert new_cache(llama, 8)[1] and new_cache(gpt2, 8)[1]
+    assert not new_cache(mistral, 8)[1]  # sliding window: HF's own cache layers
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -284,7 +285,7 @@ def test_kv_buffer_layer_selects_rows_through_its_spare_buffers():
 
 
 def test_reused_storage_lends_one_buffer_and_falls_back_when_lent_out():
-    pool = sampler.ReusedStorage()
+    pool = kv_cache.ReusedStorage()
     cpu = torch.device("cpu")
     with pool.lend((2, 3), torch.float32, cpu) as a:
         ptr = a.data_ptr()
@@ -309,11 +310,11 @@ def test_llama_fast_path_prefill_and_decode_match_the_model(kind, tokenizer, pro
         num_attention_heads=4, num_key_value_heads=2 if tied else 4,
         max_position_embeddings=256, tie_word_embeddings=tied, pad_token_id=PAD,
         rope_scaling={"rope_type": "linear", "factor": 2.0} if tied else None)).eval()
-    assert sampler.LlamaFastPath.supports(model)
+    assert LlamaFastPath.supports(model)
     prompts = sorted(prompts, key=len)
     P = max(len(p) for p in prompts)
-    fast = sampler.LlamaFastPath(model, P + 4)
-    cache, is_fast = sampler._new_cache(model, P + 4)
+    fast = LlamaFastPath(model, P + 4)
+    cache, is_fast = new_cache(model, P + 4)
     assert is_fast
     with torch.inference_mode():
         logits_UV, valid_UP, next_pos_U1 = fast.prefill(prompts, cache)
@@ -332,7 +333,7 @@ def test_fast_path_refuses_rotary_that_depends_on_the_length(tokenizer):
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, max_position_embeddings=256,
         rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
-    assert not sampler.LlamaFastPath.supports(model)
+    assert not LlamaFastPath.supports(model)
 
 
 def test_reused_kv_storage_leaves_no_trace_between_calls(tokenizer, prompts, monkeypatch):
@@ -346,12 +347,12 @@ def test_reused_kv_storage_leaves_no_trace_between_calls(tokenizer, prompts, mon
         return sample(model, batch, params, eos_id=-1, pad_id=PAD,
                       generator=torch.Generator().manual_seed(5))
 
-    poisoned = sampler.ReusedStorage()
+    poisoned = kv_cache.ReusedStorage()
     with poisoned.lend((1_000_000,), torch.float32, torch.device("cpu")) as buf:
         buf.fill_(float("nan"))
-    monkeypatch.setattr(sampler, "KV_STORAGE", poisoned)
+    monkeypatch.setattr(kv_cache, "KV_STORAGE", poisoned)
     reused = run()
-    monkeypatch.setattr(sampler, "KV_STORAGE", sampler.ReusedStorage())
+    monkeypatch.setattr(kv_cache, "KV_STORAGE", kv_cache.ReusedStorage())
     fresh = run()
     assert torch.isfinite(reused.logprobs_BT).all()
     assert torch.equal(reused.tokens_BT, fresh.tokens_BT)
