@@ -125,3 +125,22 @@ class SpinsInTorch:
         _note_pid(meta)
         while True:
             torch.mm(self.a, self.a)
+
+
+def level(prompt, completion, meta):
+    return float(meta["level"])
+
+
+class TorchThreads:
+    """The worker's torch intra-op thread count as the score."""
+
+    def load(self):
+        import torch
+
+        self.torch = torch
+
+    def __call__(self, prompt, completion, meta):
+        return float(self.torch.get_num_threads())
+
+    def __getstate__(self):
+        return {}  # the module is imported again in the worker, by load()

@@ -177,6 +177,39 @@ def test_a_module_gone_from_the_worker_path_is_a_clear_error(tmp_path, monkeypat
         reward.load()
 
 
+def test_a_call_interrupted_in_the_parent_leaves_no_stale_results(monkeypatch):
+    """Ctrl-C while waiting: the worker may still answer the old request; those lines must
+    not be taken for the next request's."""
+    from app.rewards.worker import WorkerProcess
+
+    with composite(fixtures.level) as reward:
+        reward.load()
+        read_line = WorkerProcess._read_line
+
+        def interrupted(self, deadline):
+            monkeypatch.setattr(WorkerProcess, "_read_line", read_line)
+            time.sleep(0.5)  # the worker answers the request meanwhile
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(WorkerProcess, "_read_line", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            reward.score([Sample("p", "c", {"level": 1}), Sample("p", "c", {"level": 2})])
+        assert [r.total for r in reward.score([Sample("p", "c", {"level": 3})])] == [3.0]
+
+
+def test_a_worker_uses_the_torch_threads_of_its_parent():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2 if before != 2 else 1)
+    try:
+        with composite(fixtures.TorchThreads()) as reward:
+            [r] = reward.score(samples(" a"))
+        assert r.total == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
 def _script(tmp_path: Path, source: str) -> Path:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(source))

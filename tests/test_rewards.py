@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import re
 import sqlite3
-import subprocess
-import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
@@ -370,20 +366,20 @@ def test_hf_classifier_loads_local_model_through_spec(tmp_path):
     logits = _reference_logits(two, [s.prompt + s.completion for s in batch])
     probs = torch.softmax(logits, -1)
 
-    reward = build_reward(f"hf_classifier(path={two},batch_size=2)")  # default label 1
+    reward = build_reward(f"hf_classifier(path={two},batch_size=2)")  # default label 1, in a worker
     assert [r.total for r in reward.score(batch)] == pytest.approx(probs[:, 1].tolist(), abs=1e-5)
+    assert set(reward.worker_pids()) == {"hf_classifier"}
 
     one = _tiny_classifier(tmp_path / "one", 1)  # a scalar reward model
     logit = _reference_logits(one, [s.prompt + s.completion for s in batch])[:, 0]
     three = _tiny_classifier(tmp_path / "three", 3)
-    # The other options side by side, in one composite: its workers load at once (each
-    # worker imports transformers: seconds apiece on two cores).
+    # The other options side by side, inline: a worker each would import transformers
+    # again, seconds apiece on two cores, to test the same scoring code.
     variants = CompositeReward([
-        Component("by_name", HFClassifier(path=str(two), label="L0", output="logit")),
-        Component("scalar", HFClassifier(path=str(one), output="logit")),
-        Component("sigmoid", HFClassifier(path=str(one))),
-        Component("three", HFClassifier(path=str(three)))])  # ambiguous without label=: quarantined, said why
-    variants.load()
+        Component("by_name", HFClassifier(path=str(two), label="L0", output="logit"), inline=True),
+        Component("scalar", HFClassifier(path=str(one), output="logit"), inline=True),
+        Component("sigmoid", HFClassifier(path=str(one)), inline=True),
+        Component("three", HFClassifier(path=str(three)), inline=True)])  # ambiguous without label=: quarantined, said why
     results = variants.score(batch)
     assert [r.failures for r in results] == [{"three": "raised:ValueError"}] * 3
     scores = {name: [r.components[name] for r in results] for name in ("by_name", "scalar", "sigmoid")}

@@ -111,7 +111,10 @@ class CompositeReward:
         missing = {}
         for c in components:
             worker = self._workers.get(c.name)
-            if worker is not None and not worker.alive():  # died while idle: not a sample's fault
+            if worker is not None and worker.in_call:  # an interrupted call: its results may follow
+                worker.kill()
+                del self._workers[c.name]
+            elif worker is not None and not worker.alive():  # died while idle: not a sample's fault
                 log.warning("reward component %r: its idle worker process %d died (%s); starting another",
                             c.name, worker.pid, worker.describe_exit())
                 worker.kill()

@@ -166,9 +166,14 @@ def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
 
 def _child_env() -> dict[str, str]:
     """The parent's environment, and its ``sys.path`` as PYTHONPATH: the child imports the
-    component's module the way the parent did (pytest's rootdir, ``syspath_prepend``...)."""
+    component's module the way the parent did (pytest's rootdir, ``syspath_prepend``...).
+    A parent that uses torch passes on its thread count (``--threads``): a reward model
+    in the child should not take every core of a machine the roles share."""
     paths = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), _PARENT_ENV: str(os.getpid())}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), _PARENT_ENV: str(os.getpid())}
+    if "torch" in sys.modules:
+        env["OMP_NUM_THREADS"] = str(sys.modules["torch"].get_num_threads())
+    return env
 
 
 class _DiedBeforeReady(Exception):
@@ -188,6 +193,9 @@ class WorkerProcess:
         self._in, self._out = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         os.set_blocking(self._in, False)
         self._buffer = bytearray()
+        self.in_call = False
+        """True while a ``score`` has not returned: if that is still so at the next call, the
+        last one was interrupted (Ctrl-C in the parent) and the pipe may hold its results."""
         try:
             self._write(len(payload).to_bytes(8, "big") + payload, self.started + start_timeout_s)
         except (OSError, TimeoutError):
@@ -296,6 +304,7 @@ class WorkerProcess:
             raise TypeError(f"samples for reward component {self.name!r} must be JSON-able to reach its "
                             f"worker process (prompt, completion and meta): {exc}") from exc
         scores: list[Score] = []
+        self.in_call = True
         try:
             deadline = time.monotonic() + timeout_s
             self._write(request, deadline)
@@ -307,6 +316,7 @@ class WorkerProcess:
                 if not self.batched:
                     deadline = time.monotonic() + timeout_s
             else:
+                self.in_call = False
                 return scores, None
         except TimeoutError:
             self.kill()
@@ -330,10 +340,12 @@ def start_workers(components: dict[str, tuple[bytes, bool]], start_timeout_s: fl
         payload, batched = components[name]
         return WorkerProcess(name, payload, batched=batched, start_timeout_s=start_timeout_s)
 
-    pending = {name: start(name) for name in components}
+    pending: dict[str, WorkerProcess] = {}
     ready: dict[str, WorkerProcess] = {}
     failures = dict.fromkeys(components, 0)
     try:
+        for name in components:
+            pending[name] = start(name)
         while pending:
             name, worker = next(iter(pending.items()))
             del pending[name]
