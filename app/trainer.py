@@ -205,6 +205,8 @@ class Trainer:
                 self.stream.close()
             except TimeoutError as e:
                 log.error("%s", e)
+        if getattr(self, "reward", None) is not None:
+            self.reward.close()  # its worker processes
         if self.rank != 0:
             return
         if failed:

@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from app import metrics
+from app import metrics, names
 
 # Reasons a sample is quarantined; ``raised:<ExceptionType>`` is the seventh kind.
 TIMEOUT, NAN, INF, NOT_A_NUMBER, WRONG_LENGTH = "timeout", "nan", "inf", "not_a_number", "wrong_length"
@@ -169,7 +169,7 @@ def quarantine_counts(results: Sequence[RewardResult]) -> dict[str, int]:
     return dict(Counter(r.quarantined for r in results if r.quarantined is not None))
 
 
-def reward_events(results: Sequence[RewardResult], names: Sequence[str], step: int | None, *,
+def reward_events(results: Sequence[RewardResult], components: Sequence[str], step: int | None, *,
                   role: str = "reward", replica: int = 0) -> list[dict[str, Any]]:
     """Metrics events for one scored batch.
 
@@ -182,7 +182,7 @@ def reward_events(results: Sequence[RewardResult], names: Sequence[str], step: i
     """
     events = []
     for r in results:
-        for name in names:
+        for name in components:
             if r.quarantined is None:
                 events.append(metrics.reward(name, r.components[name], step=step))
             else:
@@ -191,12 +191,12 @@ def reward_events(results: Sequence[RewardResult], names: Sequence[str], step: i
     kept = [r for r in results if r.quarantined is None]
     means: dict[str, float] = {}
     if kept:
-        for name in names:
-            means[f"reward/{name}"] = sum(r.components[name] for r in kept) / len(kept)
-        means[f"reward/{TOTAL}"] = sum(r.total for r in kept) / len(kept)
+        for name in components:
+            means[names.reward_metric(name)] = sum(r.components[name] for r in kept) / len(kept)
+        means[names.reward_metric(TOTAL)] = sum(r.total for r in kept) / len(kept)
     counts = quarantine_counts(results)
-    means["quarantined/total"] = float(sum(counts.values()))
+    means[names.QUARANTINED_TOTAL] = float(sum(counts.values()))
     for reason, n in sorted(counts.items()):
-        means[f"quarantined/{reason}"] = float(n)
+        means[names.quarantined_metric(reason)] = float(n)
     events += metrics.scalars(means, role=role, replica=replica, step=step)
     return events
