@@ -85,10 +85,13 @@ class TrainerConfig:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         parse_levels(self.levels)
 
-    def step_config(self, temperature: float) -> StepConfig:
+    def step_config(self, gen: GeneratorConfig) -> StepConfig:
+        """The step's knobs; ``gen``'s temperature and top-p, so that the trainer's
+        log-probs are those of the distribution the generator sampled from."""
         return StepConfig(loss=self.loss, rho_max=self.rho_max, clip_eps=self.clip_eps,
                           normaliser=self.normaliser, kl_coef=self.kl_coef,
-                          temperature=temperature, micro_batch=self.micro_batch)
+                          temperature=gen.temperature, top_p=gen.top_p,
+                          micro_batch=self.micro_batch)
 
 
 @dataclass(kw_only=True)

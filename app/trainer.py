@@ -158,7 +158,7 @@ class Trainer:
 
     def run(self) -> None:
         cfg = self.cfg
-        step_cfg = cfg.step_config(self.gen.temperature)
+        step_cfg = cfg.step_config(self.gen)
         if self.rank == 0:
             self.evaluate(0)
         t_prev = time.time()

@@ -11,8 +11,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 from app import rl, tasks
 from app.policy import build_tokenizer, encode_prompts
 from app.sampling import (KVBufferLayer, LlamaFastPath, SamplingParams, Samples, decode, draw,
-                          generic, kv_cache, llama_fast, new_cache, prefill_groups,
-                          process_logits, sample)
+                          generic, kv_cache, llama_fast, logits, new_cache, prefill_groups,
+                          process_logits, sample, token_logprobs)
 
 PAD = 0
 
@@ -65,12 +65,14 @@ def frequent_token_as_eos(model, prompts, T: int) -> int:
     return int(probe.tokens_BT[0, 2])
 
 
-def trainer_logprobs(model, prompts, out: Samples, temperature: float = 1.0) -> torch.Tensor:
+def trainer_logprobs(model, prompts, out: Samples, temperature: float = 1.0,
+                     top_p: float = 1.0) -> torch.Tensor:
     rollouts = [rl.Rollout(prompt_ids=p, completion_ids=out.completion_ids(i),
                            behaviour_logprobs=[], version=0)
                 for i, p in enumerate(prompts)]
     with torch.no_grad():
-        logp_BT, _ = rl.completion_logprobs(model, rollouts, pad_id=PAD, temperature=temperature)
+        logp_BT, _ = rl.completion_logprobs(model, rollouts, pad_id=PAD, temperature=temperature,
+                                            top_p=top_p)
     return logp_BT
 
 
@@ -204,6 +206,78 @@ def test_process_logits_top_p_keeps_the_nucleus_and_renormalises():
     # temperature divides the logits before the softmax
     assert torch.allclose(process_logits(probs.log(), 0.5, 1.0),
                           torch.log_softmax(probs.log() / 0.5, -1))
+
+
+# Logits whose distribution at temperature 0.5 is exactly Q: by decreasing probability
+# the mass before each token is 0, 0.5, 0.8, 0.95.
+Q = torch.tensor([0.5, 0.3, 0.15, 0.05])
+LOGITS_Q = 0.5 * Q.log()
+
+
+@pytest.mark.parametrize("top_p, kept_mass", [(0.7, 0.8), (0.85, 0.95), (1.0, 1.0)])
+def test_token_logprobs_is_the_renormalised_nucleus_probability(top_p, kept_mass):
+    """Tokens inside the nucleus: log(q / mass of the nucleus), by hand; the same value
+    as the distribution the sampler draws from, for any leading dimensions."""
+    inside = [0, 1] if top_p == 0.7 else [0, 1, 2] if top_p == 0.85 else [0, 1, 2, 3]
+    tokens = torch.tensor(inside)
+    logits = LOGITS_Q.repeat(len(inside), 1)
+    logp = token_logprobs(logits, tokens, 0.5, top_p)
+    assert torch.allclose(logp, (Q[tokens] / kept_mass).log(), atol=1e-6)
+    drawn_from = process_logits(logits, 0.5, top_p)
+    assert torch.allclose(logp, drawn_from[torch.arange(len(inside)), tokens], atol=1e-6)
+    assert torch.equal(token_logprobs(logits, tokens, 0.5, top_p, sampled_from_NV=drawn_from),
+                       drawn_from[torch.arange(len(inside)), tokens])
+    logp_BT = token_logprobs(logits.view(1, -1, 4).expand(2, -1, -1), tokens.repeat(2, 1), 0.5,
+                             top_p)
+    assert logp_BT.shape == (2, len(inside)) and torch.allclose(logp_BT, logp.repeat(2, 1))
+
+
+def test_token_logprobs_keeps_a_token_outside_the_nucleus_with_it():
+    """Nucleus {0, 1} at top-p 0.7: token 2 is renormalised over {0, 1, 2}, token 3 over
+    {0, 1, 3}; finite, with the gradient of exactly that renormalised log-prob."""
+    logits = LOGITS_Q.repeat(2, 1).requires_grad_()
+    logp = token_logprobs(logits, torch.tensor([2, 3]), 0.5, 0.7)
+    assert torch.allclose(logp, torch.tensor([0.15 / 0.95, 0.05 / 0.85]).log(), atol=1e-6)
+    assert torch.isinf(process_logits(logits.detach(), 0.5, 0.7)[:, 2:]).all()
+    logp.sum().backward()
+    # d log(q_t / sum_kept q) / d logit = (onehot_t - q / sum_kept q on the kept set) / T
+    kept = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 1]])
+    onehot = torch.tensor([[0.0, 0, 1, 0], [0, 0, 0, 1]])
+    renorm = Q * kept / (Q * kept).sum(-1, keepdim=True)
+    assert torch.allclose(logits.grad, (onehot - renorm) / 0.5, atol=1e-5)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 16])
+def test_token_logprobs_gradient_is_that_of_its_formula(top_p, chunk_elements, monkeypatch):
+    """The hand-written backward against numerical differentiation (fp64), in one chunk
+    and in chunks of two rows; the values against plain autograd of the same formula."""
+    monkeypatch.setattr(logits, "CHUNK_ELEMENTS", chunk_elements)
+    g = torch.Generator().manual_seed(0)
+    logits_BTV = torch.randn(2, 3, 7, generator=g, dtype=torch.float64).requires_grad_()
+    tokens_BT = torch.randint(0, 7, (2, 3), generator=g)
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, tokens_BT, 0.7, top_p),
+                                    (logits_BTV,))
+    drop = logits.outside_nucleus(logits_BTV, 0.7, top_p).scatter_(-1, tokens_BT[..., None], False)
+    plain = torch.log_softmax((logits_BTV / 0.7).masked_fill(drop, float("-inf")), -1)
+    expected_BT = plain.gather(-1, tokens_BT[..., None]).squeeze(-1)
+    assert torch.allclose(token_logprobs(logits_BTV, tokens_BT, 0.7, top_p), expected_BT)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_trainer_logprobs_are_the_sampled_distributions_with_top_p(kind, tokenizer, prompts):
+    """At equal weights (lag 0) the trainer's log-prob of every sampled token is the
+    sampler's: the AIPO ratio exp(logp - mu) is 1, with top-p cutting the tail."""
+    model = make_model(kind, len(tokenizer))
+    T, temperature, top_p = 10, 0.7, 0.9
+    out = sample(model, prompts, SamplingParams(max_new_tokens=T, temperature=temperature,
+                                                top_p=top_p),
+                 eos_id=-1, pad_id=PAD, generator=torch.Generator().manual_seed(2))
+    logp_BT = trainer_logprobs(model, prompts, out, temperature=temperature, top_p=top_p)
+    ratio_BT = (logp_BT - out.logprobs_BT).exp()
+    assert (ratio_BT - 1).abs().max() <= 1e-4, (ratio_BT - 1).abs().max()
+    untruncated = trainer_logprobs(model, prompts, out, temperature=temperature)
+    assert (untruncated - out.logprobs_BT).abs().max() > 1e-2  # top-p really cut mass
 
 
 def test_draw_never_picks_tokens_outside_the_nucleus():

@@ -22,7 +22,8 @@ Which code runs when (``sample`` decides, once per call):
 Both go through the same loop (``decode.run``): identical prompts prefilled once and
 fanned out, finished rows dropped from the batch and the cache, one token per step drawn
 from ``logits.process_logits`` with one uniform number per row (``logits.draw``), its
-log-prob recorded.
+log-prob recorded by ``logits.token_logprobs``, the function the trainer's
+``rl.completion_logprobs`` uses too.
 
 Modules: ``logits`` (the distribution and its log-probs), ``kv_cache`` (the cache, its
 storage, the transformers version check), ``llama_fast``, ``generic``, ``decode``.
@@ -41,11 +42,11 @@ from app.sampling import decode
 from app.sampling.generic import cache_kwarg, prefill_groups
 from app.sampling.kv_cache import TESTED_TRANSFORMERS, KVBufferLayer, ReusedStorage, new_cache
 from app.sampling.llama_fast import LlamaFastPath
-from app.sampling.logits import draw, process_logits
+from app.sampling.logits import draw, process_logits, token_logprobs
 
-__all__ = ["SamplingParams", "Samples", "sample", "process_logits", "draw", "cache_kwarg",
-           "prefill_groups", "KVBufferLayer", "ReusedStorage", "new_cache", "LlamaFastPath",
-           "TESTED_TRANSFORMERS"]
+__all__ = ["SamplingParams", "Samples", "sample", "process_logits", "token_logprobs", "draw",
+           "cache_kwarg", "prefill_groups", "KVBufferLayer", "ReusedStorage", "new_cache",
+           "LlamaFastPath", "TESTED_TRANSFORMERS"]
 
 
 @dataclass(kw_only=True)

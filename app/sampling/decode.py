@@ -4,7 +4,7 @@ The loop is the same for both paths; only two calls differ. With a ``LlamaFastPa
 (Llama-architecture models), prefill and decode steps run straight from the weights;
 otherwise the model's own forward runs them (``generic.prefill``,
 ``generic.decode_step``). Every step draws from ``logits.process_logits`` and records
-the drawn token's log-prob under it.
+the drawn token's log-prob (``logits.token_logprobs``).
 
 Identical prompts (RL samples each prompt G times) are prefilled once and their cache
 rows fanned out to the G rows. Rows that have finished (EOS) leave the batch and the
@@ -22,7 +22,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from app.sampling import generic
 from app.sampling.llama_fast import LlamaFastPath
-from app.sampling.logits import draw, process_logits
+from app.sampling.logits import draw, process_logits, token_logprobs
 
 if TYPE_CHECKING:
     from app.sampling import SamplingParams
@@ -81,7 +81,8 @@ def run(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams
         logp_RV = process_logits(logits_RV, params.temperature, params.top_p)
         tok_R = logp_RV.argmax(-1) if params.temperature == 0 else draw(logp_RV, generator)
         tokens_BT[rows_R, t] = tok_R
-        logprobs_BT[rows_R, t] = logp_RV.gather(-1, tok_R[:, None]).squeeze(-1)
+        logprobs_BT[rows_R, t] = token_logprobs(logits_RV, tok_R, params.temperature,
+                                                params.top_p, sampled_from_NV=logp_RV)
         alive_R &= tok_R != eos_id
         n_alive = int(alive_R.sum())
         if n_alive == 0 or t + 1 == T:
