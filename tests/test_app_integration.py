@@ -24,7 +24,8 @@ from torchx.specs import AppState, is_terminal, parse_app_handle
 
 from app import names
 from app.contract import GroupId, Rollout, RolloutGroup, to_message
-from app.transport import SECRET_ENV, StoreQueue, connect_store
+from app.frames import SECRET_ENV
+from app.transport import StoreQueue, connect_store
 from app.warmstart import WarmStartConfig, warm_start
 from venv_bin import component_env
 

@@ -11,19 +11,9 @@ import time
 import pytest
 import torch
 
-from app.transport import (
-    MAX_FRAME_BYTES,
-    SECRET_ENV,
-    AuthenticationError,
-    Control,
-    Stopped,
-    StoreQueue,
-    connect_store,
-    decode,
-    encode,
-    new_secret,
-    secret_from_env,
-)
+from app.frames import (MAX_FRAME_BYTES, SECRET_ENV, AuthenticationError, decode, encode, new_secret,
+                        secret_from_env)
+from app.transport import Control, Stopped, StoreQueue, connect_store
 from role_processes import forkserver_context, loopback_store
 
 SECRET = bytes(range(32))
