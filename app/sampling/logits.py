@@ -16,7 +16,7 @@ import torch
 # many logits, so that its temporaries (the nucleus sort's values, int64 indices, softmax
 # and cumsum; the gradient's softmax) stay bounded whatever B * T is. The sampler's
 # (rows, V) logits are one chunk.
-CHUNK_ELEMENTS = 1 << 24
+CHUNK_ELEMENTS = 1 << 22
 
 
 def _row_chunks(rows: int, V: int) -> list[slice]:
