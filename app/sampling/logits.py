@@ -15,12 +15,17 @@ import torch
 # Work on (B, T, V) logits (the trainer's) goes in chunks of whole rows of about this
 # many logits, so that its temporaries (the nucleus sort's values, int64 indices, softmax
 # and cumsum; the gradient's softmax) stay bounded whatever B * T is. The sampler's
-# (rows, V) logits are one chunk.
+# (rows, V) logits are one chunk. On CUDA each chunk costs kernel launches: on an H200
+# (8 x 512 x 32000 bf16 logits, forward and backward, benchmarks/token_logprobs.py) 4M-logit
+# chunks took 7.5 ms against 2.4 ms for plain autograd; 16M-logit ones take 3.4 ms with 0.9
+# fp32 copies of the logits at the peak (autograd: 3.0), and 64M ones 3.2 ms but 7.2 copies
+# with top-p's sort. So 16M on CUDA.
 CHUNK_ELEMENTS = 1 << 22
+CUDA_CHUNK_ELEMENTS = 1 << 24
 
 
-def _row_chunks(rows: int, V: int) -> list[slice]:
-    step = max(1, CHUNK_ELEMENTS // V)
+def _row_chunks(rows: int, V: int, device: torch.device) -> list[slice]:
+    step = max(1, (CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS) // V)
     return [slice(start, start + step) for start in range(0, rows, step)]
 
 
@@ -42,7 +47,7 @@ def outside_nucleus(logits_NV: torch.Tensor, temperature: float, top_p: float
     V = logits_NV.shape[-1]
     logits_MV = logits_NV.detach().reshape(-1, V)
     drop_MV = torch.empty(logits_MV.shape, dtype=torch.bool, device=logits_MV.device)
-    for rows in _row_chunks(logits_MV.shape[0], V):
+    for rows in _row_chunks(logits_MV.shape[0], V, logits_MV.device):
         sorted_MV, order_MV = tempered(logits_MV[rows], temperature).sort(dim=-1, descending=True)
         p_MV = sorted_MV.softmax(-1)
         mass_before_MV = p_MV.cumsum(-1).sub_(p_MV)
@@ -111,7 +116,7 @@ class _KeptTokenLogprob(torch.autograd.Function):
                 temperature: float) -> torch.Tensor:
         logp_M = torch.empty(tok_M.shape, device=logits_MV.device,
                              dtype=torch.promote_types(logits_MV.dtype, torch.float32))
-        for rows in _row_chunks(*logits_MV.shape):
+        for rows in _row_chunks(*logits_MV.shape, logits_MV.device):
             logp_KV = torch.log_softmax(_kept(logits_MV[rows], drop_MV, rows, temperature), -1)
             logp_M[rows] = logp_KV.gather(-1, tok_M[rows, None]).squeeze(-1)
         ctx.save_for_backward(logits_MV, tok_M, drop_MV)
@@ -123,7 +128,7 @@ class _KeptTokenLogprob(torch.autograd.Function):
         logits_MV, tok_M, drop_MV = ctx.saved_tensors
         temp = ctx.temperature
         grad_M1 = (grad_M / temp if temp > 0 and temp != 1.0 else grad_M)[:, None]
-        chunks = _row_chunks(*logits_MV.shape)
+        chunks = _row_chunks(*logits_MV.shape, logits_MV.device)
         grad_MV = torch.empty_like(logits_MV) if len(chunks) > 1 else None
         for rows in chunks:
             g_KV = torch.softmax(_kept(logits_MV[rows], drop_MV, rows, temp), -1)
