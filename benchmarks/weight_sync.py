@@ -182,7 +182,8 @@ def role(rank: int, world_size: int, port: int, args: argparse.Namespace, out: m
         if trainer:
             os.remove(file_path(rep))
     for name, sender in senders.items():
-        result[f"zero_copy_buckets_{name}"] = [sender.zero_copy_buckets, len(sender.layout.buckets)]
+        buckets = sum(len(run.buckets) for run in sender.layout.runs)
+        result[f"zero_copy_buckets_{name}"] = [sender.zero_copy_buckets, buckets]
 
     out.put((rank, {"result": result, "bytes": nbytes,
                     "params": sum(p.numel() for _, p in params), "tensors": len(params)}))
