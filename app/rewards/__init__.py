@@ -6,7 +6,7 @@ samples whose reward raised, timed out or was not a finite number; ``reward_even
 results into metrics events. See ``docs/rewards.md``.
 """
 
-from app.rewards.builtins import LengthPenalty, format_reward, math_verifier
+from app.rewards.builtins import LengthPenalty, format_reward
 from app.rewards.core import (
     BatchedReward,
     Component,
@@ -30,11 +30,12 @@ from app.rewards.spec import (
     installed_plugins,
     parse_spec,
 )
+from app.rewards.verifiers import boxed_verifier, gsm8k_verifier, math_verifier
 
 __all__ = [
     "BUILTINS", "ENTRY_POINT_GROUP", "BatchedReward", "Component", "ComponentSpec", "CompositeReward",
     "HFClassifier", "LengthPenalty", "RewardFn", "RewardResult", "Sample", "SemanticSimilarity",
-    "abandoned_calls_running", "available", "build_reward", "check_score",
-    "exit_without_teardown_if_calls_hang", "format_reward", "installed_plugins", "math_verifier",
+    "abandoned_calls_running", "available", "boxed_verifier", "build_reward", "check_score",
+    "exit_without_teardown_if_calls_hang", "format_reward", "gsm8k_verifier", "installed_plugins", "math_verifier",
     "parse_spec", "quarantine_counts", "reward_events",
 ]

@@ -37,7 +37,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from app.rewards.builtins import LengthPenalty, format_reward, math_verifier
+from app.rewards.builtins import LengthPenalty, format_reward
+from app.rewards.verifiers import boxed_verifier, gsm8k_verifier, math_verifier
 from app.rewards.core import Component, CompositeReward
 from app.rewards.models import HFClassifier, SemanticSimilarity
 
@@ -54,6 +55,8 @@ def _no_options(fn: Callable) -> Callable[..., Callable]:
 
 BUILTINS: dict[str, Callable[..., Any]] = {
     "math_verifier": _no_options(math_verifier),
+    "gsm8k_verifier": _no_options(gsm8k_verifier),
+    "boxed_verifier": _no_options(boxed_verifier),
     "format": _no_options(format_reward),
     "length_penalty": LengthPenalty,
     "semantic_similarity": SemanticSimilarity,
