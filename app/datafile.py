@@ -145,11 +145,18 @@ def _kind(path: Path) -> str:
 
 
 def _json_records(path: Path) -> Iterator[tuple[str, dict[str, Any] | _BadRow]]:
-    data = path.read_bytes()
-    if path.suffix.lower() not in (".jsonl", ".ndjson") and data.lstrip()[:1] == b"[":
-        yield from _json_array(path, data)
-        return
-    for number, line in enumerate(data.split(b"\n"), start=1):
+    with path.open("rb") as f:
+        head = f.read(4096)
+        if path.suffix.lower() not in (".jsonl", ".ndjson") and head.lstrip()[:1] == b"[":
+            yield from _json_array(path, head + f.read())
+            return
+        f.seek(0)
+        yield from _json_lines(f)
+
+
+def _json_lines(f: Any) -> Iterator[tuple[str, dict[str, Any] | _BadRow]]:
+    """Line by line, never the whole file in memory at once."""
+    for number, line in enumerate(f, start=1):
         where = f"line {number}"
         try:
             text = line.decode("utf-8")

@@ -12,6 +12,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from app.datafile import FieldMap
+
+GSM8K = ("question", "answer")
+"""GSM8K's field names (and llamarl's defaults)."""
+MATH = ("problem", "solution")
+MATH_FIELDS = FieldMap("problem", "solution", "math")
+
 # (name, item, a, b): "<name> buys <a> packs of <b> <item>" -> a * b, then + a, then the sum
 _PEOPLE = [("Mara", "pencils", 3, 12), ("Tomas", "stickers", 25, 48), ("Ines", "marbles", 7, 9),
            ("Ravi", "bolts", 40, 35), ("Lena", "beads", 6, 15), ("Oskar", "tiles", 12, 110),
