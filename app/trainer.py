@@ -221,7 +221,13 @@ class Trainer:
             self.rt.control.mark_failed("trainer", 0, reason)
         else:
             self.rt.control.request_stop(reason)
-        missing = [m for m in self.rt.control.members() if m != "trainer/0"]
+        # Every role of the app, registered or not yet: one that starts after a failure at
+        # start-up (a bad dataset fails within a second) must still find the store up and
+        # read the stop, instead of waiting minutes to connect to a store that is gone.
+        expected = ([names.member("generator", i) for i in range(self.num_generators)]
+                    + [names.member("reward", i) for i in range(self.num_reward)]
+                    + [names.member("trainer", r) for r in range(1, self.world)])
+        missing = sorted(set(expected + self.rt.control.members()) - {"trainer/0"})
         deadline = time.monotonic() + 60.0
         while missing and time.monotonic() < deadline:
             missing = runtime.wait_for_exits(self.rt.store, missing, timeout_s=1.0)
