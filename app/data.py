@@ -124,9 +124,9 @@ def read(cfg: TrainerConfig, *, log: Callable[[str], None] = print) -> Sources:
     if skipped:
         log(f"skipped {len(skipped)} bad rows (--on-bad-row skip): " + "; ".join(skipped[:3])
             + (" ..." if len(skipped) > 3 else ""))
+    log(f"read {len(train.problems)} problems from {cfg.dataset}"
+        f"{f' and {len(held)} from {cfg.eval_dataset}' if cfg.eval_dataset else ''} in {time.time() - t0:.1f} s")
     held = sorted(held, key=lambda p: _unit_hash(p.question))[: cfg.eval_size]
-    log(f"read {len(problems) + len(held)} problems from {cfg.dataset}"
-        f"{' and ' + cfg.eval_dataset if cfg.eval_dataset else ''} in {time.time() - t0:.1f} s")
     return Sources(train=problems, held_out=held, train_from=cfg.dataset, eval_from=eval_from,
                    skipped_rows=len(skipped))
 
