@@ -13,7 +13,7 @@ from typing import Literal
 
 from app.answers import AnswerFormat
 from app.rl import StepConfig
-from app.sampler import SamplingParams
+from app.sampling import SamplingParams
 from app.tasks import PROMPT_TEMPLATE
 
 
@@ -139,10 +139,13 @@ class TrainerConfig:
         if not self.prompt_field or not self.answer_field:
             raise ValueError("prompt_field and answer_field must not be empty")
 
-    def step_config(self, temperature: float) -> StepConfig:
+    def step_config(self, gen: GeneratorConfig) -> StepConfig:
+        """The step's knobs; ``gen``'s temperature and top-p, so that the trainer's
+        log-probs are those of the distribution the generator sampled from."""
         return StepConfig(loss=self.loss, rho_max=self.rho_max, clip_eps=self.clip_eps,
                           normaliser=self.normaliser, kl_coef=self.kl_coef,
-                          temperature=temperature, micro_batch=self.micro_batch)
+                          temperature=gen.temperature, top_p=gen.top_p,
+                          micro_batch=self.micro_batch)
 
 
 @dataclass(kw_only=True)

@@ -64,7 +64,7 @@ def run(rt: runtime.Runtime, *, num_generators: int, config_timeout_s: float) ->
     # The same prompts as the trainer, in the same order, or a clear failure now.
     prompts = data.load(trainer_cfg, tokenizer, log=log.info)
     data.check_published(rt, prompts, config_timeout_s)
-    flatten_parameters_(model)  # apply() is then one copy per bucket
+    flatten_parameters_(model)  # WeightReceiver needs it: a swap is then one copy per dtype
     group = init_weight_group(store, rank=rt.replica + 1, world_size=num_generators + 1,
                               device=torch.device("cpu"), timeout_s=runtime.WEIGHT_TIMEOUT_S)
     receiver = WeightReceiver(group, list(model.named_parameters()))

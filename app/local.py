@@ -48,7 +48,7 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
     run_dir = metrics.new_run_dir(cfg.runs_dir, cfg.run_id, config)
     writer = metrics.MetricsWriter(run_dir, run_id=run_dir.name, config=config)
     timeline = metrics.Timeline("local")
-    sampling, step_cfg = gen.sampling(), cfg.step_config(gen.temperature)
+    sampling, step_cfg = gen.sampling(), cfg.step_config(gen)
     rng = torch.Generator().manual_seed(cfg.seed)
     guard = steps.SkipGuard()
     evals: list[tuple[int, dict[str, float]]] = []

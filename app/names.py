@@ -65,9 +65,15 @@ def queue_key(name: str) -> str:
     return f"{_ROOT}queue/{name}"
 
 
+def weight_layout_key(handshake: int, rank: int) -> str:
+    """Inside the weight plane's prefix: each rank's layout document for a handshake."""
+    return f"layout/{handshake}/{rank}"
+
+
 def weight_sync_announce_key(sync: int) -> str:
-    """Set (inside the weight plane's prefix) before the collectives of sync ``sync``."""
-    return f"announce/{sync}"
+    """Inside the weight plane's prefix: set by the sender before sync ``sync`` (1-based)
+    starts, so receivers wait on a key rather than inside a collective."""
+    return f"syncs/{sync}"
 
 
 # --------------------------------------------------------------------------- queues

@@ -18,7 +18,7 @@ from app import answers, losses, tasks
 from app.contract import GroupId, Rollout, RolloutGroup
 from app.policy import encode_prompts
 from app.rewards import CompositeReward, RewardResult
-from app.sampler import SamplingParams, cache_kwarg, sample
+from app.sampling import SamplingParams, cache_kwarg, sample, token_logprobs
 
 
 @dataclass(kw_only=True)
@@ -30,17 +30,23 @@ class StepConfig:
     clip_eps: float = 0.2
     normaliser: losses.Normaliser = "token"
     kl_coef: float = 0.0
+    # The generator's: log-probs are taken under the distribution it sampled from.
     temperature: float = 1.0
+    top_p: float = 1.0
     micro_batch: int = 64
     max_grad_norm: float = 1.0
 
 
 def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_id: int,
-                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                        temperature: float = 1.0, top_p: float = 1.0
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | x, y_<t) of each completion token under ``model``, right-padded.
 
-    Returns ``(logp_BT, mask_BT)`` with T the longest completion. Logits are divided by
-    the sampling temperature, matching what the sampler recorded.
+    Returns ``(logp_BT, mask_BT)`` with T the longest completion. The log-probs are those
+    of the distribution the sampler draws from (temperature, then top-p), computed by the
+    sampler's own ``token_logprobs``; with ``top_p < 1`` a token outside this model's
+    nucleus (possible only when the weights moved since sampling) is kept in it, so its
+    log-prob stays finite (see ``token_logprobs``).
 
     Rollouts that share a prompt (the G samples of a group) run it once: the prompt pass
     fills a KV cache that is indexed out to each of them, then the completions run on top
@@ -79,8 +85,7 @@ def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_
         rest = model(input_ids=targets[:, :-1], attention_mask=attn, position_ids=pos,
                      use_cache=True, **{cache_arg: cache}).logits
         logits_BTV = torch.cat([logits_BTV, rest], dim=1)
-    logits_BTV = logits_BTV.float() / (temperature if temperature > 0 else 1.0)
-    logp_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, targets[:, :, None]).squeeze(-1)
+    logp_BT = token_logprobs(logits_BTV, targets, temperature, top_p)
     return logp_BT * mask, mask
 
 
@@ -124,7 +129,8 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     ratio_max = 1.0
     for i in range(0, len(active), cfg.micro_batch):
         chunk = active[i: i + cfg.micro_batch]
-        logp_BT, mask_BT = completion_logprobs(model, chunk, pad_id=pad_id, temperature=cfg.temperature)
+        logp_BT, mask_BT = completion_logprobs(model, chunk, pad_id=pad_id,
+                                               temperature=cfg.temperature, top_p=cfg.top_p)
         mu_BT = _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device)
         adv_B = torch.tensor([r.advantage for r in chunk], dtype=torch.float32, device=logp_BT.device)
         if cfg.loss == "aipo":
@@ -135,7 +141,8 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
                                            normaliser=cfg.normaliser)
         if cfg.kl_coef > 0 and ref_model is not None:
             with torch.no_grad():
-                ref_BT, _ = completion_logprobs(ref_model, chunk, pad_id=pad_id, temperature=cfg.temperature)
+                ref_BT, _ = completion_logprobs(ref_model, chunk, pad_id=pad_id,
+                                                temperature=cfg.temperature, top_p=cfg.top_p)
             kl, km = losses.kl_penalty(logp_BT, ref_BT, mask_BT, normaliser=cfg.normaliser)
             loss = loss + cfg.kl_coef * kl
             m = {**m, **km}

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from app import cli, names, transport
+from app import cli, frames, names, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.transport import Control, StoreQueue
 
@@ -88,7 +88,7 @@ class Runtime:
     @classmethod
     def join(cls, role: str, replica: int, store: dist.TCPStore) -> "Runtime":
         rt = cls(role=role, replica=replica, store=store, control=Control(store),
-                 secret=transport.secret_from_env())
+                 secret=frames.secret_from_env())
         rt.control.register(role, replica)
         rt._heart = threading.Thread(target=rt._heartbeat_loop, daemon=True, name="heartbeat")
         rt._heart.start()

@@ -168,7 +168,7 @@ class Trainer:
 
     def run(self) -> None:
         cfg = self.cfg
-        step_cfg = cfg.step_config(self.gen.temperature)
+        step_cfg = cfg.step_config(self.gen)
         if self.rank == 0:
             self.evaluate(0)
         t_prev = time.time()
@@ -215,6 +215,8 @@ class Trainer:
                 self.stream.close()
             except TimeoutError as e:
                 log.error("%s", e)
+        if getattr(self, "reward", None) is not None:
+            self.reward.close()  # its worker processes
         if self.rank != 0:
             return
         if failed:

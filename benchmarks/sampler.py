@@ -1,4 +1,4 @@
-"""Sampler throughput: ``app.sampler.sample`` vs ``model.generate``, same model, same batch.
+"""Sampler throughput: ``app.sampling.sample`` vs ``model.generate``, same model, same batch.
 
 The model is the warm-started default policy (it writes a worked solution and then EOS,
 after 10-35 tokens), loaded fp32. Both sides sample 32 distinct held-out prompts
@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 
 from app import tasks
 from app.policy import encode_prompts, load_policy
-from app.sampler import SamplingParams, sample
+from app.sampling import SamplingParams, sample
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,12 +8,12 @@ handshake around all of them. The methods run round-robin, one of each per round
 median of its per-round ratio to that round's raw broadcast ("paired"), which is the
 number to trust on a host other work is also loading:
 
-- ``ours``: ``WeightSender.send`` -> ``WeightReceiver.recv`` (into staging), per
-  ``--bucket-mb`` value, on params flattened by ``flatten_parameters_`` as the trainer and
-  generators do (zero-copy buckets); ``apply`` (staging -> live) is timed separately on
-  the receivers;
-- ``packed``: the same on separately allocated params (the sender packs every bucket),
-  at ``--packed-bucket-mb``;
+- ``ours``: ``WeightSender.send`` -> a ``WeightReceiver``'s background thread (into
+  staging), until every generator's ``latest_version()`` shows it, per ``--bucket-mb``
+  value, on params flattened by ``flatten_parameters_`` as the trainer and generators do
+  (zero-copy); ``swap_if_newer`` (staging -> live) is timed separately on the receivers;
+- ``packed``: the same with the trainer's params separately allocated (as a trainer
+  rank's shards would be: buckets of several tensors are packed), at ``--packed-bucket-mb``;
 - ``raw``: one ``broadcast`` of a flat tensor of the same byte count in the same group;
 - ``files``: ``torch.save(state_dict)`` by the trainer, then ``torch.load(weights_only=True)``
   plus a copy into the live params by every generator.
@@ -70,17 +70,18 @@ class _Steps:
         self.store.add(key, 1)
 
     def wait_all(self, key: str, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while int(self.store.add(key, 0)) < self.n:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"benchmark: generators did not reach {key!r} in {timeout_s} s")
-            time.sleep(0.0005)
+        self.wait_until(lambda: int(self.store.add(key, 0)) >= self.n,
+                        f"the generators to reach {key!r}", timeout_s)
 
     def wait_key(self, key: str, timeout_s: float = 600.0) -> None:
+        self.wait_until(lambda: self.store.check([key]), f"the trainer to publish {key!r}", timeout_s)
+
+    @staticmethod
+    def wait_until(condition, what: str, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while not self.store.check([key]):
+        while not condition():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"benchmark: trainer did not publish {key!r} in {timeout_s} s")
+                raise TimeoutError(f"benchmark: waited {timeout_s} s for {what}")
             time.sleep(0.0005)
 
 
@@ -125,25 +126,29 @@ def role(rank: int, world_size: int, port: int, args: argparse.Namespace, out: m
         receiver = WeightReceiver(group, params, bucket_mb=bucket_mb)
 
         def recv(rep: int):
-            receiver.recv(timeout_s=600)
+            # One receiver thread at a time: they would all answer the group's next sync.
+            receiver.start_background()
+            steps.wait_until(lambda: receiver.latest_version() == rep, f"{name} version {rep}")
 
-            def apply() -> None:  # the generator does this between decode batches
+            def swap() -> None:  # the generator does this between decode batches
+                receiver.stop_background()
                 t = time.perf_counter()
-                receiver.apply()
+                if receiver.swap_if_newer() != rep:
+                    raise RuntimeError(f"benchmark: {name} did not apply version {rep}")
                 if rep >= 0:
                     result.setdefault(f"apply_{name}", []).append(time.perf_counter() - t)
 
-            return apply
+            return swap
 
         methods[name] = (None, recv)
 
-    # packed: every tensor its own allocation, as before flattening (the sender packs)
+    # packed: the trainer's tensors one allocation each (generators flatten as always)
+    packed_params = [(n, p.clone()) for n, p in params] if trainer else params
+    flatten_parameters_([p for _, p in params])
     if args.packed_bucket_mb > 0:
-        unflattened = [(n, p.clone()) for n, p in params]
-        add_ours(f"packed_{args.packed_bucket_mb:g}mb", args.packed_bucket_mb, unflattened)
+        add_ours(f"packed_{args.packed_bucket_mb:g}mb", args.packed_bucket_mb, packed_params)
 
     # ours, per bucket size, on flattened params (what the trainer and generators run)
-    flatten_parameters_([p for _, p in params])
     for bucket_mb in args.bucket_mb:
         add_ours(f"ours_{bucket_mb:g}mb", bucket_mb, params)
 
@@ -226,8 +231,6 @@ def main() -> None:
     ours = {k: v for k, v in med.items() if k.startswith("ours_")}
     best = min(ours, key=ours.get)
     apply_times = [t for r in range(1, world_size) for t in reports[r]["result"][f"apply_{best}"]]
-    packed_apply = [t for r in range(1, world_size) for name, ts in reports[r]["result"].items()
-                    if name.startswith("apply_packed") for t in ts]
     nbytes = reports[0]["bytes"]
     summary = {
         "seconds": ours[best],
@@ -244,7 +247,6 @@ def main() -> None:
         "repeats": args.repeats,
         "best_bucket_mb": float(best.removeprefix("ours_").removesuffix("mb")),
         "apply_seconds": statistics.median(apply_times),
-        "packed_apply_seconds": statistics.median(packed_apply) if packed_apply else None,
         "zero_copy_buckets": zero_copy,
         "by_method_seconds": med,
         "all_seconds": trainer,
@@ -258,8 +260,7 @@ def main() -> None:
         print(f"{name:<18}{sec:>10.3f}{nbytes / sec / 1e9:>14.2f}{sec / med['raw']:>9.2f}"
               f"{paired[name]:>9.2f}")
     print(f"apply (staging -> live, per generator) at the best bucket size: "
-          f"{summary['apply_seconds']:.3f} s" + (f", packed: {summary['packed_apply_seconds']:.3f} s"
-                                                 if packed_apply else ""))
+          f"{summary['apply_seconds']:.3f} s")
     print("zero-copy buckets (of all): " + ", ".join(f"{k} {a}/{b}" for k, (a, b) in zero_copy.items()))
     print(f"best bucket {summary['best_bucket_mb']:g} MB: ratio vs raw {summary['ratio_vs_raw']:.2f} "
           f"(paired per round {summary['paired_ratio_vs_raw']:.2f}), "

@@ -18,6 +18,10 @@ Failures are typed: everything that can go wrong with a run directory raises a
         print(info.run_id, info.status, info.message)
     with open_run("runs/my-run") as run:
         df = run.scalar_series(["gen/tokens_per_s", "train/tokens_per_s"])
+
+Why one module of ~600 lines: it is the one reader of one schema (``app.metrics``), and
+every query beside the others means a schema change is read and changed in one place;
+the run listing, the typed errors and the ``Run`` queries share its connection handling.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ so a group never straddles two batches. The staleness filter runs in the consume
 thread, after the prefetcher, so the lag it checks is the lag at which the batch trains.
 
 The prefetcher's thread is a daemon that torchdata gives no public way to stop. A daemon
-thread still inside native code (a store call, a reward model's forward) when the
+thread still inside native code (a store call, say) when the
 interpreter exits aborts the whole process ("terminate called without an active
 exception"), so the stages that run in that thread pass through a ``Gate`` that
 ``RolloutStream.close`` shuts and waits out before the process exits.

@@ -15,7 +15,8 @@ from torchx.specs import AppState
 
 from app import names
 from app.contract import GroupId, Rollout, RolloutGroup, to_message
-from app.transport import SECRET_ENV, StoreQueue, connect_store
+from app.frames import SECRET_ENV
+from app.transport import StoreQueue, connect_store
 from app_launch import APP_TIMEOUT_S, GROUP_SIZE, PROMPTS_PER_STEP, SMALL, STEPS, App, launch, rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -129,11 +129,12 @@ def test_every_config_field_is_documented_and_keyword_only(cls):
 
 def test_trainer_and_generator_flags_parse_together():
     cfg, gen = cli.parse(["--steps", "5", "--loss", "ppo", "--normalize-std", "--temperature", "0.7",
-                          "--levels", "1,3"], TrainerConfig, GeneratorConfig)
+                          "--top-p", "0.9", "--levels", "1,3"], TrainerConfig, GeneratorConfig)
     assert (cfg.steps, cfg.loss, cfg.normalize_std, cfg.levels) == (5, "ppo", True, "1,3")
     assert gen.temperature == 0.7
-    step = cfg.step_config(gen.temperature)
-    assert (step.loss, step.rho_max, step.normaliser, step.temperature) == ("ppo", cfg.rho_max, "token", 0.7)
+    step = cfg.step_config(gen)
+    assert (step.loss, step.rho_max, step.normaliser, step.temperature, step.top_p) == (
+        "ppo", cfg.rho_max, "token", 0.7, 0.9)
 
 
 @pytest.mark.parametrize("argv, message", [

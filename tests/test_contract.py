@@ -10,7 +10,7 @@ import torch
 from app.contract import (GroupId, MalformedMessage, Rejections, Rollout, RolloutGroup, from_message,
                           to_message)
 from app.rewards import RewardResult
-from app.transport import decode, encode
+from app.frames import decode, encode
 
 SECRET = bytes(range(32))
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from app import data, names, runtime, tasks, transport
+from app import data, frames, names, runtime, tasks, transport
 from app.config import TrainerConfig
 from app.datafile import DataError
 from app.policy import build_tokenizer, encode_prompts
@@ -224,7 +224,7 @@ def test_fingerprint_covers_rows_mapping_and_prompts(tmp_path, tokenizer):
 
 @pytest.fixture()
 def store(monkeypatch):
-    monkeypatch.setenv(transport.SECRET_ENV, transport.new_secret().hex())
+    monkeypatch.setenv(frames.SECRET_ENV, frames.new_secret().hex())
     return transport.host_store(0, None, timeout_s=30, host="127.0.0.1")
 
 

@@ -48,12 +48,23 @@ def never() -> bool:
     return False
 
 
-def stream_over(queue, *, rejections: Rejections | None = None, **overrides) -> RolloutStream:
-    kwargs = dict(reward=build_reward("math_verifier"), reward_timeout_s=10.0, groups_per_batch=2,
-                  max_staleness=1, current_version=lambda: 0, on_drop=lambda g, lag: None,
-                  normalize_std=False, should_stop=never, timeout_s=5.0,
-                  rejections=rejections or Rejections("test"))
-    return RolloutStream(queue, **{**kwargs, **overrides})
+@pytest.fixture()
+def stream_over():
+    """Makes rollout streams over a queue and closes every one after the test: a stream's
+    worker thread left inside a store call at interpreter exit aborts the test process."""
+    made: list[RolloutStream] = []
+
+    def make(queue, *, rejections: Rejections | None = None, **overrides) -> RolloutStream:
+        kwargs = dict(reward=build_reward("math_verifier"), reward_timeout_s=10.0, groups_per_batch=2,
+                      max_staleness=1, current_version=lambda: 0, on_drop=lambda g, lag: None,
+                      normalize_std=False, should_stop=never, timeout_s=5.0,
+                      rejections=rejections or Rejections("test"))
+        made.append(RolloutStream(queue, **{**kwargs, **overrides}))
+        return made[-1]
+
+    yield make
+    for stream in made:
+        stream.close()
 
 
 # --------------------------------------------------------------------------- QueueSource
@@ -112,7 +123,7 @@ def test_staleness_filter_reads_the_version_when_the_group_is_taken():
 
 # --------------------------------------------------------------------------- the full stream
 
-def test_rollout_stream_scores_batches_and_filters(queue):
+def test_rollout_stream_scores_batches_and_filters(queue, stream_over):
     version = {"now": 2}
     dropped: list[tuple[int, int]] = []
     sent = [message(0, 2, n_correct=1), message(1, 0, n_correct=2),  # seq 1: too stale
@@ -144,7 +155,7 @@ def test_rollout_stream_scores_batches_and_filters(queue):
     assert len(trained) == 3 * G
 
 
-def test_rollout_stream_reads_scores_attached_by_a_reward_executor(queue):
+def test_rollout_stream_reads_scores_attached_by_a_reward_executor(queue, stream_over):
     group = make_group(0, 0, ["3 + 4 = 7\n#### 7"] * 2 + ["#### 8"] * 2)
     group.attach(build_reward("math_verifier").score([r.sample() for r in group.rollouts]))
     queue.push(to_message(group), timeout_s=5)
@@ -156,7 +167,7 @@ def test_rollout_stream_reads_scores_attached_by_a_reward_executor(queue):
     assert [r.advantage for r in got.rollouts] == pytest.approx([1.0, 1.0, -1.0, -1.0], abs=1e-4)
 
 
-def test_rollout_stream_drops_and_counts_bad_messages_and_goes_on(queue):
+def test_rollout_stream_drops_and_counts_bad_messages_and_goes_on(queue, stream_over):
     """Garbage frames, frames under another secret and messages that break the contract
     (missing field, wrong type, log-probs vs tokens) are dropped and counted by reason;
     the good groups around them are trained on."""
@@ -181,13 +192,13 @@ def test_rollout_stream_drops_and_counts_bad_messages_and_goes_on(queue):
                                        "malformed_frame": 1, "bad_tag": 1}
 
 
-def test_rollout_stream_surfaces_a_silent_queue(queue):
+def test_rollout_stream_surfaces_a_silent_queue(queue, stream_over):
     stream = stream_over(queue, timeout_s=0.3)
     with pytest.raises(TimeoutError, match="rollouts"):
         stream.next_batch()
 
 
-def test_rejected_messages_do_not_reset_the_silence_deadline(queue):
+def test_rejected_messages_do_not_reset_the_silence_deadline(queue, stream_over):
     """A stream fed only garbage still reports its producers silent."""
     stop = threading.Event()
 
@@ -208,7 +219,7 @@ def test_rejected_messages_do_not_reset_the_silence_deadline(queue):
 
 # --------------------------------------------------------------------------- closing the stream
 
-def test_closing_the_stream_stops_its_worker_thread_polling_the_store(queue):
+def test_closing_the_stream_stops_its_worker_thread_polling_the_store(queue, stream_over):
     """After close() the prefetcher's daemon thread never touches the store again (one
     caught inside a store call at interpreter exit aborts the process)."""
     stream = stream_over(queue, reward_timeout_s=1.0, groups_per_batch=1, max_staleness=0,

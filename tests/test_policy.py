@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 from app import policy, rl, tasks
 from app.rewards import RewardResult, build_reward
-from app.sampler import SamplingParams
+from app.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

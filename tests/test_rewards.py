@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import math
 import re
 import sqlite3
-import subprocess
-import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
 
+import reward_fixtures as fixtures
 from app import metrics, tasks
 from app.rewards import (
     BUILTINS,
     Component,
     CompositeReward,
+    HFClassifier,
     LengthPenalty,
     RewardResult,
     Sample,
@@ -41,9 +39,9 @@ def sample(completion: str = RIGHT, **meta) -> Sample:
     return Sample(PROMPT, completion, {**META, **meta})
 
 
-def composite(*fns, timeout_s: float = 5.0, max_hung_calls: int = 4) -> CompositeReward:
-    return CompositeReward([Component(name=f"c{i}", fn=f) for i, f in enumerate(fns)],
-                           timeout_s=timeout_s, max_hung_calls=max_hung_calls)
+def composite(*fns, timeout_s: float = 30.0) -> CompositeReward:
+    """Components ``c0``, ``c1``... each in its own worker process (``tests/reward_fixtures.py``)."""
+    return CompositeReward([Component(name=f"c{i}", fn=f) for i, f in enumerate(fns)], timeout_s=timeout_s)
 
 
 # ---- rule-based built-ins -------------------------------------------------------------
@@ -206,18 +204,15 @@ def test_entry_point_plugin_from_installed_dist(tmp_path, monkeypatch):
 
 
 # ---- failure modes: quarantine, the run goes on ---------------------------------------
+# (killed and crashed workers: tests/test_reward_workers.py)
 
-def _ok(prompt, completion, meta):
-    return 1.0
-
-
-@pytest.mark.parametrize("returned, reason", [
-    (float("nan"), "nan"), (float("inf"), "inf"), (-math.inf, "inf"), (10 ** 400, "inf"),
-    ("1.0", "not_a_number"), (None, "not_a_number"), ([1.0], "not_a_number"), (1 + 2j, "not_a_number"),
+@pytest.mark.parametrize("bad, reason", [
+    ("nan", "nan"), ("inf", "inf"), ("neg_inf", "inf"), ("huge_int", "inf"),
+    ("str", "not_a_number"), ("none", "not_a_number"), ("list", "not_a_number"), ("complex", "not_a_number"),
 ])
-def test_bad_values_are_quarantined(returned, reason):
-    bad = lambda p, c, m: returned if c == " bad" else 0.5  # noqa: E731
-    results = composite(_ok, bad).score([sample(" good"), sample(" bad"), sample(" good")])
+def test_bad_values_are_quarantined(bad, reason):
+    results = composite(fixtures.one, fixtures.bad_on_request).score(
+        [sample(" good", bad=bad), sample(" bad", bad=bad), sample(" good", bad=bad)])
     assert [r.quarantined for r in results] == [None, reason, None]
     assert results[1].total is None and results[1].failures == {"c1": reason}
     assert results[1].components == {"c0": 1.0}  # what did score is kept for inspection
@@ -238,96 +233,53 @@ def test_numbers_that_are_accepted():
 
 
 def test_raising_reward_is_quarantined_and_run_continues():
-    def flaky(prompt, completion, meta):
-        return 1 / meta["level"]
-
-    results = composite(flaky).score([sample(level=2), sample(level=0), sample(level=4)])
+    results = composite(fixtures.inverse_level).score([sample(level=2), sample(level=0), sample(level=4)])
     assert [r.total for r in results] == [0.5, None, 0.25]
     assert quarantine_counts(results) == {"raised:ZeroDivisionError": 1}
 
 
-def test_timeout_quarantines_and_bounds_hung_threads():
-    release = threading.Event()
-
-    def hangs_on_long(prompt, completion, meta):
-        if "long" in completion:
-            release.wait(60)
-        return 1.0
-
-    before = set(threading.enumerate())
-    reward = composite(_ok, hangs_on_long, timeout_s=0.2, max_hung_calls=2)
-    batch = [sample(" short"), sample(" long"), sample(" short"), sample(" long"), sample(" long"),
-             sample(" long"), sample(" short")]
-    try:
-        results = reward.score(batch)
-        # The first two hangs are abandoned after their timeout; then the bound is reached
-        # and the hung component is no longer called: its samples are quarantined at once.
-        assert [r.quarantined for r in results] == [None, "timeout", None, "timeout", "timeout",
-                                                    "timeout", "timeout"]
-        assert reward.hung_calls() == 2
-        hung = [t for t in set(threading.enumerate()) - before if t.name == "reward-c1"]
-        assert len(hung) == 2 and all(t.daemon for t in hung)  # no third thread was started
-        assert quarantine_counts(results) == {"timeout": 5}
-    finally:
-        release.set()
-    for t in hung:
-        t.join(timeout=10)
-    assert reward.hung_calls() == 0
-    # Once the abandoned calls return, the component is called again.
-    assert [r.total for r in reward.score([sample(" short")])] == [2.0]
-
-
-class _Batched:
-    def __init__(self, out=None, exc=None):
-        self.out, self.exc, self.calls = out, exc, 0
-
-    def score_batch(self, samples):
-        self.calls += 1
-        if self.exc is not None:
-            raise self.exc
-        return self.out(samples)
-
-
 def test_batched_component_one_call_per_batch():
-    batched = _Batched(out=lambda s: [len(x.completion) for x in s])
-    results = composite(batched).score([sample(" ab"), sample(" abcd")])
-    assert batched.calls == 1 and [r.total for r in results] == [3.0, 5.0]
+    reward = composite(fixtures.Batched("lengths"), fixtures.Batched("calls"))
+    results = reward.score([sample(" ab"), sample(" abcd")])
+    assert [r.components for r in results] == [{"c0": 3.0, "c1": 1.0}, {"c0": 5.0, "c1": 1.0}]
+    assert [r.components["c1"] for r in reward.score([sample()] * 3)] == [2.0] * 3  # its second call
 
 
-@pytest.mark.parametrize("batched, reason", [
-    (_Batched(exc=RuntimeError("model crashed")), "raised:RuntimeError"),
-    (_Batched(out=lambda s: [1.0] * (len(s) - 1)), "wrong_length"),
-    (_Batched(out=lambda s: 1.0), "not_a_number"),
+@pytest.mark.parametrize("mode, reason", [
+    ("raise", "raised:RuntimeError"), ("short", "wrong_length"), ("scalar", "not_a_number"),
 ])
-def test_batched_failure_quarantines_whole_batch(batched, reason):
-    results = composite(_ok, batched).score([sample(), sample(), sample()])
+def test_batched_failure_quarantines_whole_batch(mode, reason):
+    results = composite(fixtures.one, fixtures.Batched(mode)).score([sample(), sample(), sample()])
     assert [r.quarantined for r in results] == [reason] * 3
     assert quarantine_counts(results) == {reason: 3}
 
 
 def test_batched_nan_quarantines_only_that_sample():
-    import torch
-
-    batched = _Batched(out=lambda s: torch.tensor([0.5, float("nan"), 0.25]))
-    results = composite(batched).score([sample(), sample(), sample()])
+    results = composite(fixtures.Batched("nan_middle")).score([sample(), sample(), sample()])
     assert [r.quarantined for r in results] == [None, "nan", None]
 
 
-def test_batched_timeout():
-    release = threading.Event()
-    batched = _Batched(out=lambda s: release.wait(60) and [1.0] * len(s))
-    try:
-        results = composite(_ok, batched, timeout_s=0.2).score([sample(), sample()])
-        assert [r.quarantined for r in results] == ["timeout", "timeout"]
-    finally:
-        release.set()
+class _TensorScores:
+    """Not picklable (a nested lambda): fine for an inline component, which never leaves
+    the calling thread."""
+
+    def __init__(self):
+        self.scores = lambda n: __import__("torch").tensor([0.5, float("nan"), 0.25][:n])
+
+    def score_batch(self, samples):
+        return self.scores(len(samples))
+
+
+def test_inline_components_follow_the_same_rules():
+    reward = CompositeReward([Component(name="t", fn=_TensorScores(), inline=True),
+                              Component(name="f", fn=lambda p, c, m: 1 / m["level"], inline=True)])
+    results = reward.score([sample(), sample(), sample(level=0)])
+    assert [r.quarantined for r in results] == [None, "nan", "raised:ZeroDivisionError"]
+    assert results[0].total == 1.5 and reward.worker_pids() == {}
 
 
 def test_first_failure_in_spec_order_names_the_sample():
-    def raises(p, c, m):
-        raise KeyError("x")
-
-    [r] = composite(lambda p, c, m: math.nan, raises).score([sample()])
+    [r] = composite(fixtures.nan, fixtures.raises_key_error).score([sample()])
     assert r.quarantined == "nan" and r.failures == {"c0": "nan", "c1": "raised:KeyError"}
     assert RewardResult.from_dict(r.to_dict()) == r
 
@@ -335,11 +287,8 @@ def test_first_failure_in_spec_order_names_the_sample():
 # ---- metrics ----------------------------------------------------------------------------
 
 def test_reward_events_reach_the_metrics_database(tmp_path):
-    def needs_level(p, c, m):
-        return 1.0 / m["level"]
-
-    reward = CompositeReward([Component(name="math_verifier", fn=math_verifier),
-                              Component(name="inv_level", fn=needs_level, weight=0.5)])
+    reward = CompositeReward([Component(name="math_verifier", fn=math_verifier, inline=True),
+                              Component(name="inv_level", fn=fixtures.inverse_level, weight=0.5)])
     results = reward.score([sample(RIGHT, level=1), sample(WRONG, level=0), sample(WRONG, level=2)])
     writer = metrics.MetricsWriter(tmp_path, run_id="t", config={})
     writer.write(reward_events(results, reward.names, step=3, role="trainer"))
@@ -417,20 +366,26 @@ def test_hf_classifier_loads_local_model_through_spec(tmp_path):
     logits = _reference_logits(two, [s.prompt + s.completion for s in batch])
     probs = torch.softmax(logits, -1)
 
-    reward = build_reward(f"hf_classifier(path={two},batch_size=2)")  # default label 1
+    reward = build_reward(f"hf_classifier(path={two},batch_size=2)")  # default label 1, in a worker
     assert [r.total for r in reward.score(batch)] == pytest.approx(probs[:, 1].tolist(), abs=1e-5)
-    by_name = build_reward(f"hf_classifier(path={two},label=L0,output=logit)")
-    assert [r.total for r in by_name.score(batch)] == pytest.approx(logits[:, 0].tolist(), abs=1e-5)
+    assert set(reward.worker_pids()) == {"hf_classifier"}
 
     one = _tiny_classifier(tmp_path / "one", 1)  # a scalar reward model
     logit = _reference_logits(one, [s.prompt + s.completion for s in batch])[:, 0]
-    scalar = build_reward(f"hf_classifier(path={one},output=logit)=0.5")
-    assert [r.total for r in scalar.score(batch)] == pytest.approx((0.5 * logit).tolist(), abs=1e-5)
-    sigmoid = build_reward(f"hf_classifier(path={one})")
-    assert [r.total for r in sigmoid.score(batch)] == pytest.approx(torch.sigmoid(logit).tolist(), abs=1e-5)
-
-    three = _tiny_classifier(tmp_path / "three", 3)  # ambiguous without label=: quarantined, said why
-    assert quarantine_counts(build_reward(f"hf_classifier(path={three})").score(batch)) == {"raised:ValueError": 3}
+    three = _tiny_classifier(tmp_path / "three", 3)
+    # The other options side by side, inline: a worker each would import transformers
+    # again, seconds apiece on two cores, to test the same scoring code.
+    variants = CompositeReward([
+        Component("by_name", HFClassifier(path=str(two), label="L0", output="logit"), inline=True),
+        Component("scalar", HFClassifier(path=str(one), output="logit"), inline=True),
+        Component("sigmoid", HFClassifier(path=str(one)), inline=True),
+        Component("three", HFClassifier(path=str(three)), inline=True)])  # ambiguous without label=: quarantined, said why
+    results = variants.score(batch)
+    assert [r.failures for r in results] == [{"three": "raised:ValueError"}] * 3
+    scores = {name: [r.components[name] for r in results] for name in ("by_name", "scalar", "sigmoid")}
+    assert scores["by_name"] == pytest.approx(logits[:, 0].tolist(), abs=1e-5)
+    assert scores["scalar"] == pytest.approx(logit.tolist(), abs=1e-5)
+    assert scores["sigmoid"] == pytest.approx(torch.sigmoid(logit).tolist(), abs=1e-5)
     with pytest.raises(ValueError, match="output"):
         build_reward(f"hf_classifier(path={two},output=score)")
 
@@ -459,54 +414,3 @@ def test_write_your_own_reward_example_end_to_end(tmp_path, monkeypatch):
     db = sqlite3.connect(tmp_path / metrics.DB_NAME)
     assert db.execute("SELECT COUNT(*) FROM rewards WHERE component = 'brevity'").fetchone() == (3,)
     assert db.execute("SELECT value FROM scalars WHERE name = 'reward/brevity'").fetchone()[0] > 0
-
-
-TORCH_REWARD_SCRIPT = textwrap.dedent("""
-    import sys
-    import torch
-    from app.rewards import Component, CompositeReward, Sample, abandoned_calls_running
-    from app.rewards import exit_without_teardown_if_calls_hang
-
-    a = torch.randn(128, 128)
-
-    def spin(prompt, completion, meta):  # never returns, always inside torch
-        while True:
-            torch.mm(a, a)
-
-    def once(prompt, completion, meta):
-        return float(torch.mm(a, a).sum() * 0) + 1.0
-
-    fn = spin if sys.argv[2] == "hang" else once
-    reward = CompositeReward([Component(name="r", fn=fn)], timeout_s=0.2)
-    (result,) = reward.score([Sample(prompt="p", completion="c")])
-    reward.close()
-    print("quarantined:", result.quarantined, "running:", abandoned_calls_running(), flush=True)
-    exit_without_teardown_if_calls_hang(int(sys.argv[1]))
-    print("returned", flush=True)
-""")
-
-
-def run_torch_reward_script(tmp_path: Path, code: int, mode: str) -> subprocess.CompletedProcess:
-    script = tmp_path / "torch_reward.py"
-    script.write_text(TORCH_REWARD_SCRIPT)
-    return subprocess.run([sys.executable, str(script), str(code), mode], capture_output=True,
-                          text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
-
-
-@pytest.mark.parametrize("code", [0, 3])
-def test_a_process_with_a_hung_torch_reward_still_exits_with_its_own_code(code, tmp_path):
-    """Interpreter teardown with a reward thread still inside torch aborts the process
-    (status 134, 'terminate called without an active exception'); the exit helper ends
-    it first, with the code it was given, its output flushed."""
-    proc = run_torch_reward_script(tmp_path, code, "hang")
-    assert proc.returncode == code, proc.stderr[-2000:]
-    assert "quarantined: timeout running: 1" in proc.stdout
-    assert "returned" not in proc.stdout
-    assert "abandoned past their timeout are still running" in proc.stderr
-    assert "terminate called" not in proc.stderr
-
-
-def test_the_exit_helper_returns_when_no_call_hangs(tmp_path):
-    proc = run_torch_reward_script(tmp_path, 3, "fine")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "quarantined: None running: 0" in proc.stdout and "returned" in proc.stdout

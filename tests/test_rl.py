@@ -13,7 +13,7 @@ from app import rl, tasks
 from app.policy import create_default_policy
 from app.contract import GroupId, RolloutGroup
 from app.rewards import RewardResult, build_reward
-from app.sampler import Samples
+from app.sampling import Samples
 
 VOCAB, PAD = 40, 0
 

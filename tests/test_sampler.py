@@ -8,10 +8,11 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, PreTrainedModel)
 
-from app import rl, sampler, tasks
+from app import rl, tasks
 from app.policy import build_tokenizer, encode_prompts
-from app.sampler import (KVBufferLayer, LlamaFastPath, SamplingParams, Samples, draw,
-                         prefill_groups, process_logits, sample)
+from app.sampling import (KVBufferLayer, LlamaFastPath, SamplingParams, Samples, decode, draw,
+                          generic, kv_cache, llama_fast, logits, new_cache, prefill_groups,
+                          process_logits, sample, token_logprobs)
 
 PAD = 0
 
@@ -64,12 +65,14 @@ def frequent_token_as_eos(model, prompts, T: int) -> int:
     return int(probe.tokens_BT[0, 2])
 
 
-def trainer_logprobs(model, prompts, out: Samples, temperature: float = 1.0) -> torch.Tensor:
+def trainer_logprobs(model, prompts, out: Samples, temperature: float = 1.0,
+                     top_p: float = 1.0) -> torch.Tensor:
     rollouts = [rl.Rollout(prompt_ids=p, completion_ids=out.completion_ids(i),
                            behaviour_logprobs=[], version=0)
                 for i, p in enumerate(prompts)]
     with torch.no_grad():
-        logp_BT, _ = rl.completion_logprobs(model, rollouts, pad_id=PAD, temperature=temperature)
+        logp_BT, _ = rl.completion_logprobs(model, rollouts, pad_id=PAD, temperature=temperature,
+                                            top_p=top_p)
     return logp_BT
 
 
@@ -90,9 +93,9 @@ def test_logprobs_match_trainer_forward(kind, compact_when_done, prefill_call_co
     """(0.0, 0): finished rows leave the batch and cache at once, and every prompt length
     (every prompt, on the Llama fast path) is prefilled on its own; (0.25, 64): one
     prefill, and row 0, finished first, rides along to the end."""
-    monkeypatch.setattr(sampler, "COMPACT_WHEN_DONE", compact_when_done)
-    monkeypatch.setattr(sampler, "PREFILL_CALL_COST_TOKENS", prefill_call_cost)
-    monkeypatch.setattr(sampler, "PREFILL_CHUNK_TOKENS", 1 if prefill_call_cost == 0 else 256)
+    monkeypatch.setattr(decode, "COMPACT_WHEN_DONE", compact_when_done)
+    monkeypatch.setattr(generic, "PREFILL_CALL_COST_TOKENS", prefill_call_cost)
+    monkeypatch.setattr(llama_fast, "PREFILL_CHUNK_TOKENS", 1 if prefill_call_cost == 0 else 256)
     model = make_model(kind, len(tokenizer))
     T = 12
     eos = frequent_token_as_eos(model, prompts, T)
@@ -111,8 +114,8 @@ def test_each_model_takes_the_path_meant_for_it(tokenizer):
     llama, gpt2 = make_model("llama", len(tokenizer)), make_model("gpt2", len(tokenizer))
     mistral = make_model("mistral-sliding", len(tokenizer))
     assert LlamaFastPath.supports(llama) and not LlamaFastPath.supports(gpt2)
-    assert sampler._new_cache(llama, 8)[1] and sampler._new_cache(gpt2, 8)[1]
-    assert not sampler._new_cache(mistral, 8)[1]  # sliding window: HF's own cache layers
+    assert new_cache(llama, 8)[1] and new_cache(gpt2, 8)[1]
+    assert not new_cache(mistral, 8)[1]  # sliding window: HF's own cache layers
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -205,6 +208,78 @@ def test_process_logits_top_p_keeps_the_nucleus_and_renormalises():
                           torch.log_softmax(probs.log() / 0.5, -1))
 
 
+# Logits whose distribution at temperature 0.5 is exactly Q: by decreasing probability
+# the mass before each token is 0, 0.5, 0.8, 0.95.
+Q = torch.tensor([0.5, 0.3, 0.15, 0.05])
+LOGITS_Q = 0.5 * Q.log()
+
+
+@pytest.mark.parametrize("top_p, kept_mass", [(0.7, 0.8), (0.85, 0.95), (1.0, 1.0)])
+def test_token_logprobs_is_the_renormalised_nucleus_probability(top_p, kept_mass):
+    """Tokens inside the nucleus: log(q / mass of the nucleus), by hand; the same value
+    as the distribution the sampler draws from, for any leading dimensions."""
+    inside = [0, 1] if top_p == 0.7 else [0, 1, 2] if top_p == 0.85 else [0, 1, 2, 3]
+    tokens = torch.tensor(inside)
+    logits = LOGITS_Q.repeat(len(inside), 1)
+    logp = token_logprobs(logits, tokens, 0.5, top_p)
+    assert torch.allclose(logp, (Q[tokens] / kept_mass).log(), atol=1e-6)
+    drawn_from = process_logits(logits, 0.5, top_p)
+    assert torch.allclose(logp, drawn_from[torch.arange(len(inside)), tokens], atol=1e-6)
+    assert torch.equal(token_logprobs(logits, tokens, 0.5, top_p, sampled_from_NV=drawn_from),
+                       drawn_from[torch.arange(len(inside)), tokens])
+    logp_BT = token_logprobs(logits.view(1, -1, 4).expand(2, -1, -1), tokens.repeat(2, 1), 0.5,
+                             top_p)
+    assert logp_BT.shape == (2, len(inside)) and torch.allclose(logp_BT, logp.repeat(2, 1))
+
+
+def test_token_logprobs_keeps_a_token_outside_the_nucleus_with_it():
+    """Nucleus {0, 1} at top-p 0.7: token 2 is renormalised over {0, 1, 2}, token 3 over
+    {0, 1, 3}; finite, with the gradient of exactly that renormalised log-prob."""
+    logits = LOGITS_Q.repeat(2, 1).requires_grad_()
+    logp = token_logprobs(logits, torch.tensor([2, 3]), 0.5, 0.7)
+    assert torch.allclose(logp, torch.tensor([0.15 / 0.95, 0.05 / 0.85]).log(), atol=1e-6)
+    assert torch.isinf(process_logits(logits.detach(), 0.5, 0.7)[:, 2:]).all()
+    logp.sum().backward()
+    # d log(q_t / sum_kept q) / d logit = (onehot_t - q / sum_kept q on the kept set) / T
+    kept = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 1]])
+    onehot = torch.tensor([[0.0, 0, 1, 0], [0, 0, 0, 1]])
+    renorm = Q * kept / (Q * kept).sum(-1, keepdim=True)
+    assert torch.allclose(logits.grad, (onehot - renorm) / 0.5, atol=1e-5)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 16])
+def test_token_logprobs_gradient_is_that_of_its_formula(top_p, chunk_elements, monkeypatch):
+    """The hand-written backward against numerical differentiation (fp64), in one chunk
+    and in chunks of two rows; the values against plain autograd of the same formula."""
+    monkeypatch.setattr(logits, "CHUNK_ELEMENTS", chunk_elements)
+    g = torch.Generator().manual_seed(0)
+    logits_BTV = torch.randn(2, 3, 7, generator=g, dtype=torch.float64).requires_grad_()
+    tokens_BT = torch.randint(0, 7, (2, 3), generator=g)
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, tokens_BT, 0.7, top_p),
+                                    (logits_BTV,))
+    drop = logits.outside_nucleus(logits_BTV, 0.7, top_p).scatter_(-1, tokens_BT[..., None], False)
+    plain = torch.log_softmax((logits_BTV / 0.7).masked_fill(drop, float("-inf")), -1)
+    expected_BT = plain.gather(-1, tokens_BT[..., None]).squeeze(-1)
+    assert torch.allclose(token_logprobs(logits_BTV, tokens_BT, 0.7, top_p), expected_BT)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_trainer_logprobs_are_the_sampled_distributions_with_top_p(kind, tokenizer, prompts):
+    """At equal weights (lag 0) the trainer's log-prob of every sampled token is the
+    sampler's: the AIPO ratio exp(logp - mu) is 1, with top-p cutting the tail."""
+    model = make_model(kind, len(tokenizer))
+    T, temperature, top_p = 10, 0.7, 0.9
+    out = sample(model, prompts, SamplingParams(max_new_tokens=T, temperature=temperature,
+                                                top_p=top_p),
+                 eos_id=-1, pad_id=PAD, generator=torch.Generator().manual_seed(2))
+    logp_BT = trainer_logprobs(model, prompts, out, temperature=temperature, top_p=top_p)
+    ratio_BT = (logp_BT - out.logprobs_BT).exp()
+    assert (ratio_BT - 1).abs().max() <= 1e-4, (ratio_BT - 1).abs().max()
+    untruncated = trainer_logprobs(model, prompts, out, temperature=temperature)
+    assert (untruncated - out.logprobs_BT).abs().max() > 1e-2  # top-p really cut mass
+
+
 def test_draw_never_picks_tokens_outside_the_nucleus():
     logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, 3.0]).repeat(4000, 1)
     logp = process_logits(logits, temperature=1.0, top_p=0.8)
@@ -284,7 +359,7 @@ def test_kv_buffer_layer_selects_rows_through_its_spare_buffers():
 
 
 def test_reused_storage_lends_one_buffer_and_falls_back_when_lent_out():
-    pool = sampler.ReusedStorage()
+    pool = kv_cache.ReusedStorage()
     cpu = torch.device("cpu")
     with pool.lend((2, 3), torch.float32, cpu) as a:
         ptr = a.data_ptr()
@@ -309,11 +384,11 @@ def test_llama_fast_path_prefill_and_decode_match_the_model(kind, tokenizer, pro
         num_attention_heads=4, num_key_value_heads=2 if tied else 4,
         max_position_embeddings=256, tie_word_embeddings=tied, pad_token_id=PAD,
         rope_scaling={"rope_type": "linear", "factor": 2.0} if tied else None)).eval()
-    assert sampler.LlamaFastPath.supports(model)
+    assert LlamaFastPath.supports(model)
     prompts = sorted(prompts, key=len)
     P = max(len(p) for p in prompts)
-    fast = sampler.LlamaFastPath(model, P + 4)
-    cache, is_fast = sampler._new_cache(model, P + 4)
+    fast = LlamaFastPath(model, P + 4)
+    cache, is_fast = new_cache(model, P + 4)
     assert is_fast
     with torch.inference_mode():
         logits_UV, valid_UP, next_pos_U1 = fast.prefill(prompts, cache)
@@ -332,7 +407,7 @@ def test_fast_path_refuses_rotary_that_depends_on_the_length(tokenizer):
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, max_position_embeddings=256,
         rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
-    assert not sampler.LlamaFastPath.supports(model)
+    assert not LlamaFastPath.supports(model)
 
 
 def test_reused_kv_storage_leaves_no_trace_between_calls(tokenizer, prompts, monkeypatch):
@@ -346,12 +421,12 @@ def test_reused_kv_storage_leaves_no_trace_between_calls(tokenizer, prompts, mon
         return sample(model, batch, params, eos_id=-1, pad_id=PAD,
                       generator=torch.Generator().manual_seed(5))
 
-    poisoned = sampler.ReusedStorage()
+    poisoned = kv_cache.ReusedStorage()
     with poisoned.lend((1_000_000,), torch.float32, torch.device("cpu")) as buf:
         buf.fill_(float("nan"))
-    monkeypatch.setattr(sampler, "KV_STORAGE", poisoned)
+    monkeypatch.setattr(kv_cache, "KV_STORAGE", poisoned)
     reused = run()
-    monkeypatch.setattr(sampler, "KV_STORAGE", sampler.ReusedStorage())
+    monkeypatch.setattr(kv_cache, "KV_STORAGE", kv_cache.ReusedStorage())
     fresh = run()
     assert torch.isfinite(reused.logprobs_BT).all()
     assert torch.equal(reused.tokens_BT, fresh.tokens_BT)

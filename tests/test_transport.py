@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import pickle
 import socket
 import struct
@@ -12,35 +11,17 @@ import time
 import pytest
 import torch
 
-from app.transport import (
-    MAX_FRAME_BYTES,
-    SECRET_ENV,
-    AuthenticationError,
-    Control,
-    Stopped,
-    StoreQueue,
-    connect_store,
-    decode,
-    encode,
-    host_store,
-    new_secret,
-    secret_from_env,
-)
+from app.frames import (MAX_FRAME_BYTES, SECRET_ENV, AuthenticationError, decode, encode, new_secret,
+                        secret_from_env)
+from app.transport import Control, Stopped, StoreQueue, connect_store
+from role_processes import forkserver_context, loopback_store
 
 SECRET = bytes(range(32))
 
 
-def _mp_context():
-    # A forkserver that has imported torch once: each role process then starts in a
-    # fraction of a second instead of importing torch again (2 cores).
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "app.transport", "app.weight_sync"])
-    return ctx
-
-
 @pytest.fixture()
 def store():
-    return host_store(0, None, timeout_s=30, host="127.0.0.1")
+    return loopback_store(timeout_s=30)
 
 
 def client(store):
@@ -256,7 +237,7 @@ def _produce(port: int, n: int, maxlen: int) -> None:
 
 def test_queue_fifo_and_backpressure_across_processes(store):
     n, maxlen = 40, 4
-    ctx = _mp_context()
+    ctx = forkserver_context()
     proc = ctx.Process(target=_produce, args=(store.port, n, maxlen))
     proc.start()
     q = StoreQueue(store, "fifo", SECRET, maxlen=maxlen)

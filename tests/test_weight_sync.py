@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -11,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from app.transport import connect_store, host_store
+from app.transport import connect_store
 from app.weight_sync import (
+    WeightGroup,
     WeightLayoutError,
     WeightReceiver,
     WeightSender,
@@ -20,6 +20,7 @@ from app.weight_sync import (
     flatten_parameters_,
     init_weight_group,
 )
+from role_processes import forkserver_context, loopback_store
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +28,7 @@ BUCKET_MB = 0.01  # ~10 KB buckets: several buckets, one parameter larger than a
 
 
 def model_params(version: int, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
-    """The trainer's parameters at ``version``: mixed dtypes, shapes and a non-contiguous one."""
+    """The trainer's parameters at ``version``: mixed dtypes and shapes, non-contiguous ones."""
     g = torch.Generator().manual_seed(seed)
     return [
         ("embed.weight", torch.randn(64, 48, generator=g) + version),  # 12 KB > one bucket
@@ -37,12 +38,19 @@ def model_params(version: int, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
         ("layers.0.mlp.w_t", (torch.randn(16, 24, generator=g) - version).t()),  # non-contiguous
         ("rope.positions", torch.arange(10, dtype=torch.int64) + version),
         ("scale", torch.tensor(float(version))),  # 0-d
-    ]
+    ] + [(f"layers.{i}.mlp.w_t", (torch.randn(48, 40, generator=g) + i * version).t())
+         for i in (1, 2, 3)]  # 7.5 KB each, not contiguous: one packed bucket each but the first
+
+
+def flattened(params: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``params`` as a generator holds them: views of one flat buffer per dtype."""
+    flatten_parameters_([p for _, p in params])
+    return params
 
 
 def _run(role_fn, world_size: int, port: int, timeout_s: float, *args) -> list[tuple[int, str]]:
     """Run ``role_fn(rank, ...)`` in ``world_size`` spawned processes; their outcomes by rank."""
-    ctx = _mp_context()
+    ctx = forkserver_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(role_fn, rank, world_size, port, results, *args))
              for rank in range(world_size)]
@@ -69,23 +77,24 @@ def _entry(role_fn, rank, world_size, port, results, *args) -> None:
         results.put((rank, f"ERROR {type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def _mp_context():
-    # A forkserver that has imported torch once: each role process then starts in a
-    # fraction of a second instead of importing torch again (2 cores).
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "app.transport", "app.weight_sync"])
-    return ctx
+def _wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
 
 
 @pytest.fixture()
 def store():
-    return host_store(0, None, timeout_s=60, host="127.0.0.1")
+    return loopback_store(timeout_s=60)
 
 
 # --------------------------------------------------------------------------- three versions
 
 
 def _sync_three_versions(store, rank: int, world_size: int) -> str:
+    """The trainer's params are separate allocations, so its float32 run is packed; generator
+    1 applies each version as it arrives, the others only after the trainer is done."""
     group = init_weight_group(store, rank, world_size, torch.device("cpu"), timeout_s=30)
     if rank == 0:
         live = model_params(0)
@@ -97,45 +106,49 @@ def _sync_three_versions(store, rank: int, world_size: int) -> str:
                     p.copy_(new)
             stats = sender.send(version)
             assert stats.version == version and stats.seconds > 0
+            # bf16 and int64: one tensor each, sent whole. float32: separate allocations,
+            # so bucket by bucket: embed (a bucket of its own) as it is, then three packed
+            # buckets (the third reuses the first packing buffer).
+            assert sender.zero_copy_buckets == 3 and sender.layout.n_buckets == 6
             sizes.append(stats.bytes)
-        # Reaching here proves the background receivers did not hold the trainer up: their
-        # generators are "decoding" (sleeping) until this key appears.
+            _wait_until(lambda: group.store.check([f"test/applied/{version}"]), "generator 1")
+        # Reaching here proves generators 2 and 3 did not hold the trainer up: they are
+        # "decoding" (sleeping) until this key appears.
         group.store.set("test/trainer_done", "1")
         nbytes = sum(p.numel() * p.element_size() for _, p in live)
-        assert sizes == [nbytes] * 3 and len(sender.layout.buckets) > 2
+        assert sizes == [nbytes] * 3 and sender.layout.n_buckets > len(sender.layout.runs)
         return "sent 1,2,3"
 
-    live = model_params(0, seed=100 + rank)  # generators start from different weights
-    mode = {1: "foreground", 2: "background-single", 3: "background-double"}[rank]
-    receiver = WeightReceiver(group, live, bucket_mb=BUCKET_MB,
-                              double_buffer=mode == "background-double")
+    live = flattened(model_params(0, seed=100 + rank))  # generators start from other weights
+    receiver = WeightReceiver(group, live, bucket_mb=BUCKET_MB)
+    receiver.start_background()
     applied = []
-    if mode == "foreground":
+    if rank == 1:
         for version in (1, 2, 3):
-            stats = receiver.recv(timeout_s=30)
-            assert stats.version == version
-            # Staging only: the live weights are untouched until apply().
+            _wait_until(lambda: receiver.latest_version() == version, f"version {version}")
+            # Staging only: the live weights are untouched until swap_if_newer().
             assert not torch.equal(live[0][1], model_params(version)[0][1])
-            applied.append(receiver.apply())
+            applied.append(receiver.swap_if_newer())
             _assert_same(live, model_params(version))
+            group.store.set(f"test/applied/{version}", "1")
     else:
-        receiver.start_background()
-        deadline = time.monotonic() + 30
-        while not group.store.check(["test/trainer_done"]):
+        def trainer_done() -> bool:
             receiver.latest_version()  # raises if the background receiver failed
-            assert time.monotonic() < deadline, "trainer never finished sending"
-            time.sleep(0.01)  # decoding, not looking at weights
-        while receiver.applied_version != 3 and time.monotonic() < deadline:
+            return group.store.check(["test/trainer_done"])
+
+        def swapped_to_3() -> bool:
             if (v := receiver.swap_if_newer()) is not None:
                 applied.append(v)
-            time.sleep(0.005)
-        assert receiver.latest_version() == 3
-        assert [s.version for s in receiver.pop_stats()] == [1, 2, 3]
-        receiver.stop_background()
-        _assert_same(live, model_params(3))
-        assert receiver.swap_if_newer() is None  # nothing newer
+            return applied[-1:] == [3]
+
+        _wait_until(trainer_done, "the trainer to finish")
+        _wait_until(swapped_to_3, "version 3 in the model")
+    assert [s.version for s in receiver.pop_stats()] == [1, 2, 3]
+    receiver.stop_background()
+    _assert_same(live, model_params(3))
+    assert receiver.swap_if_newer() is None  # nothing newer
     assert applied == sorted(set(applied)) and applied[-1] == 3, applied
-    return f"{mode} applied {applied}"
+    return f"applied {applied}"
 
 
 def _assert_same(live, expected) -> None:
@@ -148,9 +161,16 @@ def test_trainer_to_three_generators_three_versions(store):
     assert [r for r, _ in results] == [0, 1, 2, 3]
     for rank, outcome in results:
         assert not outcome.startswith("ERROR"), f"rank {rank}: {outcome}"
-    assert results[1][1] == "foreground applied [1, 2, 3]"
-    assert results[2][1].startswith("background-single applied")
-    assert results[3][1].startswith("background-double applied")
+    assert results[1][1] == "applied [1, 2, 3]"
+    assert results[2][1].startswith("applied") and results[3][1].startswith("applied")
+
+
+def test_receiver_refuses_params_that_are_not_one_flat_buffer():
+    # Checked before the group is used: this group has no backend and no store.
+    group = WeightGroup(backend=None, store=None, rank=1, world_size=2,
+                        device=torch.device("cpu"), timeout_s=1)
+    with pytest.raises(ValueError, match="flatten_parameters_"):
+        WeightReceiver(group, model_params(0))
 
 
 # --------------------------------------------------------------------------- failures
@@ -163,7 +183,7 @@ def _mismatched_layout(store, rank: int, world_size: int) -> str:
         WeightSender(group, params, bucket_mb=BUCKET_MB)
         return "no error"
     params[1] = ("layers.0.attn.wq", torch.zeros(16, 8))  # a different model config
-    WeightReceiver(group, params, bucket_mb=BUCKET_MB)
+    WeightReceiver(group, flattened(params), bucket_mb=BUCKET_MB)
     return "no error"
 
 
@@ -181,35 +201,36 @@ def _receiver_dies(store, rank: int, world_size: int) -> str:
     if rank == 0:
         sender = WeightSender(group, params, bucket_mb=BUCKET_MB)
         sender.send(1)
-        while not group.store.check(["test/rank2_gone"]):
-            time.sleep(0.01)
+        _wait_until(lambda: group.store.check(["test/rank2_gone"]), "rank 2 to go")
         t0 = time.monotonic()
         try:
             sender.send(2)
         except WeightSyncError as e:
             return f"raised after {time.monotonic() - t0:.1f}s: {e}"
         return "no error"
-    receiver = WeightReceiver(group, params, bucket_mb=BUCKET_MB)
-    receiver.recv(timeout_s=20)
+    receiver = WeightReceiver(group, flattened(params), bucket_mb=BUCKET_MB)
+    receiver.start_background()
+    _wait_until(lambda: receiver.latest_version() == 1, "version 1")
     if rank == 2:
         group.store.set("test/rank2_gone", "1")
         os._exit(0)  # dies without a word; its result never arrives
     try:
-        receiver.recv(timeout_s=20)
+        # rank 1 may get version 2 whole: the trainer can send to it before noticing rank 2
+        _wait_until(lambda: receiver.latest_version() == 2, "version 2 or an error")
     except WeightSyncError as e:
         return f"receiver raised: {e}"
+    receiver.stop_background()
     return "no error"
 
 
 def test_sender_errors_instead_of_hanging_when_a_receiver_died(store):
-    ctx_timeout = 90
-    ctx = _mp_context()
+    ctx = forkserver_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(_receiver_dies, r, 3, store.port, results))
              for r in range(3)]
     for p in procs:
         p.start()
-    got = dict(results.get(timeout=ctx_timeout) for _ in range(2))  # rank 2 says nothing
+    got = dict(results.get(timeout=90) for _ in range(2))  # rank 2 says nothing
     for p in procs:
         p.join(30)
     assert got[0].startswith("raised after"), got[0]
@@ -303,20 +324,26 @@ def _sync_flattened_training(store, rank: int, world_size: int) -> str:
                 sender = WeightSender(group, list(model.named_parameters()), bucket_mb=0.002)
             sender.send(version)
             zero_copy.append(sender.zero_copy_buckets)
-        n = len(sender.layout.buckets)
-        assert n > 2 and zero_copy[:2] == [n, n] and 0 < zero_copy[2] < n, (zero_copy, n)
+            acks = [f"test/applied/{r}/{version}" for r in range(1, world_size)]
+            _wait_until(lambda: group.store.check(acks), f"generators to apply {version}")
+        # version 3: the float32 run is no longer one buffer, so it goes bucket by bucket,
+        # and the bucket holding proj.bias is packed; embed's bucket and float64 need no copy
+        n = sender.layout.n_buckets
+        assert n > 2 and zero_copy == [n, n, n - 1], (zero_copy, n)
         return "sent 1,2,3"
 
     live = TinyLM(seed=rank)  # generators start from other weights
     flats = flatten_parameters_(live)
     receiver = WeightReceiver(group, list(live.named_parameters()), bucket_mb=0.002)
+    receiver.start_background()
     for version, expected in enumerate(trainer_states(), start=1):
-        assert receiver.recv(timeout_s=30).version == version
-        receiver.apply()
-        assert _views_of(live, flats)  # apply copied into the flat buffers in place
+        _wait_until(lambda: receiver.swap_if_newer() == version, f"version {version}")
+        assert _views_of(live, flats)  # the swap copied into the flat buffers in place
         for (name, p), (_, q) in zip(live.named_parameters(), expected.named_parameters()):
             assert torch.equal(p, q), f"version {version}: {name}"
         assert live.head.weight is live.embed.weight
+        group.store.set(f"test/applied/{rank}/{version}", "1")
+    receiver.stop_background()
     return "received 1,2,3"
 
 

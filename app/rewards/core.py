@@ -1,4 +1,4 @@
-"""Reward components, the weighted composite, quarantine and metrics events.
+"""Reward components and what they return: samples, results, quarantine, metrics events.
 
 A reward *component* is either
 
@@ -7,46 +7,31 @@ A reward *component* is either
 - a batched object with ``score_batch(samples: list[Sample]) -> Sequence[float]`` (model
   based rewards), called once per batch.
 
-``CompositeReward`` scores a batch with every component, sums ``weight * score`` into the
-sample's total and *quarantines* a sample whose component raised, ran past its timeout, or
-returned NaN, inf or something that is not a real number: its total is ``None`` and the
-caller must not train on it. The run goes on; ``quarantine_counts`` and ``reward_events``
-turn the reasons into counts and metrics events.
+A call's outcome is a finite score or the *reason* it failed (``check_score``,
+``call_function``, ``call_batched``: the same rules inline and in a worker process).
+A sample with a failure is *quarantined*: its total is ``None`` and the caller must not
+train on it. ``CompositeReward`` (``app.rewards.composite``) sums the weighted scores and
+runs the components; ``quarantine_counts`` and ``reward_events`` turn results into
+counts and metrics events.
 
-Timeouts. A component runs in a daemon worker thread and the caller waits for it at most
-``timeout_s`` per call (per sample for a function, per batch for a batched component).
-Python cannot kill a thread, so a call that times out is *abandoned*: its thread keeps
-running until the call returns, and its result is thrown away. At most
-``max_hung_calls`` abandoned calls may be alive at once; past that, a component whose
-worker was abandoned is not called again until one of them finishes, and its samples are
-quarantined as ``timeout`` straight away. So a hung reward costs at most
-``max_hung_calls * timeout_s`` of waiting and that many threads, never an unbounded wait
-or unbounded threads. Daemon threads, not a ``ThreadPoolExecutor``: the executor joins its
-workers at interpreter exit, so one hung reward would keep the process from exiting.
-A daemon thread still inside torch when the interpreter tears down aborts the process
-("terminate called without an active exception"), so a process that ends with abandoned
-calls still running ends through ``exit_without_teardown_if_calls_hang``.
-
-Pure: no process groups, no transport, no torch at import time.
+Pure: no processes, no transport, no torch at import time (a worker process imports
+this module too, and its start-up should stay light).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import numbers
-import os
-import queue
-import sys
-import threading
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from app import metrics
+from app import metrics, names
 
-# Reasons a sample is quarantined; ``raised:<ExceptionType>`` is the fifth kind.
+# Reasons a sample is quarantined; ``raised:<ExceptionType>`` is the seventh kind.
 TIMEOUT, NAN, INF, NOT_A_NUMBER, WRONG_LENGTH = "timeout", "nan", "inf", "not_a_number", "wrong_length"
+CRASHED = "crashed"
+"""The component's worker process died (a segfault, ``os.abort()``, killed) during the call."""
 TOTAL = "total"
 """Reserved: ``reward/total`` is the logged mean of the weighted sum."""
 
@@ -105,6 +90,11 @@ class Component:
     fn: Any
     """A reward function or a ``BatchedReward``."""
     weight: float = 1.0
+    inline: bool = False
+    """Call it in the scoring thread, with no worker process and no timeout. Only for code
+    that can neither hang nor crash the process: ``build_reward`` sets it for the
+    rule-based built-ins (``spec.INLINE_BUILTINS``). Any other component runs in its own
+    worker process (``app.rewards.worker``), so it must be picklable."""
 
     @property
     def batched(self) -> bool:
@@ -137,203 +127,41 @@ def check_score(value: object) -> tuple[float | None, str | None]:
     return x, None
 
 
-# Threads of abandoned calls, across every composite of the process.
-_abandoned: list[threading.Thread] = []
-_abandoned_lock = threading.Lock()
+Score = tuple[float | None, str | None]
+"""``(score, None)`` or ``(None, reason)`` for one sample and one component."""
 
 
-def _abandon(thread: threading.Thread) -> None:
-    with _abandoned_lock:
-        _abandoned[:] = [t for t in _abandoned if t.is_alive()] + [thread]
-
-
-def abandoned_calls_running() -> int:
-    """Calls abandoned past their timeout, by any composite, whose threads still run."""
-    with _abandoned_lock:
-        return sum(t.is_alive() for t in _abandoned)
-
-
-def exit_without_teardown_if_calls_hang(code: int = 0) -> None:
-    """End the process now, with ``code``, when abandoned reward calls are still running.
-
-    Interpreter teardown stops daemon threads where they next take the GIL; one that is
-    inside a torch op then unwinds through C++ that cannot unwind, and the process aborts
-    (exit status 134) after a run that succeeded. So: flush the logs and streams, and leave
-    without teardown (``os._exit``). Returns when no abandoned call is running.
-    """
-    running = abandoned_calls_running()
-    if not running:
-        return
-    logging.getLogger(__name__).warning(
-        "%d reward call(s) abandoned past their timeout are still running; exiting without "
-        "interpreter teardown, which would abort the process", running)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _raised(exc: BaseException) -> str:
+def raised(exc: BaseException) -> str:
     return f"raised:{type(exc).__name__}"
 
 
-class _Worker:
-    """A daemon thread that runs one component's calls, one at a time, in order."""
+def call_function(fn: RewardFn, sample: Sample) -> Score:
+    """One call of a plain reward function. SystemExit from user code is a failed reward
+    like any other exception; Ctrl-C is not swallowed."""
+    try:
+        value = fn(sample.prompt, sample.completion, sample.meta)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return None, raised(exc)
+    return check_score(value)
 
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._results: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name=f"reward-{name}", daemon=True)
-        self.thread.start()
 
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                out: tuple[bool, Any] = (True, job())
-            except BaseException as exc:  # SystemExit from user code is a failed reward too
-                out = (False, exc)
-            self._results.put(out)
-
-    def call(self, job: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
-        """``(True, value)`` or ``(False, exception)``; raises TimeoutError after ``timeout_s``."""
-        self._jobs.put(job)
+def call_batched(reward: BatchedReward, samples: list[Sample]) -> list[Score]:
+    """One ``score_batch`` call; a failure of the call as a whole fails every sample."""
+    try:
+        out = reward.score_batch(samples)
         try:
-            return self._results.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError from None
-
-    def retire(self) -> None:
-        """The thread exits once its current call, if any, returns."""
-        self._jobs.put(None)
-
-
-class CompositeReward:
-    """Weighted sum of named components; see the module docstring for the failure rules.
-
-    ``score`` is serialised by a lock: one batch at a time per composite.
-    """
-
-    def __init__(self, components: Sequence[Component], *, timeout_s: float = 30.0,
-                 max_hung_calls: int = 4) -> None:
-        self._workers: dict[str, _Worker] = {}  # first: __del__ runs even if validation fails
-        if not components:
-            raise ValueError("a composite reward needs at least one component")
-        names = [c.name for c in components]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"reward component names must be unique, repeated: {dupes}")
-        if TOTAL in names:
-            raise ValueError(f"{TOTAL!r} is reserved for the weighted sum; rename that component")
-        for c in components:
-            if not (c.batched or callable(c.fn)):
-                raise TypeError(f"reward component {c.name!r} is neither callable nor has "
-                                f"score_batch: {c.fn!r}")
-            if not math.isfinite(c.weight):
-                raise ValueError(f"weight of reward component {c.name!r} must be finite, got {c.weight}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if max_hung_calls < 1:
-            raise ValueError(f"max_hung_calls must be >= 1, got {max_hung_calls}")
-        self.components = list(components)
-        self.timeout_s = timeout_s
-        self.max_hung_calls = max_hung_calls
-        self._hung: list[threading.Thread] = []
-        self._lock = threading.Lock()
-
-    @property
-    def names(self) -> list[str]:
-        return [c.name for c in self.components]
-
-    @property
-    def weights(self) -> dict[str, float]:
-        return {c.name: c.weight for c in self.components}
-
-    def load(self) -> None:
-        """Load model-based components now (they load lazily otherwise, inside the first
-        call's timeout). Call once at executor start."""
-        for c in self.components:
-            if callable(getattr(c.fn, "load", None)):
-                c.fn.load()
-
-    def close(self) -> None:
-        """Let the idle worker threads exit. Also done when the composite is collected."""
-        workers, self._workers = self._workers, {}
-        for w in workers.values():
-            w.retire()
-
-    def __del__(self) -> None:
-        self.close()
-
-    def __enter__(self) -> "CompositeReward":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def hung_calls(self) -> int:
-        """Abandoned calls whose threads are still running."""
-        self._hung = [t for t in self._hung if t.is_alive()]
-        return len(self._hung)
-
-    def _call(self, component: Component, job: Callable[[], Any], timeout_s: float) -> tuple[Any, str | None]:
-        """``(value, None)`` or ``(None, reason)`` for one call of ``component``."""
-        worker = self._workers.get(component.name)
-        if worker is None:
-            if self.hung_calls() >= self.max_hung_calls:
-                return None, TIMEOUT
-            worker = self._workers[component.name] = _Worker(component.name)
-        try:
-            ok, value = worker.call(job, timeout_s)
-        except TimeoutError:
-            worker.retire()
-            self._hung.append(worker.thread)
-            _abandon(worker.thread)
-            del self._workers[component.name]
-            return None, TIMEOUT
-        return (value, None) if ok else (None, _raised(value))
-
-    def _score_component(self, c: Component, samples: list[Sample],
-                         timeout_s: float) -> list[tuple[float | None, str | None]]:
-        if c.batched:
-            out, reason = self._call(c, lambda: c.fn.score_batch(samples), timeout_s)
-            if reason is None:
-                try:
-                    out = list(out)
-                except TypeError:
-                    reason = NOT_A_NUMBER
-            if reason is None and len(out) != len(samples):
-                reason = WRONG_LENGTH
-            if reason is not None:
-                return [(None, reason)] * len(samples)
-            return [check_score(v) for v in out]
-        scores = []
-        for s in samples:
-            value, reason = self._call(c, lambda s=s: c.fn(s.prompt, s.completion, s.meta), timeout_s)
-            scores.append((None, reason) if reason is not None else check_score(value))
-        return scores
-
-    def score(self, samples: Sequence[Sample], timeout_s: float | None = None) -> list[RewardResult]:
-        """One ``RewardResult`` per sample, in order. Never raises for a failing component."""
-        samples = list(samples)
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        with self._lock:
-            per_component = {c.name: self._score_component(c, samples, timeout_s) for c in self.components}
-        results = []
-        for i in range(len(samples)):
-            scores, failures = {}, {}
-            for c in self.components:
-                value, reason = per_component[c.name][i]
-                if reason is None:
-                    scores[c.name] = value
-                else:
-                    failures[c.name] = reason
-            if failures:
-                first = next(failures[c.name] for c in self.components if c.name in failures)
-                results.append(RewardResult(None, scores, first, failures))
-            else:
-                total = sum(c.weight * scores[c.name] for c in self.components)
-                results.append(RewardResult(total, scores))
-        return results
+            out = list(out)
+        except TypeError:
+            return [(None, NOT_A_NUMBER)] * len(samples)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        return [(None, raised(exc))] * len(samples)
+    if len(out) != len(samples):
+        return [(None, WRONG_LENGTH)] * len(samples)
+    return [check_score(v) for v in out]
 
 
 def quarantine_counts(results: Sequence[RewardResult]) -> dict[str, int]:
@@ -341,7 +169,7 @@ def quarantine_counts(results: Sequence[RewardResult]) -> dict[str, int]:
     return dict(Counter(r.quarantined for r in results if r.quarantined is not None))
 
 
-def reward_events(results: Sequence[RewardResult], names: Sequence[str], step: int | None, *,
+def reward_events(results: Sequence[RewardResult], components: Sequence[str], step: int | None, *,
                   role: str = "reward", replica: int = 0) -> list[dict[str, Any]]:
     """Metrics events for one scored batch.
 
@@ -354,7 +182,7 @@ def reward_events(results: Sequence[RewardResult], names: Sequence[str], step: i
     """
     events = []
     for r in results:
-        for name in names:
+        for name in components:
             if r.quarantined is None:
                 events.append(metrics.reward(name, r.components[name], step=step))
             else:
@@ -363,12 +191,12 @@ def reward_events(results: Sequence[RewardResult], names: Sequence[str], step: i
     kept = [r for r in results if r.quarantined is None]
     means: dict[str, float] = {}
     if kept:
-        for name in names:
-            means[f"reward/{name}"] = sum(r.components[name] for r in kept) / len(kept)
-        means[f"reward/{TOTAL}"] = sum(r.total for r in kept) / len(kept)
+        for name in components:
+            means[names.reward_metric(name)] = sum(r.components[name] for r in kept) / len(kept)
+        means[names.reward_metric(TOTAL)] = sum(r.total for r in kept) / len(kept)
     counts = quarantine_counts(results)
-    means["quarantined/total"] = float(sum(counts.values()))
+    means[names.QUARANTINED_TOTAL] = float(sum(counts.values()))
     for reason, n in sorted(counts.items()):
-        means[f"quarantined/{reason}"] = float(n)
+        means[names.quarantined_metric(reason)] = float(n)
     events += metrics.scalars(means, role=role, replica=replica, step=step)
     return events

@@ -2,10 +2,11 @@
 (MiniLM sentence encoder) and any local Hugging Face sequence-classification reward model.
 
 Models load from local directories only (``local_files_only=True`` and
-``HF_HUB_OFFLINE=1``): nothing is fetched from a hub. They load lazily on the first
-``score_batch`` (or an explicit ``load()``) and are cached per process, keyed by
-(kind, directory, device), so several components or composites share one copy.
-torch and transformers are imported only then.
+``HF_HUB_OFFLINE=1``): nothing is fetched from a hub. They load on an explicit ``load()``
+(their worker process calls it at start) or else lazily on the first ``score_batch``, and
+are cached per process, keyed by (kind, directory, device). A composite runs each of them
+in a worker process of its own, so each component holds its own copy there. torch and
+transformers are imported only then.
 """
 
 from __future__ import annotations

@@ -38,9 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from app.rewards.builtins import LengthPenalty, format_reward
-from app.rewards.verifiers import boxed_verifier, gsm8k_verifier, math_verifier
-from app.rewards.core import Component, CompositeReward
+from app.rewards.composite import CompositeReward
+from app.rewards.core import Component
 from app.rewards.models import HFClassifier, SemanticSimilarity
+from app.rewards.verifiers import boxed_verifier, gsm8k_verifier, math_verifier
 
 ENTRY_POINT_GROUP = "llamarl.rewards"
 
@@ -63,6 +64,10 @@ BUILTINS: dict[str, Callable[..., Any]] = {
     "hf_classifier": HFClassifier,
 }
 """Built-in name -> factory called with the spec's options."""
+
+INLINE_BUILTINS = frozenset({"math_verifier", "gsm8k_verifier", "boxed_verifier", "format", "length_penalty"})
+"""Built-ins that run in the scoring thread (``Component.inline``): pure Python that
+cannot hang or crash. The model-based ones, plugins and user code run in worker processes."""
 
 
 @dataclass(frozen=True)
@@ -202,8 +207,9 @@ def resolve(c: ComponentSpec) -> Any:
         raise ValueError(f"bad options {c.options} for reward {c.target!r}: {exc}") from exc
 
 
-def build_reward(spec: str, *, timeout_s: float = 30.0, max_hung_calls: int = 4) -> CompositeReward:
-    """Parse ``spec``, resolve every component and return the composite. Model-based
-    components are not loaded yet: call ``.load()`` at executor start."""
-    components = [Component(name=c.name, fn=resolve(c), weight=c.weight) for c in parse_spec(spec)]
-    return CompositeReward(components, timeout_s=timeout_s, max_hung_calls=max_hung_calls)
+def build_reward(spec: str, *, timeout_s: float = 30.0, start_timeout_s: float = 300.0) -> CompositeReward:
+    """Parse ``spec``, resolve every component and return the composite. Worker processes
+    are not started yet, nor models loaded: call ``.load()`` at executor start."""
+    components = [Component(name=c.name, fn=resolve(c), weight=c.weight, inline=c.target in INLINE_BUILTINS)
+                  for c in parse_spec(spec)]
+    return CompositeReward(components, timeout_s=timeout_s, start_timeout_s=start_timeout_s)

@@ -1,0 +1,101 @@
+"""Batched autoregressive sampling with a KV cache, for any Hugging Face causal LM.
+
+Returns what RL needs and ``model.generate`` does not hand out cheaply: the log-prob of
+each sampled token under the distribution it was actually drawn from (after temperature
+and top-p), which the trainer uses as the behaviour policy mu in AIPO. Speed comes from
+doing less per step than ``generate``.
+
+Which code runs when (``sample`` decides, once per call):
+
+- ``LlamaFastPath.supports(model)`` (Llama architecture, static rotary; the default
+  policy): prefill and decode steps run straight from the weights
+  (``llama_fast.LlamaFastPath``: fused and folded weights, packed prefill, the last
+  layer's MLP only for the tokens whose logits are wanted), into a cache of
+  ``KVBufferLayer``s whose storage, on CPU, is lent by ``kv_cache.KV_STORAGE`` (one
+  buffer reused from call to call: fresh memory costs a page fault per 4 KiB on first
+  touch). On CUDA the storage is fresh memory from torch's caching allocator.
+- any other model runs its own forward (``generic``): into ``KVBufferLayer``s with a
+  ready 4D decode mask when every layer is plain full attention (GPT-2, ...), prompts
+  prefilled in length groups; into transformers' ``DynamicCache`` with 2D masks when
+  some layer is not (sliding windows, linear attention): slower, still correct.
+
+Both go through the same loop (``decode.run``): identical prompts prefilled once and
+fanned out, finished rows dropped from the batch and the cache, one token per step drawn
+from ``logits.process_logits`` with one uniform number per row (``logits.draw``), its
+log-prob recorded by ``logits.token_logprobs``, the function the trainer's
+``rl.completion_logprobs`` uses too.
+
+Modules: ``logits`` (the distribution and its log-probs), ``kv_cache`` (the cache, its
+storage, the transformers version check), ``llama_fast``, ``generic``, ``decode``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+# kv_cache first: importing it checks the transformers version before anything uses it.
+from app.sampling import kv_cache
+from app.sampling import decode
+from app.sampling.generic import cache_kwarg, prefill_groups
+from app.sampling.kv_cache import TESTED_TRANSFORMERS, KVBufferLayer, ReusedStorage, new_cache
+from app.sampling.llama_fast import LlamaFastPath
+from app.sampling.logits import draw, process_logits, token_logprobs
+
+__all__ = ["SamplingParams", "Samples", "sample", "process_logits", "token_logprobs", "draw",
+           "cache_kwarg", "prefill_groups", "KVBufferLayer", "ReusedStorage", "new_cache",
+           "LlamaFastPath", "TESTED_TRANSFORMERS"]
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    """Upper bound on generated tokens per sequence (EOS included)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Samples:
+    tokens_BT: torch.Tensor
+    """Generated token ids, right-padded with ``pad_id`` after each sequence's end."""
+    logprobs_BT: torch.Tensor
+    """Log-prob of each sampled token under the sampling distribution; 0 on padding."""
+    lengths_B: torch.Tensor
+    """Number of generated tokens per sequence, EOS included when it was produced."""
+
+    def completion_ids(self, i: int) -> list[int]:
+        return self.tokens_BT[i, : int(self.lengths_B[i])].tolist()
+
+
+@torch.inference_mode()
+def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams, *,
+           eos_id: int, pad_id: int, generator: torch.Generator | None = None) -> Samples:
+    """Sample one completion per prompt (repeat a prompt G times for G samples: it is
+    prefilled once). Rows stop at ``eos_id`` (kept, and counted in ``lengths_B``) or after
+    ``params.max_new_tokens``; ``generator`` makes the draws reproducible."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    weight = next(model.parameters())
+    B, T = len(prompts), params.max_new_tokens
+    P = max(len(p) for p in prompts)
+    fast_path = LlamaFastPath(model, P + T) if LlamaFastPath.supports(model) else None
+    shape = fast_path.storage_shape(B, P + T) if fast_path is not None else None
+    with kv_cache.KV_STORAGE.lend(shape, weight.dtype, weight.device) as storage:
+        cache, fast = new_cache(model, P + T, storage)
+        tokens_BT, logprobs_BT, lengths_B = decode.run(
+            model, prompts, params, cache, fast=fast, fast_path=fast_path if fast else None,
+            eos_id=eos_id, pad_id=pad_id, generator=generator)
+    return Samples(tokens_BT=tokens_BT, logprobs_BT=logprobs_BT, lengths_B=lengths_B)
