@@ -11,8 +11,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from app.answers import AnswerFormat
 from app.rl import StepConfig
 from app.sampling import SamplingParams
+from app.tasks import PROMPT_TEMPLATE
 
 
 def parse_levels(levels: str) -> tuple[int, ...]:
@@ -55,7 +57,38 @@ class TrainerConfig:
     reward_timeout_s: float = 30.0
     """Deadline of one reward call; a rollout whose reward misses it is quarantined."""
     levels: str = "1,2,3"
-    """Difficulty levels of training and evaluation problems."""
+    """Difficulty levels of the built-in task's training and evaluation problems."""
+    dataset: str = ""
+    """Training prompts from a file: JSONL, Parquet, or a Hugging Face datasets
+    save_to_disk directory (needs pip install 'llamarl[data]'); empty: the built-in task.
+    Every role reads it at this path (see docs/data.md)."""
+    eval_dataset: str = ""
+    """Held-out prompts from a file (same formats and field mapping as --dataset)."""
+    eval_fraction: float = 0.0
+    """Share of --dataset held out for evaluation, chosen by a hash of the prompt text
+    (a prompt is never in both); 0 with no --eval-dataset: no held-out evaluation."""
+    prompt_field: str = "question"
+    """The dataset field holding the question."""
+    answer_field: str = "answer"
+    """The dataset field holding the reference answer (MATH: solution)."""
+    answer_format: AnswerFormat = "gsm8k"
+    """How the answer field holds the reference: after '####' (gsm8k), in the last
+    \\boxed{} (math), or as the whole field (plain)."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A dataset row without a question or an extractable reference: stop with an error
+    naming it, or skip it (counted in data/skipped_bad_rows and logged)."""
+    prompt_template: str = PROMPT_TEMPLATE
+    """The prompt given to the policy, '{question}' replaced by the question ('\\n' in
+    the value is read as a newline); not used with --chat-template."""
+    chat_template: bool = False
+    """Format prompts with the policy tokenizer's chat template (instruct models): an
+    optional system message, the question as the user's message, the assistant's turn
+    opened."""
+    system_prompt: str = ""
+    """System message of --chat-template prompts ('\\n' is read as a newline)."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this (in policy tokens) are skipped, never truncated (counted
+    in data/skipped_long_prompts and logged)."""
     eval_every: int = 10
     """Held-out greedy accuracy every N steps (and at the start and the end)."""
     eval_size: int = 200
@@ -84,6 +117,27 @@ class TrainerConfig:
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         parse_levels(self.levels)
+        self._check_data()
+
+    def _check_data(self) -> None:
+        # Shells make a newline awkward to pass in a flag; '\n' stands for one. Idempotent,
+        # so a config read back from JSON stays the same.
+        self.prompt_template = self.prompt_template.replace("\\n", "\n")
+        self.system_prompt = self.system_prompt.replace("\\n", "\n")
+        if "{question}" not in self.prompt_template:
+            raise ValueError(f"prompt_template must contain {{question}}, got {self.prompt_template!r}")
+        if self.system_prompt and not self.chat_template:
+            raise ValueError("system_prompt needs chat_template (a plain template has no system message)")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.eval_fraction > 0 and self.eval_dataset:
+            raise ValueError("give eval_dataset or eval_fraction, not both")
+        if not self.dataset and (self.eval_dataset or self.eval_fraction > 0):
+            raise ValueError("eval_dataset and eval_fraction need dataset (the built-in task has its own eval split)")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if not self.prompt_field or not self.answer_field:
+            raise ValueError("prompt_field and answer_field must not be empty")
 
     def step_config(self, gen: GeneratorConfig) -> StepConfig:
         """The step's knobs; ``gen``'s temperature and top-p, so that the trainer's

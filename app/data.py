@@ -1,15 +1,62 @@
-"""Where a run's prompts and policy come from: the built-in task's splits and the policy
-directory. Every role calls these with the trainer's published config, so every role
-reads the same problems in the same order."""
+"""Where a run's prompts and policy come from: the built-in task or a dataset file, the
+prompt format, the order prompts are used in, and the check that every role reads the
+same ones.
+
+    sources = read(cfg)                          # files read and validated (DataError)
+    data = prepare(sources, cfg, tokenizer)      # prompts formatted, too long ones left out
+    data.order.problem(slot), data.held_out, data.format_prompt(question)
+
+Every role calls these with the trainer's published config, so every role reads the same
+problems in the same order; trainer replica 0 publishes a fingerprint of what it read
+(``publish``) and each generator compares its own (``check_published``) before it
+samples, so a role that sees another file at the same path fails at start-up, naming
+both.
+
+Decisions:
+
+- Order: slot n (0-based; the generators' staleness slots) is problem ``order.index(n)``.
+  A dataset is used epoch after epoch, each epoch a permutation seeded by the run's seed
+  and the epoch number, made when first needed (so ``--steps 100000`` precomputes
+  nothing). The built-in task keeps its own order (it draws ``steps x prompts_per_step``
+  distinct problems from the seed), unshuffled. ``ProblemOrder.state_dict`` is the
+  position a resumed run restores.
+- Held-out problems: ``--eval-dataset``, or the rows of ``--dataset`` whose prompt hashes
+  below ``--eval-fraction`` (a duplicated prompt lands on one side only). Of those, the
+  ``--eval-size`` first in hash order are evaluated: the same problems whatever the seed,
+  so runs with different seeds are compared on the same questions.
+- Prompts: ``--prompt-template`` with ``{question}`` replaced (plain replacement, so the
+  template may hold other braces, e.g. ``\\boxed{}``), or the tokenizer's chat template
+  (``--chat-template``, an optional system message). A prompt longer than
+  ``--max-prompt-tokens`` is left out, counted and logged, never truncated: a truncated
+  question has another answer.
+- Fingerprint: SHA-256 of every kept prompt as the policy will see it, its reference and
+  answer format, training then held-out, in file order. It covers what the generators
+  must agree on (the rows, the field mapping, the template, the tokenizer's length
+  filter), not incidental bytes (compression, column order).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import random
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Sequence
 
-from app import tasks
+from app import names, runtime, tasks, transport
 from app.config import TrainerConfig, parse_levels
+from app.datafile import DataError, FieldMap, read_problems
+from app.policy import encode_prompts
+from app.tasks import Problem
 from app.warmstart import ensure_warmstart
+
+BUILTIN = "the built-in task"
+TOKENIZE_CHUNK = 1024  # prompts tokenized at once when measuring lengths
 
 
 def resolve_policy(spec: str, *, log: Callable[[str], None] = print) -> Path:
@@ -17,12 +64,272 @@ def resolve_policy(spec: str, *, log: Callable[[str], None] = print) -> Path:
     return ensure_warmstart(log=log) if spec == "warmstart" else Path(spec)
 
 
-def train_problems(cfg: TrainerConfig) -> list[tasks.Problem]:
-    """The run's training prompts, in the order they are used (slot n is problem n)."""
-    n = cfg.steps * cfg.prompts_per_step
-    return tasks.make_split("train", n, seed=cfg.seed + 1, levels=parse_levels(cfg.levels))
+def absolute_paths(cfg: TrainerConfig) -> TrainerConfig:
+    """``cfg`` with its dataset paths absolute: what trainer replica 0 publishes, so that
+    a role started in another directory reads the same file."""
+    def absolute(p: str) -> str:
+        return str(Path(p).resolve()) if p else p
+    return dataclasses.replace(cfg, dataset=absolute(cfg.dataset), eval_dataset=absolute(cfg.eval_dataset))
 
 
-def eval_problems(cfg: TrainerConfig) -> list[tasks.Problem]:
-    """The held-out problems, disjoint from every training split."""
-    return tasks.make_split("eval", cfg.eval_size, seed=cfg.seed, levels=parse_levels(cfg.levels))
+# --------------------------------------------------------------------------- reading
+
+@dataclass
+class Sources:
+    """The run's problems as read, before prompts are formatted and measured."""
+
+    train: list[Problem]
+    held_out: list[Problem]
+    train_from: str
+    eval_from: str
+    skipped_rows: int = 0
+
+
+def held_out(question: str, fraction: float) -> bool:
+    """Whether ``question`` belongs to the held-out ``fraction`` (a stable hash)."""
+    return _unit_hash(question) < fraction
+
+
+def _unit_hash(text: str) -> float:
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:8], "big") / 2 ** 64
+
+
+def read(cfg: TrainerConfig, *, log: Callable[[str], None] = print) -> Sources:
+    """The run's training and held-out problems; ``DataError`` names a bad file or row."""
+    if not cfg.dataset:
+        levels = parse_levels(cfg.levels)
+        return Sources(
+            train=tasks.make_split("train", cfg.steps * cfg.prompts_per_step, seed=cfg.seed + 1, levels=levels),
+            held_out=tasks.make_split("eval", cfg.eval_size, seed=cfg.seed, levels=levels),
+            train_from=BUILTIN, eval_from=f"{BUILTIN} (its eval split)")
+    fields = FieldMap(cfg.prompt_field, cfg.answer_field, cfg.answer_format)
+    t0 = time.time()
+    train = read_problems(cfg.dataset, fields, on_bad_row=cfg.on_bad_row)
+    skipped = list(train.skipped)
+    problems, held, eval_from = train.problems, [], "none"
+    if cfg.eval_dataset:
+        evals = read_problems(cfg.eval_dataset, fields, on_bad_row=cfg.on_bad_row)
+        skipped += evals.skipped
+        held, eval_from = evals.problems, cfg.eval_dataset
+    elif cfg.eval_fraction > 0:
+        held = [p for p in problems if held_out(p.question, cfg.eval_fraction)]
+        problems = [p for p in problems if not held_out(p.question, cfg.eval_fraction)]
+        eval_from = f"{cfg.eval_fraction:g} of {cfg.dataset} (by a hash of the prompt)"
+        if not held or not problems:
+            raise DataError(f"{cfg.dataset}: --eval-fraction {cfg.eval_fraction:g} leaves "
+                            f"{len(problems)} training and {len(held)} held-out problems of "
+                            f"{len(train.problems)}; both must be non-empty")
+    else:
+        log("no held-out evaluation: give --eval-dataset or --eval-fraction to have one")
+    if skipped:
+        log(f"skipped {len(skipped)} bad rows (--on-bad-row skip): " + "; ".join(skipped[:3])
+            + (" ..." if len(skipped) > 3 else ""))
+    log(f"read {len(train.problems)} problems from {cfg.dataset}"
+        f"{f' and {len(held)} from {cfg.eval_dataset}' if cfg.eval_dataset else ''} in {time.time() - t0:.1f} s")
+    held = sorted(held, key=lambda p: _unit_hash(p.question))[: cfg.eval_size]
+    return Sources(train=problems, held_out=held, train_from=cfg.dataset, eval_from=eval_from,
+                   skipped_rows=len(skipped))
+
+
+# --------------------------------------------------------------------------- prompts
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a question becomes the policy's prompt."""
+
+    template: str = tasks.PROMPT_TEMPLATE
+    chat: bool = False
+    system_prompt: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: TrainerConfig) -> "PromptFormat":
+        return cls(template=cfg.prompt_template, chat=cfg.chat_template, system_prompt=cfg.system_prompt)
+
+    def bind(self, tokenizer: Any) -> Callable[[str], str]:
+        """question -> prompt text for ``tokenizer``'s policy."""
+        if not self.chat:
+            template = self.template
+            return lambda question: template.replace("{question}", question)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--chat-template: the policy's tokenizer has no chat template; use "
+                             "--prompt-template for a base model")
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+
+        def render(question: str) -> str:
+            return tokenizer.apply_chat_template(system + [{"role": "user", "content": question}],
+                                                 tokenize=False, add_generation_prompt=True)
+        return render
+
+
+# --------------------------------------------------------------------------- order
+
+class ProblemOrder:
+    """Slot n (0-based) -> a training problem: epoch ``n // len``, position ``n % len``
+    of that epoch's permutation (seeded by ``seed`` and the epoch; the identity when
+    ``shuffle`` is off). ``take`` hands out slots from ``position`` on."""
+
+    def __init__(self, problems: Sequence[Problem], *, seed: int, shuffle: bool) -> None:
+        if not problems:
+            raise ValueError("ProblemOrder needs at least one problem")
+        self.problems, self.seed, self.shuffle = problems, seed, shuffle
+        self.position = 0
+        self._perms: OrderedDict[int, array] = OrderedDict()  # the last two epochs used
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next slot ``take`` hands out."""
+        return self.position // len(self.problems)
+
+    def index(self, slot: int) -> int:
+        if slot < 0:
+            raise ValueError(f"slots are >= 0, got {slot}")
+        epoch, i = divmod(slot, len(self.problems))
+        return self._permutation(epoch)[i] if self.shuffle else i
+
+    def problem(self, slot: int) -> Problem:
+        return self.problems[self.index(slot)]
+
+    def take(self, k: int) -> list[Problem]:
+        out = [self.problem(s) for s in range(self.position, self.position + k)]
+        self.position += k
+        return out
+
+    def _permutation(self, epoch: int) -> array:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = array("q", range(len(self.problems)))
+            random.Random(f"{self.seed}/order/{epoch}").shuffle(perm)
+            self._perms[epoch] = perm
+            if len(self._perms) > 2:
+                self._perms.popitem(last=False)
+        return perm
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed, "size": len(self.problems),
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position; the order itself must be the same one."""
+        mine = self.state_dict()
+        for key in ("seed", "size", "shuffle"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"saved data order has {key}={state.get(key)!r}, this run's has "
+                                 f"{mine[key]!r}: not the same order")
+        if not isinstance(state.get("position"), int) or state["position"] < 0:
+            raise ValueError(f"saved data order position must be an int >= 0, got {state.get('position')!r}")
+        self.position = state["position"]
+
+
+# --------------------------------------------------------------------------- the run's data
+
+@dataclass
+class RunData:
+    """The run's prompts, ready to sample from and evaluate on."""
+
+    order: ProblemOrder
+    held_out: list[Problem]
+    format_prompt: Callable[[str], str]
+    fingerprint: str
+    train_from: str
+    eval_from: str
+    counts: dict[str, float]
+    """Metric name (``names.DATA_*``) -> value, logged once by trainer replica 0."""
+
+    def published(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "train": self.train_from, "eval": self.eval_from,
+                "train_problems": len(self.order), "eval_problems": len(self.held_out)}
+
+
+def _fit(problems: list[Problem], fmt: Callable[[str], str], tokenizer: Any, max_tokens: int,
+         digest: "hashlib._Hash") -> tuple[list[Problem], list[int]]:
+    """The problems whose prompt fits ``max_tokens``, and the lengths of the others;
+    every kept prompt goes into ``digest``."""
+    kept, too_long = [], []
+    for i in range(0, len(problems), TOKENIZE_CHUNK):
+        chunk = problems[i: i + TOKENIZE_CHUNK]
+        texts = [fmt(p.question) for p in chunk]
+        for p, text, ids in zip(chunk, texts, encode_prompts(tokenizer, texts)):
+            if len(ids) > max_tokens:
+                too_long.append(len(ids))
+                continue
+            kept.append(p)
+            digest.update(json.dumps([text, p.answer, p.answer_format]).encode("utf-8", "surrogatepass") + b"\n")
+    return kept, too_long
+
+
+def prepare(sources: Sources, cfg: TrainerConfig, tokenizer: Any, *,
+            log: Callable[[str], None] = print) -> RunData:
+    """Format every prompt for ``tokenizer``'s policy and leave out the ones longer than
+    ``cfg.max_prompt_tokens``; ``DataError`` if no training prompt is left."""
+    fmt = PromptFormat.from_config(cfg).bind(tokenizer)
+    digest = hashlib.sha256()
+    train, long_train = _fit(sources.train, fmt, tokenizer, cfg.max_prompt_tokens, digest)
+    digest.update(b"held out\n")
+    held, long_eval = _fit(sources.held_out, fmt, tokenizer, cfg.max_prompt_tokens, digest)
+    too_long = long_train + long_eval
+    if too_long:
+        log(f"skipped {len(too_long)} prompts longer than --max-prompt-tokens {cfg.max_prompt_tokens} "
+            f"({len(long_train)} training, {len(long_eval)} held-out; the longest has {max(too_long)} tokens)")
+    if not train:
+        raise DataError(f"{sources.train_from}: every training prompt is longer than --max-prompt-tokens "
+                        f"{cfg.max_prompt_tokens} (the shortest has {min(long_train)} tokens)")
+    data = RunData(
+        order=ProblemOrder(train, seed=cfg.seed, shuffle=bool(cfg.dataset)), held_out=held,
+        format_prompt=fmt, fingerprint=digest.hexdigest(), train_from=sources.train_from,
+        eval_from=sources.eval_from,
+        counts={names.DATA_TRAIN_PROBLEMS: len(train), names.DATA_EVAL_PROBLEMS: len(held),
+                names.DATA_SKIPPED_BAD_ROWS: sources.skipped_rows,
+                names.DATA_SKIPPED_LONG_PROMPTS: len(too_long)})
+    log(f"prompts: {len(train)} training from {sources.train_from}, {len(held)} held-out from "
+        f"{sources.eval_from}; fingerprint {data.fingerprint[:16]}")
+    return data
+
+
+def load(cfg: TrainerConfig, tokenizer: Any, *, log: Callable[[str], None] = print) -> RunData:
+    return prepare(read(cfg, log=log), cfg, tokenizer, log=log)
+
+
+# --------------------------------------------------------------------------- every role, the same
+
+class DataMismatch(RuntimeError):
+    """A role read other prompts than trainer replica 0."""
+
+
+def publish(store: Any, data: RunData) -> None:
+    """Trainer replica 0, before it publishes the config."""
+    store.set(names.DATA_KEY, json.dumps(data.published()))
+
+
+def check_published(rt: runtime.Runtime, data: RunData, timeout_s: float) -> None:
+    """Compare this role's prompts with the trainer's; ``DataMismatch`` names both."""
+    theirs = json.loads(rt.wait_key(names.DATA_KEY, timeout_s, "dataset fingerprint"))
+    mine, me = data.published(), names.member(rt.role, rt.replica)
+    if theirs["fingerprint"] != mine["fingerprint"]:
+        def describe(d: dict[str, Any]) -> str:
+            return (f"fingerprint {d['fingerprint'][:16]}: {d['train']} ({d['train_problems']} training "
+                    f"problems), held out: {d['eval']} ({d['eval_problems']})")
+        raise DataMismatch(
+            f"{me} read other prompts than the trainer; every role must read the same dataset at the "
+            f"same path (SLURM: a shared file system; Kubernetes: the image or a shared volume) with "
+            f"the same policy tokenizer. trainer/0: {describe(theirs)}; {me}: {describe(mine)}")
+    rt.store.set(names.data_checked_key(me), data.fingerprint)
+
+
+def wait_for_checks(rt: runtime.Runtime, members: list[str], timeout_s: float) -> None:
+    """Trainer replica 0: wait until every one of ``members`` has checked its prompts
+    against the published ones (a generator that found a mismatch stops the run, and
+    this raises ``Stopped`` with its reason)."""
+    deadline = time.monotonic() + timeout_s
+    missing = list(members)
+    while missing:
+        missing = [m for m in missing if not rt.store.check([names.data_checked_key(m)])]
+        if not missing:
+            return
+        if rt.should_stop():
+            raise transport.Stopped(rt.control.stop_reason() or "stopped while waiting for dataset checks")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no dataset check from {', '.join(missing)} after {timeout_s:g} s")
+        time.sleep(0.05)

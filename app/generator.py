@@ -22,10 +22,9 @@ import time
 
 import torch
 
-from app import metrics, names, rl, runtime, transport
+from app import data, metrics, names, rl, runtime, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import to_message
-from app.data import train_problems
 from app.policy import load_policy
 from app.weight_sync import WeightReceiver, WeightSyncError, flatten_parameters_, init_weight_group
 
@@ -62,13 +61,16 @@ def run(rt: runtime.Runtime, *, num_generators: int, config_timeout_s: float) ->
         torch.set_num_threads(gen_cfg.gen_threads)
     model, tokenizer = load_policy(policy_path)
     model.eval()
+    # The same prompts as the trainer, in the same order, or a clear failure now.
+    prompts = data.load(trainer_cfg, tokenizer, log=log.info)
+    data.check_published(rt, prompts, config_timeout_s)
     flatten_parameters_(model)  # WeightReceiver needs it: a swap is then one copy per dtype
     group = init_weight_group(store, rank=rt.replica + 1, world_size=num_generators + 1,
                               device=torch.device("cpu"), timeout_s=runtime.WEIGHT_TIMEOUT_S)
     receiver = WeightReceiver(group, list(model.named_parameters()))
     receiver.start_background(should_stop=rt.should_stop)
     try:
-        _generate_forever(rt, model, tokenizer, receiver, trainer_cfg, gen_cfg)
+        _generate_forever(rt, model, tokenizer, receiver, prompts, trainer_cfg, gen_cfg)
     finally:
         # The receiver thread must leave gloo before the interpreter exits, or the process
         # aborts; it can only be stuck in a sync when the run is failing anyway.
@@ -79,10 +81,9 @@ def run(rt: runtime.Runtime, *, num_generators: int, config_timeout_s: float) ->
 
 
 def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: WeightReceiver,
-                      trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig) -> None:
+                      prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig) -> None:
     store = rt.store
     timeline = metrics.Timeline("generator", rt.replica)
-    problems = train_problems(trainer_cfg)  # the local loop's problems, in the same order
     budget = SlotBudget(store, groups_per_step=trainer_cfg.prompts_per_step,
                         max_staleness=trainer_cfg.max_staleness)
     out_queue = rt.queue(names.ROLLOUTS)
@@ -107,10 +108,10 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: WeightRec
             continue
         t0 = time.time()
         with timeline.busy("generate"):
-            groups = rl.generate_groups(model, tokenizer, [problems[i % len(problems)] for i in slots],
+            groups = rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slots],
                                         group_size=trainer_cfg.group_size, params=sampling,
                                         version=version, rng=rng, generator_id=rt.replica,
-                                        first_seq=sent)
+                                        first_seq=sent, format_prompt=prompts.format_prompt)
         dt = time.time() - t0
         sent += len(groups)
         with timeline.idle("queue_full"):

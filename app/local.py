@@ -19,9 +19,8 @@ from typing import Callable
 
 import torch
 
-from app import cli, metrics, names, rl, steps
+from app import cli, data, metrics, names, rl, steps
 from app.config import GeneratorConfig, TrainerConfig
-from app.data import eval_problems, resolve_policy, train_problems
 from app.policy import load_policy
 from app.rewards import build_reward
 
@@ -38,7 +37,9 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t_start = time.time()
-    model, tokenizer = load_policy(resolve_policy(cfg.policy, log=log))
+    sources = data.read(cfg, log=log)  # a bad dataset stops here, before the warm start
+    model, tokenizer = load_policy(data.resolve_policy(cfg.policy, log=log))
+    prompts = data.prepare(sources, cfg, tokenizer, log=log)
     ref_model = copy.deepcopy(model).eval() if cfg.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     reward = build_reward(cfg.rewards, timeout_s=cfg.reward_timeout_s)
@@ -47,7 +48,6 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
     run_dir = metrics.new_run_dir(cfg.runs_dir, cfg.run_id, config)
     writer = metrics.MetricsWriter(run_dir, run_id=run_dir.name, config=config)
     timeline = metrics.Timeline("local")
-    problems, held_out = train_problems(cfg), eval_problems(cfg)
     sampling, step_cfg = gen.sampling(), cfg.step_config(gen)
     rng = torch.Generator().manual_seed(cfg.seed)
     guard = steps.SkipGuard()
@@ -55,21 +55,24 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
 
     def evaluate(step: int) -> None:
         with timeline.busy("eval"):
-            m = steps.evaluate(model, tokenizer, held_out, gen, step)
+            m = steps.evaluate(model, tokenizer, prompts.held_out, gen, step, prompts.format_prompt)
         evals.append((step, m))
         writer.write(steps.eval_events(m, step=step, role="trainer"))
         log(f"step {step:4d}  held-out accuracy {m['accuracy']:.3f} (greedy), "
             f"{m['sampled_accuracy']:.3f} (sampled)  format {m['format']:.3f}")
 
     try:
-        evaluate(0)
+        writer.write(metrics.scalars(prompts.counts, role="trainer", step=0))
+        if prompts.held_out:
+            evaluate(0)
         for step in range(1, cfg.steps + 1):
             t0 = time.time()
             B = cfg.prompts_per_step
             with timeline.busy("generate"):
-                groups = rl.generate_groups(model, tokenizer, problems[(step - 1) * B: step * B],
+                groups = rl.generate_groups(model, tokenizer, prompts.order.take(B),
                                             group_size=cfg.group_size, params=sampling,
-                                            version=step - 1, rng=rng, first_seq=(step - 1) * B)
+                                            version=step - 1, rng=rng, first_seq=(step - 1) * B,
+                                            format_prompt=prompts.format_prompt)
             t_gen = time.time() - t0
             with timeline.busy("reward"):
                 rl.score_groups(groups, reward)
@@ -92,7 +95,7 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
                                                reward_names=reward.names, role="trainer")
             writer.write(events + timeline.drain())
             log(steps.summary(step, cfg.steps, groups, values))
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            if prompts.held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
                 evaluate(step)
     finally:
         writer.close(finished=True)
@@ -102,7 +105,13 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
 
 def main(argv: list[str] | None = None) -> None:
     cfg, gen = cli.parse(argv, TrainerConfig, GeneratorConfig, description=__doc__.splitlines()[0])
-    result = run(cfg, gen)
+    try:
+        result = run(cfg, gen)
+    except data.DataError as e:  # bad input: its message says everything, a traceback nothing
+        raise SystemExit(f"error: {e}") from None
+    if not result.evals:
+        print(f"done in {result.seconds:.0f}s (no held-out evaluation); run directory {result.run_dir}")
+        return
     first, last = result.evals[0][1]["accuracy"], result.evals[-1][1]["accuracy"]
     print(f"done in {result.seconds:.0f}s: held-out accuracy {first:.3f} -> {last:.3f}; run directory {result.run_dir}")
 

@@ -29,6 +29,8 @@ RESERVED_KEY = _ROOT + "groups_reserved"
 """Staleness-slot counter: group slots generators have reserved (``count token``)."""
 DROPPED_KEY = _ROOT + "groups_dropped"
 """Groups the trainer dropped as too stale: their slots may be filled again."""
+DATA_KEY = _ROOT + "data"
+"""The run's prompts as trainer replica 0 read them (paths, counts, fingerprint; JSON)."""
 
 WEIGHT_PLANE_PREFIX = "weights"
 """The weight plane's process group rendezvouses under this ``PrefixStore`` prefix."""
@@ -52,6 +54,11 @@ def failure_key(member_id: str) -> str:
 def exited_key(member_id: str) -> str:
     """Set by a member when it leaves: trainer replica 0 keeps the store up until then."""
     return f"{_ROOT}exited/{member_id}"
+
+
+def data_checked_key(member_id: str) -> str:
+    """Set by a generator once it has read the same prompts as the trainer."""
+    return f"{_ROOT}data_checked/{member_id}"
 
 
 def queue_key(name: str) -> str:
@@ -114,6 +121,14 @@ AIPO_STATS = {"ratio_mean": AIPO_RATIO_MEAN, "ratio_max": AIPO_RATIO_MAX,
 STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"
 DROPPED_STALE = "dropped_stale"
+
+# The run's prompts (trainer replica 0, once, at step 0).
+DATA_TRAIN_PROBLEMS = "data/train_problems"
+DATA_EVAL_PROBLEMS = "data/eval_problems"
+DATA_SKIPPED_BAD_ROWS = "data/skipped_bad_rows"
+"""Dataset rows left out under ``--on-bad-row skip`` (no question, no reference...)."""
+DATA_SKIPPED_LONG_PROMPTS = "data/skipped_long_prompts"
+"""Prompts left out for being longer than ``--max-prompt-tokens`` (never truncated)."""
 
 # Every executor.
 IDLE_FRACTION = "idle_fraction"

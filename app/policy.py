@@ -85,10 +85,9 @@ def save_policy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path
     return path
 
 
-def load_policy(path: str | Path, *, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Any local Hugging Face causal-LM directory; the tokenizer is made to pad on the left
-    and to have a pad token (EOS stands in when it has none)."""
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of the policy directory ``path``, padding on the left, with a pad
+    token (EOS stands in when it has none)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
@@ -96,6 +95,15 @@ def load_policy(path: str | Path, *, device: str | torch.device = "cpu",
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(path: str | Path, *, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Any local Hugging Face causal-LM directory; the tokenizer is made to pad on the left
+    and to have a pad token (EOS stands in when it has none)."""
+    path = Path(path)
+    tokenizer = load_tokenizer(path)
     with no_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
@@ -104,7 +112,9 @@ def load_policy(path: str | Path, *, device: str | torch.device = "cpu",
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
-    """Token ids of each prompt, with the BOS token in front when the tokenizer has one."""
+    """Token ids of each prompt, with the BOS token in front when the tokenizer has one
+    and the text does not already start with it (a chat template often writes it)."""
     ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    bos = tokenizer.bos_token_id
-    return [([bos] if bos is not None else []) + list(x) for x in ids]
+    bos, bos_text = tokenizer.bos_token_id, tokenizer.bos_token
+    return [([bos] if bos is not None and not (bos_text and text.startswith(bos_text)) else []) + list(x)
+            for text, x in zip(prompts, ids)]

@@ -9,12 +9,12 @@ asynchronous app differ only in where rollouts come from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from app import losses, tasks
+from app import answers, losses, tasks
 from app.contract import GroupId, Rollout, RolloutGroup
 from app.policy import encode_prompts
 from app.rewards import CompositeReward, RewardResult
@@ -202,13 +202,15 @@ def set_group_advantages(rollouts: list[Rollout], *, normalize_std: bool) -> dic
 
 
 def generate_groups(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                    problems: list[tasks.Problem], *, group_size: int, params: SamplingParams,
+                    problems: Sequence[tasks.Problem], *, group_size: int, params: SamplingParams,
                     version: int, rng: torch.Generator | None = None, generator_id: int = 0,
-                    first_seq: int = 0) -> list[RolloutGroup]:
+                    first_seq: int = 0,
+                    format_prompt: Callable[[str], str] = tasks.format_prompt) -> list[RolloutGroup]:
     """A group of ``group_size`` completions for each problem, sampled in one batch and
-    tagged with ``version``; group ids ``(generator_id, first_seq + i)``."""
+    tagged with ``version``; group ids ``(generator_id, first_seq + i)``. Each rollout's
+    ``task`` is its problem's ``meta()`` (reference answer and its format)."""
     model.eval()
-    texts = [tasks.format_prompt(p.question) for p in problems]
+    texts = [format_prompt(p.question) for p in problems]
     prompts = encode_prompts(tokenizer, texts)
     repeated = [ids for ids in prompts for _ in range(group_size)]
     out = sample(model, repeated, params, eos_id=tokenizer.eos_token_id,
@@ -216,7 +218,7 @@ def generate_groups(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     groups = []
     for g, (p, text, ids) in enumerate(zip(problems, texts, prompts)):
         group_id = GroupId(generator_id, first_seq + g)
-        task = {"answer": p.answer, "solution": p.solution, "level": p.level}
+        task = p.meta()
         rollouts = []
         for i in range(g * group_size, (g + 1) * group_size):
             n = int(out.lengths_B[i])
@@ -229,25 +231,29 @@ def generate_groups(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     return groups
 
 
-def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[tasks.Problem],
+def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: Sequence[tasks.Problem],
              *, max_new_tokens: int, temperature: float = 0.0, batch_size: int = 128,
-             generator: torch.Generator | None = None) -> dict[str, float]:
-    """Held-out accuracy overall and per level, and the share of well-formed answers,
-    greedy (``temperature=0``) or sampled at ``temperature`` (one sample per problem)."""
+             generator: torch.Generator | None = None,
+             format_prompt: Callable[[str], str] = tasks.format_prompt) -> dict[str, float]:
+    """Held-out accuracy overall and per level (built-in problems; a dataset's have level
+    0, none), and ``format``, the share of answers the verifier can read (a ``####`` or
+    ``\\boxed{}`` final answer), greedy (``temperature=0``) or sampled at ``temperature``
+    (one sample per problem). Correct is ``math_verifier``'s verdict: the last of either
+    marker equals the reference (``app.answers``)."""
     model.eval()
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     correct: dict[int, list[bool]] = {}
     formatted = 0
     for i in range(0, len(problems), batch_size):
         chunk = problems[i: i + batch_size]
-        prompts = encode_prompts(tokenizer, [tasks.format_prompt(p.question) for p in chunk])
+        prompts = encode_prompts(tokenizer, [format_prompt(p.question) for p in chunk])
         out = sample(model, prompts, params, eos_id=tokenizer.eos_token_id,
                      pad_id=tokenizer.pad_token_id, generator=generator)
         for j, p in enumerate(chunk):
             text = tokenizer.decode(out.completion_ids(j), skip_special_tokens=True)
-            correct.setdefault(p.level, []).append(tasks.is_correct(text, p.answer))
-            formatted += tasks.has_format(text)
+            correct.setdefault(p.level, []).append(answers.is_correct(text, p.answer))
+            formatted += answers.final_answer(text) is not None
     flat = [c for cs in correct.values() for c in cs]
     metrics = {"accuracy": sum(flat) / max(1, len(flat)), "format": formatted / max(1, len(problems))}
-    metrics.update({f"accuracy_level{k}": sum(v) / len(v) for k, v in sorted(correct.items())})
+    metrics.update({f"accuracy_level{k}": sum(v) / len(v) for k, v in sorted(correct.items()) if k > 0})
     return metrics

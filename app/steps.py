@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -117,12 +117,14 @@ def summary(step: int, steps: int, groups: list[RolloutGroup], values: dict[str,
 
 
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-             problems: list[tasks.Problem], gen: GeneratorConfig, step: int) -> dict[str, float]:
+             problems: Sequence[tasks.Problem], gen: GeneratorConfig, step: int,
+             format_prompt: Callable[[str], str] = tasks.format_prompt) -> dict[str, float]:
     """Held-out accuracy, greedy and sampled (one sample per problem at the generators'
     temperature, seeded by ``step``), per level and the share of well-formed answers."""
-    m = rl.evaluate(model, tokenizer, problems, max_new_tokens=gen.max_new_tokens)
+    m = rl.evaluate(model, tokenizer, problems, max_new_tokens=gen.max_new_tokens, format_prompt=format_prompt)
     sampled = rl.evaluate(model, tokenizer, problems, max_new_tokens=gen.max_new_tokens,
-                          temperature=gen.temperature, generator=torch.Generator().manual_seed(step))
+                          temperature=gen.temperature, generator=torch.Generator().manual_seed(step),
+                          format_prompt=format_prompt)
     return {**m, "sampled_accuracy": sampled["accuracy"]}
 
 

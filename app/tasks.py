@@ -15,7 +15,9 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
+
+from app import answers
 
 Split = Literal["train", "eval"]
 
@@ -37,11 +39,24 @@ _PRONOUN = {name: ("She" if name in {"Ava", "Cara", "Fay", "Hana", "Lea", "Nia",
 
 @dataclass(frozen=True)
 class Problem:
+    """A prompt's question and its reference answer: one of the built-in task's, or one
+    row of a dataset file (``app.datafile``: ``level`` 0, ``answer`` the reference text
+    its ``answer_format`` extraction read)."""
+
     question: str
-    answer: int
+    answer: int | str
     solution: str
-    """Worked steps, one per line, ending with ``#### <answer>``."""
+    """Worked steps, one per line, ending with ``#### <answer>`` (a dataset row: its
+    answer field as it is)."""
     level: int
+    """Arithmetic steps of a built-in problem; 0 for a dataset row."""
+    answer_format: str = "gsm8k"
+    """How ``solution`` holds the reference (``app.answers.ANSWER_FORMATS``)."""
+
+    def meta(self) -> dict[str, Any]:
+        """The rollout's ``task`` dict, which reward functions get as ``meta``."""
+        return {"answer": self.answer, "answer_format": self.answer_format,
+                "solution": self.solution, "level": self.level}
 
 
 def _step_add(rng: random.Random, who: str, item: str, have: int) -> tuple[str, str, int]:
@@ -136,29 +151,19 @@ def format_shortcut_completion(problem: Problem) -> str:
     return f" {first}\n#### {first.rsplit('=', 1)[1]}"
 
 
-_ANSWER_RE = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
-
-
 def extract_answer(text: object) -> float | None:
     """The number after the last ``####`` marker, or None. Never raises."""
-    if not isinstance(text, str):
-        return None
-    matches = _ANSWER_RE.findall(text)
-    if not matches:
-        return None
+    found = answers.hash_answer(text)
     try:
-        return float(matches[-1].replace(",", ""))
+        return float(found.replace(",", "")) if found is not None else None
     except (ValueError, OverflowError):
         return None
 
 
-def is_correct(completion: object, reference: float) -> bool:
-    """True when the completion's final answer equals ``reference``. Never raises."""
-    got = extract_answer(completion)
-    try:
-        return got is not None and abs(got - float(reference)) < 1e-6
-    except (TypeError, ValueError, OverflowError):
-        return False
+def is_correct(completion: object, reference: object) -> bool:
+    """True when the number after the completion's last ``####`` equals ``reference``
+    (``app.answers.equal``: by value, ``5.0`` and ``1,000`` as expected). Never raises."""
+    return answers.is_correct(completion, reference, marker="hash")
 
 
 def has_format(completion: object) -> bool:

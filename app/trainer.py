@@ -34,11 +34,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from app import cli, metrics, names, rl, runtime, steps, transport
+from app import cli, data, metrics, names, rl, runtime, steps, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
-from app.data import eval_problems, resolve_policy
-from app.policy import load_policy
+from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
 from app.weight_sync import WeightSender, flatten_parameters_, init_weight_group
 from pipelines.rollouts import RolloutStream
@@ -77,14 +76,21 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         if self.rank == 0:
-            policy = resolve_policy(cfg.policy, log=log.info)
+            # Bad input stops the run here, before the warm start and before anything trains;
+            # the store is up, so the error is the app's failure cause for every role.
+            cfg = self.cfg = data.absolute_paths(cfg)
+            sources = data.read(cfg, log=log.info)
+            policy = data.resolve_policy(cfg.policy, log=log.info)
+            self.data = data.prepare(sources, cfg, load_tokenizer(policy), log=log.info)
             rt.store.add(names.RESERVED_KEY, 0)
             rt.store.add(names.DROPPED_KEY, 0)
             self.run_dir = metrics.new_run_dir(cfg.runs_dir, cfg.run_id, self._config_dict())
             runtime.log_to_run_dir(str(self.run_dir), "trainer", 0)
             self.writer = metrics.MetricsWriter(self.run_dir, run_id=self.run_dir.name, config=self._config_dict())
+            data.publish(rt.store, self.data)  # before the config: generators read it after
             runtime.publish_config(rt.store, cfg, self.gen, policy_path=str(policy.resolve()),
                                    run_dir=str(self.run_dir.resolve()))
+            rt.emit(metrics.scalars(self.data.counts, role="trainer", step=0))
             log.info("run directory %s", self.run_dir)
         else:
             _, _, policy = runtime.read_config(rt, 900.0)
@@ -92,7 +98,6 @@ class Trainer:
         # Before DDP and the optimizer: they then update the flat buffers the weight sync
         # broadcasts without packing.
         flatten_parameters_(self.model)
-        self.held_out = eval_problems(cfg)
         self.ref_model = copy.deepcopy(self.model).eval() if cfg.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         inline = self.num_reward == 0
@@ -103,6 +108,8 @@ class Trainer:
         expected = {"generator": self.num_generators, "reward": self.num_reward, "trainer": self.world}
         rt.control.wait_for_members(expected, timeout_s=900.0, should_stop=rt.should_stop)
         if self.rank == 0:
+            data.wait_for_checks(rt, [names.member("generator", i) for i in range(self.num_generators)],
+                                 timeout_s=900.0)
             group = init_weight_group(rt.store, rank=0, world_size=self.num_generators + 1,
                                       device=torch.device("cpu"), timeout_s=runtime.WEIGHT_TIMEOUT_S)
             self.sender = WeightSender(group, list(self.model.named_parameters()))
@@ -149,8 +156,11 @@ class Trainer:
             self.writer.write(e for m in msgs for e in m["events"])
 
     def evaluate(self, step: int) -> dict[str, float]:
+        if not self.data.held_out:  # a dataset without --eval-dataset or --eval-fraction
+            return {}
         with self.timeline.busy("eval"):
-            m = steps.evaluate(self.model, self.tokenizer, self.held_out, self.gen, step)
+            m = steps.evaluate(self.model, self.tokenizer, self.data.held_out, self.gen, step,
+                               self.data.format_prompt)
         self.rt.emit(steps.eval_events(m, step=step, role="trainer"))
         log.info("step %d held-out accuracy %.3f (greedy), %.3f (sampled)", step, m["accuracy"],
                  m["sampled_accuracy"])
@@ -213,7 +223,13 @@ class Trainer:
             self.rt.control.mark_failed("trainer", 0, reason)
         else:
             self.rt.control.request_stop(reason)
-        missing = [m for m in self.rt.control.members() if m != "trainer/0"]
+        # Every role of the app, registered or not yet: one that starts after a failure at
+        # start-up (a bad dataset fails within a second) must still find the store up and
+        # read the stop, instead of waiting minutes to connect to a store that is gone.
+        expected = ([names.member("generator", i) for i in range(self.num_generators)]
+                    + [names.member("reward", i) for i in range(self.num_reward)]
+                    + [names.member("trainer", r) for r in range(1, self.world)])
+        missing = sorted(set(expected + self.rt.control.members()) - {"trainer/0"})
         deadline = time.monotonic() + 60.0
         while missing and time.monotonic() < deadline:
             missing = runtime.wait_for_exits(self.rt.store, missing, timeout_s=1.0)

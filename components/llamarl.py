@@ -9,6 +9,7 @@ role reaches at ``$<rank0_env>:<store_port>``. Each role runs ``python -m app.<r
 """
 
 import secrets
+import shlex
 from typing import Dict, Optional
 
 import torchx.specs as specs
@@ -23,6 +24,7 @@ def llamarl(
     max_staleness: int = 1,
     rewards: str = "math_verifier",
     policy: str = "warmstart",
+    dataset: str = "",
     runs_dir: str = "runs",
     store_port: int = 29600,
     threads: int = 1,
@@ -52,6 +54,9 @@ def llamarl(
         max_staleness: largest policy lag of a trained rollout; 0 is the synchronous baseline
         rewards: reward spec, e.g. ``math_verifier,format=0.2``
         policy: a Hugging Face causal-LM directory, or ``warmstart`` (the embedded default)
+        dataset: training prompts from a JSONL or Parquet file or a datasets save_to_disk
+            directory, at a path every role can read (empty: the built-in task); field
+            mapping, answer format and prompt format go after ``--`` (docs/data.md)
         runs_dir: where ``<runs_dir>/<app id>/`` (config, metrics.db) is written
         store_port: port of the control store on trainer replica 0
         threads: torch threads per process (keep threads x processes <= cores on CPU)
@@ -86,7 +91,10 @@ def llamarl(
         f"--steps {steps} --max-staleness {max_staleness} --rewards '{rewards}'",
         f"--policy '{policy}' --runs-dir '{runs_dir}' --run-id {specs.macros.app_id}",
         f"--threads {threads} --gen-threads {threads}",
-        *trainer_args,
+        *([f"--dataset {shlex.quote(dataset)}"] if dataset else []),
+        # Quoted: the command runs under bash, and a value may hold spaces or a backslash
+        # (--system-prompt "Put the answer in \boxed{}.").
+        *(shlex.quote(a) for a in trainer_args),
     ])
     roles = [
         _role("trainer", image, trainer_cmd, 1, trainer_cpu, trainer_gpu, trainer_mem_mb, common_env,

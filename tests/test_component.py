@@ -70,6 +70,22 @@ def test_appdef_has_trainer_first_then_generators_and_reward():
     assert "-m app.reward" in reward.args[-1]
 
 
+def test_dataset_option_reaches_the_trainer_quoted():
+    path = "/data/my gsm8k/train.jsonl"
+    cmd = llamarl("--answer-format", "gsm8k", dataset=path).roles[0].args[-1]
+    assert "--dataset '/data/my gsm8k/train.jsonl' --answer-format gsm8k" in cmd
+    assert "--dataset" not in llamarl().roles[0].args[-1]  # empty: the built-in task
+    assert "--dataset" not in llamarl(dataset=path).roles[1].args[-1]  # generators read the trainer's
+
+
+def test_trainer_args_survive_bash_whole():
+    prompt = r"Solve it. Put the answer in \boxed{}, then stop; it's $5?"
+    cmd = llamarl("--chat-template", "--system-prompt", prompt).roles[0].args[-1]
+    echoed = subprocess.run(["bash", "-c", "printf '%s\\n' " + cmd.split("--gen-threads 1 ", 1)[1]],
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert echoed == ["--chat-template", "--system-prompt", prompt]
+
+
 def test_no_reward_role_when_scoring_inline():
     app = llamarl(num_generators=1, num_reward=0)
     assert [r.name for r in app.roles] == ["trainer", "generator"]

@@ -13,7 +13,9 @@ import sys
 VENV_BIN = os.path.dirname(sys.executable)
 
 
-def component_env() -> list[str]:
+def component_env(extra: dict[str, str] | None = None) -> list[str]:
     """The llamarl component's ``--env`` option that puts ``VENV_BIN`` first on every role's
-    PATH (TorchX's local schedulers put a role's PATH before the one they inherit)."""
-    return ["--env", f"PATH={VENV_BIN}"]
+    PATH (TorchX's local schedulers put a role's PATH before the one they inherit), with
+    the ``extra`` variables too (values without ``,`` or ``=``)."""
+    env = {"PATH": VENV_BIN, **(extra or {})}
+    return ["--env", ",".join(f"{k}={v}" for k, v in env.items())]

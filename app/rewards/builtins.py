@@ -1,4 +1,5 @@
-"""Rule-based built-in rewards: the GSM8K answer verifier, a format reward, a length penalty.
+"""Rule-based built-in rewards: a format reward and a length penalty (the answer
+verifiers are in ``app.rewards.verifiers``).
 
 Each is a plain reward function ``fn(prompt, completion, meta) -> float``. The model-based
 built-ins live in ``app.rewards.models``.
@@ -8,16 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.tasks import extract_answer, has_format, is_correct
-
-
-def math_verifier(prompt: str, completion: str, meta: dict) -> float:
-    """1.0 when the number after the last ``####`` equals ``meta["answer"]``, else 0.0.
-
-    A sample without ``meta["answer"]`` raises KeyError, so it is quarantined rather than
-    silently scored 0.
-    """
-    return 1.0 if is_correct(completion, meta["answer"]) else 0.0
+from app.tasks import extract_answer, has_format
 
 
 def format_reward(prompt: str, completion: str, meta: dict) -> float:

@@ -7,7 +7,7 @@ component whose worker cannot start at all raises (``RewardWorkerError``: config
 
 Where a component runs:
 
-- ``Component.inline`` (the rule-based built-ins ``math_verifier``, ``format`` and
+- ``Component.inline`` (the rule-based built-ins: the verifiers, ``format`` and
   ``length_penalty``): in the calling thread. Pure Python that cannot hang or crash, so
   it needs neither a process nor a timeout.
 - every other component (model-based built-ins, plugins, user code): in its own worker

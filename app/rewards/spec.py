@@ -37,10 +37,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from app.rewards.builtins import LengthPenalty, format_reward, math_verifier
+from app.rewards.builtins import LengthPenalty, format_reward
 from app.rewards.composite import CompositeReward
 from app.rewards.core import Component
 from app.rewards.models import HFClassifier, SemanticSimilarity
+from app.rewards.verifiers import boxed_verifier, gsm8k_verifier, math_verifier
 
 ENTRY_POINT_GROUP = "llamarl.rewards"
 
@@ -55,6 +56,8 @@ def _no_options(fn: Callable) -> Callable[..., Callable]:
 
 BUILTINS: dict[str, Callable[..., Any]] = {
     "math_verifier": _no_options(math_verifier),
+    "gsm8k_verifier": _no_options(gsm8k_verifier),
+    "boxed_verifier": _no_options(boxed_verifier),
     "format": _no_options(format_reward),
     "length_penalty": LengthPenalty,
     "semantic_similarity": SemanticSimilarity,
@@ -62,7 +65,7 @@ BUILTINS: dict[str, Callable[..., Any]] = {
 }
 """Built-in name -> factory called with the spec's options."""
 
-INLINE_BUILTINS = frozenset({"math_verifier", "format", "length_penalty"})
+INLINE_BUILTINS = frozenset({"math_verifier", "gsm8k_verifier", "boxed_verifier", "format", "length_penalty"})
 """Built-ins that run in the scoring thread (``Component.inline``): pure Python that
 cannot hang or crash. The model-based ones, plugins and user code run in worker processes."""
 

@@ -1,0 +1,273 @@
+"""The run's prompts (app/data.py): held-out splits, prompt formatting and the length
+filter, bad rows counted, the order over epochs and its state, and the fingerprint check
+between roles over a real control store. Reading files: tests/test_datafile.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app import data, frames, names, runtime, tasks, transport
+from app.config import TrainerConfig
+from app.datafile import DataError
+from app.policy import build_tokenizer, encode_prompts
+from data_files import GSM8K, MATH, MATH_ROWS, gsm8k_rows, write_jsonl, write_parquet
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(tasks.corpus(0, n=200) + [r"\frac{}$^ " + "".join(chr(c) for c in range(32, 127))])
+
+
+def cfg(**kw) -> TrainerConfig:
+    return TrainerConfig(**{"eval_size": 200, **kw})
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def test_bad_rows_skipped_are_counted_in_the_run_data(tmp_path, tokenizer):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"question": "Q1?", "answer": "#### 1"}\n' + '{"question": "Q?", "answer": "x"}\n' * 2)
+    lines: list[str] = []
+    run = data.load(cfg(dataset=str(path), on_bad_row="skip"), tokenizer, log=lines.append)
+    assert run.counts[names.DATA_SKIPPED_BAD_ROWS] == 2 and len(run.order) == 1
+    assert any(line.startswith("skipped 2 bad rows (--on-bad-row skip)") for line in lines)
+
+
+# --------------------------------------------------------------------------- held out
+
+def test_eval_fraction_splits_by_prompt_hash(tmp_path, tokenizer):
+    rows = gsm8k_rows()
+    rows += [rows[0], rows[5]]  # duplicated prompts stay on one side
+    path = write_jsonl(tmp_path / "g.jsonl", rows, GSM8K)
+    run = data.load(cfg(dataset=str(path), eval_fraction=0.3), tokenizer, log=quiet)
+    train = {p.question for p in run.order.problems}
+    held = {p.question for p in run.held_out}
+    assert train and held and not train & held
+    assert train | held == {r["question"] for r in rows}
+    assert all(data.held_out(q, 0.3) for q in held) and not any(data.held_out(q, 0.3) for q in train)
+    assert run.counts[names.DATA_EVAL_PROBLEMS] == len(run.held_out)
+    # --eval-size takes the first in hash order: the same problems whatever the seed.
+    small = data.load(cfg(dataset=str(path), eval_fraction=0.3, eval_size=2, seed=7), tokenizer, log=quiet)
+    assert small.held_out == sorted(run.held_out, key=lambda p: data._unit_hash(p.question))[:2]
+
+
+def test_eval_dataset_and_no_evaluation(tmp_path, tokenizer):
+    rows = gsm8k_rows()
+    train = write_jsonl(tmp_path / "train.jsonl", rows[:16], GSM8K)
+    test = write_parquet(tmp_path / "test.parquet", rows[16:], GSM8K)
+    run = data.load(cfg(dataset=str(train), eval_dataset=str(test)), tokenizer, log=quiet)
+    assert len(run.order) == 16 and {p.question for p in run.held_out} == {r["question"] for r in rows[16:]}
+    lines: list[str] = []
+    alone = data.load(cfg(dataset=str(train)), tokenizer, log=lines.append)
+    assert alone.held_out == [] and any("no held-out evaluation" in line for line in lines)
+
+
+def test_an_eval_fraction_that_leaves_a_side_empty_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", gsm8k_rows()[:2], GSM8K)
+    fraction = 0.999  # both prompts of this file hash below it
+    assert all(data.held_out(r["question"], fraction) for r in gsm8k_rows()[:2])
+    with pytest.raises(DataError, match=r"--eval-fraction 0.999 leaves 0 training and 2 held-out"):
+        data.read(cfg(dataset=str(path), eval_fraction=fraction), log=quiet)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"eval_fraction": 0.1}, "need dataset"),
+    ({"dataset": "x", "eval_fraction": 0.1, "eval_dataset": "y"}, "not both"),
+    ({"dataset": "x", "eval_fraction": 1.0}, r"\[0, 1\)"),
+    ({"prompt_template": "no placeholder"}, "must contain {question}"),
+    ({"system_prompt": "be brief"}, "needs chat_template"),
+    ({"max_prompt_tokens": 0}, "max_prompt_tokens"),
+    ({"answer_field": ""}, "must not be empty"),
+])
+def test_data_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainerConfig(**kwargs)
+
+
+# --------------------------------------------------------------------------- prompts
+
+def test_builtin_task_is_unchanged_by_default(tokenizer):
+    c = cfg(steps=3, prompts_per_step=4, eval_size=5)
+    run = data.load(c, tokenizer, log=quiet)
+    assert list(run.order.problems) == tasks.make_split("train", 12, seed=1)
+    assert run.held_out == tasks.make_split("eval", 5, seed=0)
+    assert [run.order.problem(i) for i in range(14)] == [run.order.problems[i % 12] for i in range(14)]
+    q = run.held_out[0].question
+    assert run.format_prompt(q) == tasks.format_prompt(q)
+
+
+def test_prompt_template_and_its_newline_escape(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "m.jsonl", MATH_ROWS, MATH)
+    template = r"Problem: {question}\nPut the answer in \boxed{}.\nSolution:"
+    c = cfg(dataset=str(path), prompt_field="problem", answer_field="solution", answer_format="math",
+            prompt_template=template)
+    run = data.load(c, tokenizer, log=quiet)
+    assert run.format_prompt("What?") == "Problem: What?\nPut the answer in \\boxed{}.\nSolution:"
+    # Read back from the published JSON, the config is the same.
+    assert TrainerConfig(**json.loads(json.dumps(c.__dict__))) == c
+
+
+@pytest.fixture()
+def chat_tokenizer(tokenizer):
+    tok = build_tokenizer(tasks.corpus(0, n=200) + ["<|user|><|system|><|assistant|>"])
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return tok
+
+
+def test_chat_template_with_a_system_prompt(tmp_path, chat_tokenizer, tokenizer):
+    path = write_jsonl(tmp_path / "g.jsonl", gsm8k_rows(), GSM8K)
+    c = cfg(dataset=str(path), chat_template=True, system_prompt="Answer after ####.")
+    run = data.load(c, chat_tokenizer, log=quiet)
+    assert run.format_prompt("How many?") == "<s><|system|>Answer after ####.\n<|user|>How many?\n<|assistant|>"
+    ids = encode_prompts(chat_tokenizer, [run.format_prompt("How many?")])[0]
+    assert ids.count(chat_tokenizer.bos_token_id) == 1 and ids[0] == chat_tokenizer.bos_token_id
+    without_system = data.load(cfg(dataset=str(path), chat_template=True), chat_tokenizer, log=quiet)
+    assert without_system.format_prompt("Hi?") == "<s><|user|>Hi?\n<|assistant|>"
+    assert run.fingerprint != without_system.fingerprint
+    with pytest.raises(ValueError, match="has no chat template"):
+        data.load(cfg(dataset=str(path), chat_template=True), tokenizer, log=quiet)
+
+
+def test_long_prompts_are_skipped_and_counted_never_truncated(tmp_path, tokenizer):
+    rows = gsm8k_rows()[:6]
+    rows[2] = {**rows[2], "question": "How many? " + "Ava has apples. " * 40}
+    rows[4] = {**rows[4], "question": "How many? " + "Ben has books. " * 60}
+    path = write_jsonl(tmp_path / "g.jsonl", rows, GSM8K)
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, [tasks.format_prompt(r["question"]) for r in rows])]
+    limit = sorted(lengths)[-3]  # the two long ones are over it
+    lines: list[str] = []
+    run = data.load(cfg(dataset=str(path), max_prompt_tokens=limit), tokenizer, log=lines.append)
+    assert [p.question for p in run.order.problems] == [r["question"] for i, r in enumerate(rows) if i not in (2, 4)]
+    assert run.counts[names.DATA_SKIPPED_LONG_PROMPTS] == 2
+    assert any(f"skipped 2 prompts longer than --max-prompt-tokens {limit}" in line
+               and f"the longest has {max(lengths)} tokens" in line for line in lines)
+    with pytest.raises(DataError, match=r"every training prompt is longer than --max-prompt-tokens 3 "
+                                        rf"\(the shortest has {min(lengths)} tokens\)"):
+        data.load(cfg(dataset=str(path), max_prompt_tokens=3), tokenizer, log=quiet)
+
+
+# --------------------------------------------------------------------------- order
+
+def _problems(n: int) -> list[tasks.Problem]:
+    return [tasks.Problem(question=f"q{i}", answer=str(i), solution=f"#### {i}", level=0) for i in range(n)]
+
+
+def test_order_is_a_new_permutation_every_epoch_and_deterministic():
+    problems = _problems(20)
+    order = data.ProblemOrder(problems, seed=3, shuffle=True)
+    epochs = [[order.index(e * 20 + i) for i in range(20)] for e in range(3)]
+    assert all(sorted(e) == list(range(20)) for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3 and epochs[0] != list(range(20))
+    again = data.ProblemOrder(problems, seed=3, shuffle=True)
+    assert [again.index(i) for i in reversed(range(60))] == [i for e in epochs for i in e][::-1]
+    other = data.ProblemOrder(problems, seed=4, shuffle=True)
+    assert [other.index(i) for i in range(20)] != epochs[0]
+    assert [data.ProblemOrder(problems, seed=3, shuffle=False).index(i) for i in range(25)] == \
+        list(range(20)) + list(range(5))
+
+
+def test_order_take_position_and_state():
+    problems = _problems(10)
+    order = data.ProblemOrder(problems, seed=0, shuffle=True)
+    first = order.take(7) + order.take(7)
+    assert (order.position, order.epoch) == (14, 1)
+    assert first == [order.problem(i) for i in range(14)]
+    state = json.loads(json.dumps(order.state_dict()))  # JSON-able, as a checkpoint stores it
+    resumed = data.ProblemOrder(problems, seed=0, shuffle=True)
+    resumed.load_state_dict(state)
+    assert resumed.take(9) == order.take(9)
+    for key, value in (("seed", 1), ("size", 11), ("shuffle", False), ("position", -1)):
+        with pytest.raises(ValueError, match=key):
+            resumed.load_state_dict({**state, key: value})
+
+
+def test_order_is_lazy_for_long_runs():
+    order = data.ProblemOrder(_problems(1000), seed=0, shuffle=True)
+    slot = 100_000 * 16  # --steps 100000: epoch 1600, made when asked for, alone
+    assert order.problem(slot) == order.problems[order.index(slot)]
+    order.problem(slot + 1000)
+    order.problem(slot + 2000)
+    assert sorted(order._perms) == [1601, 1602]  # only the last two epochs used are kept
+
+
+def test_dataset_order_follows_the_seed(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "g.jsonl", gsm8k_rows(), GSM8K)
+    a = data.load(cfg(dataset=str(path), seed=1), tokenizer, log=quiet)
+    b = data.load(cfg(dataset=str(path), seed=1), tokenizer, log=quiet)
+    c = data.load(cfg(dataset=str(path), seed=2), tokenizer, log=quiet)
+    first = [a.order.problem(i).question for i in range(24)]
+    assert first == [b.order.problem(i).question for i in range(24)]
+    assert first != [c.order.problem(i).question for i in range(24)]
+    assert sorted(first) == sorted(r["question"] for r in gsm8k_rows())
+    assert a.fingerprint == b.fingerprint == c.fingerprint  # the order is not part of the data
+
+
+# --------------------------------------------------------------------------- same data in every role
+
+def test_fingerprint_covers_rows_mapping_and_prompts(tmp_path, tokenizer):
+    rows = gsm8k_rows()
+    path = write_jsonl(tmp_path / "g.jsonl", rows, GSM8K)
+    base = data.load(cfg(dataset=str(path)), tokenizer, log=quiet).fingerprint
+    same_rows_as_parquet = write_parquet(tmp_path / "g.parquet", rows, GSM8K)
+    assert data.load(cfg(dataset=str(same_rows_as_parquet)), tokenizer, log=quiet).fingerprint == base
+    changed = write_jsonl(tmp_path / "h.jsonl", [{**rows[0], "answer": "#### 37"}] + rows[1:], GSM8K)
+    assert data.load(cfg(dataset=str(changed)), tokenizer, log=quiet).fingerprint != base
+    assert data.load(cfg(dataset=str(path), answer_format="plain"), tokenizer, log=quiet).fingerprint != base
+    assert data.load(cfg(dataset=str(path), prompt_template="{question}"), tokenizer, log=quiet).fingerprint != base
+    assert data.load(cfg(dataset=str(path), eval_fraction=0.2), tokenizer, log=quiet).fingerprint != base
+
+
+@pytest.fixture()
+def store(monkeypatch):
+    monkeypatch.setenv(frames.SECRET_ENV, frames.new_secret().hex())
+    return transport.host_store(0, None, timeout_s=30, host="127.0.0.1")
+
+
+def test_a_generator_with_other_data_fails_naming_both(tmp_path, tokenizer, store):
+    rows = gsm8k_rows()
+    trainer_file = write_jsonl(tmp_path / "train.jsonl", rows, GSM8K)
+    other_file = write_jsonl(tmp_path / "other.jsonl", rows[:-1], GSM8K)
+    trainer_data = data.load(cfg(dataset=str(trainer_file)), tokenizer, log=quiet)
+    generator_data = data.load(cfg(dataset=str(other_file)), tokenizer, log=quiet)
+    with runtime.Runtime.join("trainer", 0, store) as trainer:
+        data.publish(store, trainer_data)
+        with pytest.raises(data.DataMismatch) as e:
+            with runtime.Runtime.join("generator", 0, store) as generator:
+                data.check_published(generator, generator_data, timeout_s=10)
+        message = str(e.value)
+        assert (f"trainer/0: fingerprint {trainer_data.fingerprint[:16]}: {trainer_file} (24 training "
+                f"problems)") in message
+        assert (f"generator/0: fingerprint {generator_data.fingerprint[:16]}: {other_file} (23 training "
+                f"problems)") in message
+        assert "same path (SLURM: a shared file system; Kubernetes: the image or a shared volume)" in message
+        # The failed generator stopped the run: the trainer's wait ends with its reason.
+        with pytest.raises(transport.Stopped, match="generator/0 failed: app.data.DataMismatch: generator/0 "
+                                                    "read other prompts than the trainer; every role"):
+            data.wait_for_checks(trainer, ["generator/0"], timeout_s=10)
+
+
+def test_generators_with_the_same_data_are_waited_for(tmp_path, tokenizer, store):
+    path = write_jsonl(tmp_path / "g.jsonl", gsm8k_rows(), GSM8K)
+    same = data.load(cfg(dataset=str(path)), tokenizer, log=quiet)
+    with runtime.Runtime.join("trainer", 0, store) as trainer:
+        data.publish(store, same)
+        with pytest.raises(TimeoutError, match="no dataset check from generator/0, generator/1"):
+            data.wait_for_checks(trainer, ["generator/0", "generator/1"], timeout_s=0.2)
+        for replica in (0, 1):
+            with runtime.Runtime.join("generator", replica, store) as generator:
+                data.check_published(generator, data.load(cfg(dataset=str(path)), tokenizer, log=quiet),
+                                     timeout_s=10)
+        data.wait_for_checks(trainer, ["generator/0", "generator/1"], timeout_s=10)
+        assert not trainer.control.stopped()
+
+
+def test_absolute_paths_are_published(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    c = data.absolute_paths(cfg(dataset="train.jsonl", eval_dataset="sub/test.jsonl"))
+    assert (c.dataset, c.eval_dataset) == (str(tmp_path / "train.jsonl"), str(tmp_path / "sub" / "test.jsonl"))
+    assert data.absolute_paths(cfg()).dataset == ""

@@ -1,0 +1,93 @@
+"""The app on a dataset file, launched through TorchX like a user would: the generators
+sample the file's prompts in the run's order, the verifier scores them against the
+file's references, a held-out share is evaluated; and a bad file fails the app before
+anything trains, with the file and line as every role's stop reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torchx.specs import AppState
+
+from app import data, names
+from app.config import TrainerConfig
+from app.policy import load_tokenizer
+from app_launch import GROUP_SIZE, PROMPTS_PER_STEP, SMALL, launch, rows
+from data_files import gsm8k_rows, write_jsonl
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEPS = 2
+RECORDER = '''"""Scores nothing (weight 0): writes down what the trainer's reward saw."""
+import json
+import os
+
+
+def seen(prompt, completion, meta):
+    with open(os.environ["LLAMARL_TEST_PROMPTS"], "a") as f:
+        f.write(json.dumps({"prompt": prompt, "meta": meta}) + "\\n")
+    return 0.0
+'''
+
+
+def test_app_trains_on_a_jsonl_file(tiny_policy, tmp_path):
+    rows_ = gsm8k_rows()
+    path = write_jsonl(tmp_path / "train.jsonl", rows_, ("question", "answer"))
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "record_prompts.py").write_text(RECORDER)
+    record = tmp_path / "seen.jsonl"
+    flags = ["--eval-fraction", "0.25", "--max-prompt-tokens", "200"]
+    with launch(tiny_policy, tmp_path, steps=STEPS, num_generators=1, options=["--dataset", str(path)],
+                rewards="math_verifier,record_prompts:seen=0", extra=[*SMALL, *flags],
+                env={"PYTHONPATH": str(tmp_path / "plugins"), "LLAMARL_TEST_PROMPTS": str(record)}) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        db = app.db()
+
+        # What every role computes from the file, computed here the same way.
+        cfg = TrainerConfig(dataset=str(path), eval_size=20, prompts_per_step=PROMPTS_PER_STEP,
+                            eval_fraction=0.25, max_prompt_tokens=200)
+        expected = data.load(cfg, load_tokenizer(tiny_policy), log=lambda _: None)
+        references = {r["question"]: r["reference"] for r in rows_}
+
+        # The generator sampled the file's training prompts, in the run's order: one
+        # generator fills slots 0, 1, 2, ... and the trainer's pipeline scored them as they
+        # came (its prefetch may score a group or two more than the steps consumed).
+        seen = [json.loads(line) for line in record.read_text().splitlines()]
+        assert len(seen) >= STEPS * PROMPTS_PER_STEP * GROUP_SIZE and len(seen) % GROUP_SIZE == 0
+        slots = range(len(seen) // GROUP_SIZE)
+        assert {s["prompt"] for s in seen} == {f"Q: {expected.order.problem(i).question}\nA:" for i in slots}
+        for s in seen:
+            question = s["prompt"][len("Q: "): -len("\nA:")]
+            assert s["meta"]["answer_format"] == "gsm8k"
+            assert s["meta"]["answer"].replace(",", "") == references[question]
+            assert question not in {p.question for p in expected.held_out}
+
+        counts = dict(rows(db, "SELECT name, value FROM scalars WHERE name LIKE 'data/%'"))
+        assert counts == {names.DATA_TRAIN_PROBLEMS: len(expected.order),
+                          names.DATA_EVAL_PROBLEMS: len(expected.held_out),
+                          names.DATA_SKIPPED_BAD_ROWS: 0, names.DATA_SKIPPED_LONG_PROMPTS: 0}
+        assert 0 < len(expected.held_out) < len(rows_)
+        eval_steps = [s for (s,) in rows(db, f"SELECT step FROM scalars WHERE name = '{names.EVAL_ACCURACY}' "
+                                             "ORDER BY step")]
+        assert eval_steps == [0, STEPS]
+        scored = rows(db, "SELECT count(*) FROM rewards WHERE component = 'math_verifier' AND value IS NOT NULL")
+        assert scored == [(STEPS * PROMPTS_PER_STEP * GROUP_SIZE,)]
+        assert f"fingerprint {expected.fingerprint[:16]}" in app.log("generator")
+        config = json.loads(dict(rows(db, "SELECT key, value FROM meta"))["config"])
+        assert config["dataset"] == str(path.resolve())
+
+
+def test_a_bad_file_fails_the_app_before_training(tiny_policy, tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"question": "How many?", "answer": "#### 3"}\n{"question": "And now?", "answer": "four"}\n')
+    with launch(tiny_policy, tmp_path, steps=STEPS, num_generators=1,
+                options=["--dataset", str(path)]) as app:
+        assert app.wait() == AppState.FAILED
+        trainer = app.log("trainer")
+        error = f"DataError: {path}, line 2: cannot extract the reference from field 'answer'"
+        assert error in trainer, trainer[-3000:]
+        assert "step 1/" not in trainer
+        generator = app.log("generator")
+        assert f"stopping: trainer/0 failed: {error}" in generator, generator[-3000:]
+        assert not (app.runs_dir / app.app_id).exists()  # it never started
