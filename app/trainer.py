@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
 import os
 import sys
@@ -34,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from app import cli, data, metrics, names, rl, runtime, steps, transport
+from app import checkpoint, cli, data, metrics, names, rl, runtime, steps, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
@@ -166,6 +167,22 @@ class Trainer:
                  m["sampled_accuracy"])
         return m
 
+    def save_checkpoint(self, step: int) -> None:
+        """Replica 0: the policy after ``step`` steps to ``checkpoints/step-<step>/``, the
+        oldest beyond ``keep_last`` deleted; config.json and the metrics DB name it."""
+        t0 = time.time()
+        with self.timeline.busy("checkpoint"):
+            root = self.run_dir / checkpoint.DIR_NAME
+            path = checkpoint.save(self.model, self.tokenizer, root, step)
+            pruned = checkpoint.prune(root, self.cfg.keep_last)
+            checkpoint.record_latest(self.run_dir / "config.json", step, path)
+        seconds = time.time() - t0
+        self.writer.set_meta(metrics.LAST_CHECKPOINT, json.dumps({"step": step, "path": str(path)}))
+        self.rt.emit(metrics.scalars({names.CHECKPOINT_SAVE_S: seconds, names.CHECKPOINT_STEP: step},
+                                     role="trainer", step=step))
+        log.info("saved checkpoint %s in %.2f s%s", path, seconds,
+                 f" (deleted {', '.join(p.name for p in pruned)})" if pruned else "")
+
     def run(self) -> None:
         cfg = self.cfg
         step_cfg = cfg.step_config(self.gen)
@@ -203,6 +220,8 @@ class Trainer:
             self._sync()
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 self.evaluate(step)
+            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+                self.save_checkpoint(step)
             self._check_health()
             self._drain_metrics()
             log.info("%s", steps.summary(step, cfg.steps, groups, values))
