@@ -173,7 +173,7 @@ class Trainer:
         t0 = time.time()
         with self.timeline.busy("checkpoint"):
             root = self.run_dir / checkpoint.DIR_NAME
-            path = checkpoint.save(self.model, self.tokenizer, root, step)
+            path = checkpoint.save(self.model, self.tokenizer, root, step).resolve()
             pruned = checkpoint.prune(root, self.cfg.keep_last)
             checkpoint.record_latest(self.run_dir / "config.json", step, path)
         seconds = time.time() - t0
