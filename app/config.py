@@ -105,6 +105,9 @@ class TrainerConfig:
     TorchX app only: the single-process loop (app.local) saves none."""
     keep_last: int = 0
     """Keep only the newest K saved checkpoints, deleting older ones (0 keeps all)."""
+    tensorboard: bool = False
+    """Also write every scalar of the metrics DB to <run dir>/tensorboard/ (needs the
+    tensorboard package)."""
     seed: int = 0
     """Seed of the data order and of the reference loop's sampler."""
     threads: int = 0

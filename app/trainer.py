@@ -40,6 +40,7 @@ from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
+from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
 from app.weight_sync import WeightSender, flatten_parameters_, init_weight_group
 from pipelines.rollouts import RolloutStream
 
@@ -70,6 +71,7 @@ class Trainer:
         self.dropped = 0
         self.guard = steps.SkipGuard()
         self.rejections = Rejections(f"trainer/{rank}")
+        self.tensorboard: TensorBoardMirror | None = None  # replica 0 with --tensorboard
 
     # --- setup ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -80,6 +82,8 @@ class Trainer:
             # Bad input stops the run here, before the warm start and before anything trains;
             # the store is up, so the error is the app's failure cause for every role.
             cfg = self.cfg = data.absolute_paths(cfg)
+            if cfg.tensorboard:
+                summary_writer_class()  # a missing package fails here, before the run directory
             sources = data.read(cfg, log=log.info)
             policy = data.resolve_policy(cfg.policy, log=log.info)
             self.data = data.prepare(sources, cfg, load_tokenizer(policy), log=log.info)
@@ -88,6 +92,7 @@ class Trainer:
             self.run_dir = metrics.new_run_dir(cfg.runs_dir, cfg.run_id, self._config_dict())
             runtime.log_to_run_dir(str(self.run_dir), "trainer", 0)
             self.writer = metrics.MetricsWriter(self.run_dir, run_id=self.run_dir.name, config=self._config_dict())
+            self.tensorboard = TensorBoardMirror(self.run_dir) if cfg.tensorboard else None
             data.publish(rt.store, self.data)  # before the config: generators read it after
             runtime.publish_config(rt.store, cfg, self.gen, policy_path=str(policy.resolve()),
                                    run_dir=str(self.run_dir.resolve()))
@@ -151,10 +156,15 @@ class Trainer:
 
     def _drain_metrics(self) -> None:
         """Replica 0 writes its own events directly and everyone else's from the queue."""
-        self.writer.write(self.rt.take_metrics() + self.timeline.drain())
+        self._record(self.rt.take_metrics() + self.timeline.drain())
         queue = self.rt.queue(names.METRICS)
         while msgs := queue.pop_many(256, timeout_s=0.0, on_reject=self.rejections):
-            self.writer.write(e for m in msgs for e in m["events"])
+            self._record([e for m in msgs for e in m["events"]])
+
+    def _record(self, events: list[dict]) -> None:
+        self.writer.write(events)
+        if self.tensorboard is not None:
+            self.tensorboard.write(events)
 
     def evaluate(self, step: int) -> dict[str, float]:
         if not self.data.held_out:  # a dataset without --eval-dataset or --eval-fraction
@@ -265,6 +275,8 @@ class Trainer:
                 self._drain_metrics()
             finally:
                 self.writer.close(finished=not failed)
+                if self.tensorboard is not None:
+                    self.tensorboard.close()
             log.info("run %s: %s; run directory %s", "failed" if failed else "finished", reason, self.run_dir)
 
 

@@ -138,3 +138,18 @@ def test_the_run_leaves_a_checkpoint_that_is_the_policy_of_a_second_run(tiny_pol
         config = json.loads(dict(rows(app.db(), "SELECT key, value FROM meta"))["config"])
         assert config["policy"] == str(final)
         assert (app.runs_dir / app.app_id / "checkpoints" / "step-1" / "model.safetensors").is_file()
+
+
+def test_tensorboard_gets_every_scalar_of_the_metrics_db(tiny_policy, tmp_path):
+    pytest.importorskip("tensorboard")
+    from test_tensorboard_mirror import read_scalars
+
+    path = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(), ("question", "answer"))
+    with launch(tiny_policy, tmp_path, steps=STEPS, num_generators=1, options=["--dataset", str(path)],
+                extra=[*SMALL, "--tensorboard"]) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        in_db = rows(app.db(), "SELECT name, role, replica, count(*) FROM scalars GROUP BY name, role, replica")
+        run_dir = app.runs_dir / app.app_id
+    in_tensorboard = {t: len(v) for t, v in read_scalars(run_dir / "tensorboard").items()}
+    assert in_tensorboard == {f"{name}/{role}-{replica}": n for name, role, replica, n in in_db}
+    assert f"{names.LOSS}/trainer-0" in in_tensorboard and f"{names.GEN_TOKENS_PER_S}/generator-0" in in_tensorboard
