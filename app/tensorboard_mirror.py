@@ -25,7 +25,7 @@ def summary_writer_class() -> type:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
         raise ImportError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                          f"(it is in llamarl's test extra) ({e})") from e
+                          f"(or pip install -e '.[tensorboard]' in the repository) ({e})") from e
     return SummaryWriter
 
 
