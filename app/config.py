@@ -99,6 +99,15 @@ class TrainerConfig:
     """Where run directories are created."""
     run_id: str = ""
     """Run directory name; empty makes one from the time."""
+    save_every: int = 0
+    """Save the policy to <run dir>/checkpoints/step-<N>/ (a Hugging Face directory) every
+    N steps; the end of a successful run always saves one (0: only that one). The
+    TorchX app only: the single-process loop (app.local) saves none."""
+    keep_last: int = 0
+    """Keep only the newest K saved checkpoints, deleting older ones (0 keeps all)."""
+    tensorboard: bool = False
+    """Also write every scalar of the metrics DB to <run dir>/tensorboard/ (needs the
+    tensorboard package)."""
     seed: int = 0
     """Seed of the data order and of the reference loop's sampler."""
     threads: int = 0
@@ -116,6 +125,9 @@ class TrainerConfig:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        for name in ("save_every", "keep_last"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         parse_levels(self.levels)
         self._check_data()
 

@@ -7,7 +7,9 @@ nothing from ``app`` but this module, so it stays free of torch and process grou
 
 Tables (schema version ``SCHEMA_VERSION``):
 
-- ``meta(key, value)``: ``schema_version``, ``run_id``, ``started_at``, ``config`` (JSON).
+- ``meta(key, value)``: ``schema_version``, ``run_id``, ``started_at``, ``config`` (JSON),
+  ``finished_at`` once the run ended well, ``last_checkpoint`` (JSON ``{"step", "path"}``)
+  once the trainer saved one.
 - ``scalars(t, step, role, replica, name, value)``: every number over time: throughput
   (``gen/tokens_per_s``, ``train/tokens_per_s``, ...), learning (``loss``, ``reward/<c>``,
   ``eval/accuracy``, ``aipo/ratio_mean`` ...), queue depths (``queue/<name>``), idle
@@ -34,6 +36,8 @@ from typing import Any, Iterable, Literal
 
 SCHEMA_VERSION = 1
 DB_NAME = "metrics.db"
+LAST_CHECKPOINT = "last_checkpoint"
+"""Meta key (and ``config.json`` key) naming the newest saved checkpoint."""
 
 EVENT_TYPES = ("scalar", "interval", "staleness", "weight_sync", "reward")
 

@@ -130,6 +130,12 @@ DATA_SKIPPED_BAD_ROWS = "data/skipped_bad_rows"
 DATA_SKIPPED_LONG_PROMPTS = "data/skipped_long_prompts"
 """Prompts left out for being longer than ``--max-prompt-tokens`` (never truncated)."""
 
+# Checkpoints (trainer replica 0, at each save).
+CHECKPOINT_SAVE_S = "checkpoint/save_s"
+"""Seconds one checkpoint took to write, rename and prune."""
+CHECKPOINT_STEP = "checkpoint/step"
+"""The step of the checkpoint just saved."""
+
 # Every executor.
 IDLE_FRACTION = "idle_fraction"
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
 import os
 import sys
@@ -34,11 +35,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from app import cli, data, metrics, names, rl, runtime, steps, transport
+from app import checkpoint, cli, data, metrics, names, rl, runtime, steps, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
+from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
 from app.weight_sync import WeightSender, flatten_parameters_, init_weight_group
 from pipelines.rollouts import RolloutStream
 
@@ -69,6 +71,7 @@ class Trainer:
         self.dropped = 0
         self.guard = steps.SkipGuard()
         self.rejections = Rejections(f"trainer/{rank}")
+        self.tensorboard: TensorBoardMirror | None = None  # replica 0 with --tensorboard
 
     # --- setup ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -79,6 +82,8 @@ class Trainer:
             # Bad input stops the run here, before the warm start and before anything trains;
             # the store is up, so the error is the app's failure cause for every role.
             cfg = self.cfg = data.absolute_paths(cfg)
+            if cfg.tensorboard:
+                summary_writer_class()  # a missing package fails here, before the run directory
             sources = data.read(cfg, log=log.info)
             policy = data.resolve_policy(cfg.policy, log=log.info)
             self.data = data.prepare(sources, cfg, load_tokenizer(policy), log=log.info)
@@ -87,6 +92,7 @@ class Trainer:
             self.run_dir = metrics.new_run_dir(cfg.runs_dir, cfg.run_id, self._config_dict())
             runtime.log_to_run_dir(str(self.run_dir), "trainer", 0)
             self.writer = metrics.MetricsWriter(self.run_dir, run_id=self.run_dir.name, config=self._config_dict())
+            self.tensorboard = TensorBoardMirror(self.run_dir) if cfg.tensorboard else None
             data.publish(rt.store, self.data)  # before the config: generators read it after
             runtime.publish_config(rt.store, cfg, self.gen, policy_path=str(policy.resolve()),
                                    run_dir=str(self.run_dir.resolve()))
@@ -150,10 +156,15 @@ class Trainer:
 
     def _drain_metrics(self) -> None:
         """Replica 0 writes its own events directly and everyone else's from the queue."""
-        self.writer.write(self.rt.take_metrics() + self.timeline.drain())
+        self._record(self.rt.take_metrics() + self.timeline.drain())
         queue = self.rt.queue(names.METRICS)
         while msgs := queue.pop_many(256, timeout_s=0.0, on_reject=self.rejections):
-            self.writer.write(e for m in msgs for e in m["events"])
+            self._record([e for m in msgs for e in m["events"]])
+
+    def _record(self, events: list[dict]) -> None:
+        self.writer.write(events)
+        if self.tensorboard is not None:
+            self.tensorboard.write(events)
 
     def evaluate(self, step: int) -> dict[str, float]:
         if not self.data.held_out:  # a dataset without --eval-dataset or --eval-fraction
@@ -165,6 +176,22 @@ class Trainer:
         log.info("step %d held-out accuracy %.3f (greedy), %.3f (sampled)", step, m["accuracy"],
                  m["sampled_accuracy"])
         return m
+
+    def save_checkpoint(self, step: int) -> None:
+        """Replica 0: the policy after ``step`` steps to ``checkpoints/step-<step>/``, the
+        oldest beyond ``keep_last`` deleted; config.json and the metrics DB name it."""
+        t0 = time.time()
+        with self.timeline.busy("checkpoint"):
+            root = self.run_dir / checkpoint.DIR_NAME
+            path = checkpoint.save(self.model, self.tokenizer, root, step).resolve()
+            pruned = checkpoint.prune(root, self.cfg.keep_last)
+            checkpoint.record_latest(self.run_dir / "config.json", step, path)
+        seconds = time.time() - t0
+        self.writer.set_meta(metrics.LAST_CHECKPOINT, json.dumps({"step": step, "path": str(path)}))
+        self.rt.emit(metrics.scalars({names.CHECKPOINT_SAVE_S: seconds, names.CHECKPOINT_STEP: step},
+                                     role="trainer", step=step))
+        log.info("saved checkpoint %s in %.2f s%s", path, seconds,
+                 f" (deleted {', '.join(p.name for p in pruned)})" if pruned else "")
 
     def run(self) -> None:
         cfg = self.cfg
@@ -203,6 +230,8 @@ class Trainer:
             self._sync()
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 self.evaluate(step)
+            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+                self.save_checkpoint(step)
             self._check_health()
             self._drain_metrics()
             log.info("%s", steps.summary(step, cfg.steps, groups, values))
@@ -246,6 +275,8 @@ class Trainer:
                 self._drain_metrics()
             finally:
                 self.writer.close(finished=not failed)
+                if self.tensorboard is not None:
+                    self.tensorboard.close()
             log.info("run %s: %s; run directory %s", "failed" if failed else "finished", reason, self.run_dir)
 
 

@@ -95,7 +95,7 @@ def fmt(value: float | None, spec: str, unit: str = "") -> str:
 
 def headline(run: data.Run) -> None:
     h = run.headline()
-    cols = st.columns(6)
+    cols = st.columns(7)
     cols[0].metric("step", fmt(h.step, "d"))
     cols[1].metric("generated tokens/s", fmt(h.gen_tokens_per_s, ",.0f"),
                    help="all generator replicas, mean over the last 30 s of the run")
@@ -109,6 +109,9 @@ def headline(run: data.Run) -> None:
     cols[5].metric(f"last sync{version}", fmt(h.last_sync_s, ".3f", " s"),
                    help="seconds the slowest receiver took for the newest weight version"
                         + ("" if h.last_sync_age_s is None else f"; {h.last_sync_age_s:.0f} s before the newest event"))
+    cols[6].metric("last checkpoint", "—" if h.last_checkpoint_step is None else f"step {h.last_checkpoint_step}",
+                   help="the newest saved policy (a Hugging Face directory; use it as --policy)"
+                        + ("" if h.last_checkpoint_path is None else f": {h.last_checkpoint_path}"))
 
 
 def throughput_tab(run: data.Run) -> None:
@@ -266,7 +269,8 @@ def compare_table(runs: dict[str, data.Run]) -> pd.DataFrame:
                      "elapsed s": h.elapsed_s, "gen tokens/s": h.gen_tokens_per_s,
                      "train tokens/s": h.train_tokens_per_s,
                      "idle %": None if h.idle_fraction is None else 100 * h.idle_fraction,
-                     "mean staleness": h.mean_staleness, "last sync s": h.last_sync_s})
+                     "mean staleness": h.mean_staleness, "last sync s": h.last_sync_s,
+                     "last checkpoint": h.last_checkpoint_step})
     return pd.DataFrame(rows).round(3)
 
 

@@ -37,7 +37,7 @@ from typing import Any, Literal, Sequence
 import pandas as pd
 
 from app import names
-from app.metrics import COLUMNS, DB_NAME, SCHEMA_VERSION, TABLES
+from app.metrics import COLUMNS, DB_NAME, LAST_CHECKPOINT, SCHEMA_VERSION, TABLES
 
 CONFIG_NAME = "config.json"
 # A run whose database changed this recently is shown as live and refreshed.
@@ -244,6 +244,10 @@ class Headline:
     """Seconds between the newest sync and the run's newest event."""
     elapsed_s: float | None = None
     """Seconds from the run's start to its newest event."""
+    last_checkpoint_step: int | None = None
+    """Step of the newest policy checkpoint the trainer saved."""
+    last_checkpoint_path: str | None = None
+    """Where that checkpoint is (a Hugging Face directory)."""
 
 
 class Run:
@@ -431,6 +435,7 @@ class Run:
         last = self.last_time()
         if last is None:
             return Headline()
+        checkpoint = self.last_checkpoint()
         step = self._one("SELECT MAX(s) FROM (SELECT MAX(step) AS s FROM scalars UNION ALL "
                          "SELECT MAX(step) FROM staleness UNION ALL SELECT MAX(step) FROM rewards)")
         idle = self.idle_fractions(since_s=last - self.t0 - window_s)
@@ -451,12 +456,24 @@ class Run:
             idle_fraction=idle_fraction,
             mean_staleness=_to_float(self._one("SELECT AVG(staleness) FROM staleness WHERE used = 1")),
             elapsed_s=last - self.t0,
+            last_checkpoint_step=None if checkpoint is None else checkpoint[0],
+            last_checkpoint_path=None if checkpoint is None else checkpoint[1],
         )
         if not sync.empty:
             h.last_sync_version = int(sync["version"].iloc[0])
             h.last_sync_s = float(sync["seconds"].iloc[0])
             h.last_sync_age_s = max(0.0, last - float(sync["t"].iloc[0]))
         return h
+
+    def last_checkpoint(self) -> tuple[int, str] | None:
+        """``(step, path)`` of the newest saved checkpoint, read now (the trainer rewrites
+        it at every save); None before the first save or when the value is unreadable."""
+        raw = self._one("SELECT value FROM meta WHERE key = ?", [LAST_CHECKPOINT])
+        try:
+            value = json.loads(raw)
+            return int(value["step"]), str(value["path"])
+        except (TypeError, ValueError, KeyError):
+            return None
 
     def _recent_rate(self, name: str, window_s: float) -> float | None:
         # Mean per replica over the window ending at that scalar's newest row, then summed:

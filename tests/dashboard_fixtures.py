@@ -29,8 +29,9 @@ REWARD_COMPONENTS = ("correctness", "format")
 
 
 def make_run(run_dir: str | Path, *, mode: Mode = "async", steps: int = 40, n_generators: int = 2,
-             seed: int = 0) -> Path:
-    """A finished run in ``run_dir``: the one function to swap for ``python -m app.local``."""
+             seed: int = 0, checkpoint_step: int | None = None) -> Path:
+    """A finished run in ``run_dir``: the one function to swap for ``python -m app.local``;
+    ``checkpoint_step`` names a saved checkpoint the way the trainer does."""
     run_dir = Path(run_dir)
     config = run_config(mode, n_generators=n_generators)
     write_config(run_dir, config)
@@ -39,6 +40,9 @@ def make_run(run_dir: str | Path, *, mode: Mode = "async", steps: int = 40, n_ge
         writer.set_meta("started_at", repr(T_START))
         for events in simulate(mode, steps=steps, n_generators=n_generators, t_start=T_START, seed=seed):
             writer.write(events)
+        if checkpoint_step is not None:
+            path = run_dir / "checkpoints" / f"step-{checkpoint_step}"
+            writer.set_meta(m.LAST_CHECKPOINT, json.dumps({"step": checkpoint_step, "path": str(path)}))
     finally:
         writer.close()
     return run_dir
@@ -48,7 +52,7 @@ def make_runs_root(root: str | Path, *, broken: bool = True) -> Path:
     """A runs directory with a sync and an async run, and (``broken``) every broken case."""
     root = Path(root)
     make_run(root / "sync-run", mode="sync", seed=1)
-    make_run(root / "async-run", mode="async", seed=2)
+    make_run(root / "async-run", mode="async", seed=2, checkpoint_step=40)
     if broken:
         make_empty_run(root / "empty-run")
         make_meta_only_run(root / "meta-only-run")

@@ -42,6 +42,7 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["step"] == "40" and metrics["last sync (v40)"].endswith(" s")
     assert float(metrics["mean staleness"]) > 0
+    assert metrics["last checkpoint"] == "step 40"
     tabs = [t.label for t in at.tabs]
     assert tabs == ["Throughput", "Executors", "Off-policy", "Weight sync", "Learning", "Queues", "All scalars"]
     drawn = {}

@@ -93,6 +93,10 @@ def test_headline_of_sync_and_async_runs(runs_root):
     assert hs.mean_staleness == 0.0 and ha.mean_staleness > 0
     assert hs.last_sync_version == 40 and hs.last_sync_s > 0
     assert hs.gen_tokens_per_s > 0 and hs.train_tokens_per_s > 0
+    # Only the async run saved a checkpoint.
+    assert hs.last_checkpoint_step is None and hs.last_checkpoint_path is None
+    assert ha.last_checkpoint_step == 40
+    assert ha.last_checkpoint_path == str(runs_root / "async-run" / "checkpoints" / "step-40")
     # Overlapping generation with training is the point of the async design.
     assert ha.idle_fraction < hs.idle_fraction
 

@@ -1,17 +1,21 @@
 """The app on a dataset file, launched through TorchX like a user would: the generators
 sample the file's prompts in the run's order, the verifier scores them against the
-file's references, a held-out share is evaluated; and a bad file fails the app before
-anything trains, with the file and line as every role's stop reason."""
+file's references, a held-out share is evaluated; a bad file fails the app before
+anything trains, with the file and line as every role's stop reason; and the trained
+policy comes out as a checkpoint a second run starts from."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 from torchx.specs import AppState
+from transformers import AutoModelForCausalLM
 
 from app import data, names
 from app.config import TrainerConfig
+from app.metrics import LAST_CHECKPOINT
 from app.policy import load_tokenizer
 from app_launch import GROUP_SIZE, PROMPTS_PER_STEP, SMALL, launch, rows
 from data_files import gsm8k_rows, write_jsonl
@@ -28,6 +32,13 @@ def seen(prompt, completion, meta):
     with open(os.environ["LLAMARL_TEST_PROMPTS"], "a") as f:
         f.write(json.dumps({"prompt": prompt, "meta": meta}) + "\\n")
     return 0.0
+'''
+PARITY = '''"""A reward the tiny policy earns on some completions and not on others (it solves
+none of the file's problems): groups have a spread, so the policy's weights move."""
+
+
+def odd_length(prompt, completion, meta):
+    return float(len(completion) % 2)
 '''
 
 
@@ -91,3 +102,54 @@ def test_a_bad_file_fails_the_app_before_training(tiny_policy, tmp_path):
         generator = app.log("generator")
         assert f"stopping: trainer/0 failed: {error}" in generator, generator[-3000:]
         assert not (app.runs_dir / app.app_id).exists()  # it never started
+
+
+def test_the_run_leaves_a_checkpoint_that_is_the_policy_of_a_second_run(tiny_policy, tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(), ("question", "answer"))
+    first, second = tmp_path / "first", tmp_path / "second"
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "parity.py").write_text(PARITY)
+    with launch(tiny_policy, first, steps=STEPS, num_generators=1, options=["--dataset", str(path)],
+                rewards="math_verifier,parity:odd_length", env={"PYTHONPATH": str(tmp_path / "plugins")},
+                extra=[*SMALL, "--save-every", "1", "--keep-last", "1"]) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        run_dir = app.runs_dir / app.app_id
+        meta = dict(rows(app.db(), "SELECT key, value FROM meta"))
+        saves = rows(app.db(), f"SELECT step, value FROM scalars WHERE name = '{names.CHECKPOINT_STEP}' "
+                               "ORDER BY step")
+        seconds = rows(app.db(), f"SELECT count(*) FROM scalars WHERE name = '{names.CHECKPOINT_SAVE_S}' "
+                                 "AND value > 0")
+    # One save per step, each deleting the one before: only the last remains.
+    assert saves == [(s, float(s)) for s in range(1, STEPS + 1)] and seconds == [(STEPS,)]
+    final = run_dir / "checkpoints" / f"step-{STEPS}"
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [final.name]
+    latest = {"step": STEPS, "path": str(final.resolve())}
+    assert json.loads(meta[LAST_CHECKPOINT]) == latest
+    assert json.loads((run_dir / "config.json").read_text())[LAST_CHECKPOINT] == latest
+
+    # The trained policy, not the starting one: the weights moved.
+    trained = AutoModelForCausalLM.from_pretrained(final)
+    start = AutoModelForCausalLM.from_pretrained(tiny_policy)
+    assert trained.config.vocab_size == start.config.vocab_size
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), start.parameters()))
+
+    with launch(final, second, steps=1, num_generators=1, options=["--dataset", str(path)]) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        config = json.loads(dict(rows(app.db(), "SELECT key, value FROM meta"))["config"])
+        assert config["policy"] == str(final)
+        assert (app.runs_dir / app.app_id / "checkpoints" / "step-1" / "model.safetensors").is_file()
+
+
+def test_tensorboard_gets_every_scalar_of_the_metrics_db(tiny_policy, tmp_path):
+    pytest.importorskip("tensorboard")
+    from test_tensorboard_mirror import read_scalars
+
+    path = write_jsonl(tmp_path / "train.jsonl", gsm8k_rows(), ("question", "answer"))
+    with launch(tiny_policy, tmp_path, steps=STEPS, num_generators=1, options=["--dataset", str(path)],
+                extra=[*SMALL, "--tensorboard"]) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        in_db = rows(app.db(), "SELECT name, role, replica, count(*) FROM scalars GROUP BY name, role, replica")
+        run_dir = app.runs_dir / app.app_id
+    in_tensorboard = {t: len(v) for t, v in read_scalars(run_dir / "tensorboard").items()}
+    assert in_tensorboard == {f"{name}/{role}-{replica}": n for name, role, replica, n in in_db}
+    assert f"{names.LOSS}/trainer-0" in in_tensorboard and f"{names.GEN_TOKENS_PER_S}/generator-0" in in_tensorboard
