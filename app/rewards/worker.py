@@ -100,6 +100,8 @@ def serve() -> int:
     if len(payload) != size or size == 0:
         return 0  # the parent went away before sending the component
     try:
+        # Not from the network: the parent (this process's own creator, same user, same
+        # code) wrote it to this child's stdin pipe. The parent never unpickles anything.
         component = pickle.loads(payload)
         if callable(getattr(component, "load", None)):
             component.load()
