@@ -1,6 +1,8 @@
 """Does RL improve the policy? Warm start from scratch, then synchronous RL, both timed.
 
     python benchmarks/learning.py --json learning.json
+    python benchmarks/learning.py --write-builtin data/  # the same problems as GSM8K JSONL files
+    python benchmarks/learning.py --dataset data/train.jsonl --eval-dataset data/eval.jsonl --json out.json
 
 1. Warm start: supervised fine-tuning of the embedded default policy with the
    ``WarmStartConfig`` defaults, into a fresh directory (a cached checkpoint is used only
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from app import cli, local
+from app import cli, data, local
 from app.config import GeneratorConfig, TrainerConfig
 from app.warmstart import WarmStartConfig, warm_start
 
@@ -45,7 +47,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs-dir", type=Path, help="where the RL run directory goes (default: a tmp dir)")
     p.add_argument("--seed", type=int, default=0, help="seed of the warm start and of the RL run")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 keeps torch's default)")
+    p.add_argument("--dataset", type=Path,
+                   help="train on this GSM8K-format JSONL file instead of the built-in task (with "
+                        "--eval-dataset); see --write-builtin")
+    p.add_argument("--eval-dataset", type=Path, help="held-out problems for --dataset")
+    p.add_argument("--write-builtin", type=Path, metavar="DIR",
+                   help="write the built-in task's train and eval splits, as this run would use them, "
+                        "to DIR/train.jsonl and DIR/eval.jsonl (GSM8K format) and exit")
     return p.parse_args(argv)
+
+
+def write_builtin(args: argparse.Namespace) -> None:
+    """The built-in problems of a default run as GSM8K rows: ``question``, and ``answer``
+    the worked solution ending in ``#### <n>``."""
+    cfg = TrainerConfig(steps=args.steps, eval_size=args.eval_size, seed=args.seed)
+    sources = data.read(cfg, log=lambda _: None)
+    args.write_builtin.mkdir(parents=True, exist_ok=True)
+    for name, problems in (("train", sources.train), ("eval", sources.held_out)):
+        rows = [json.dumps({"question": p.question, "answer": p.solution}) for p in problems]
+        (args.write_builtin / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
+        print(f"wrote {len(rows)} {name} problems to {args.write_builtin / f'{name}.jsonl'}")
 
 
 def run_warm_start(args: argparse.Namespace, tmp: Path) -> tuple[Path, float, bool, dict]:
@@ -62,6 +83,11 @@ def run_warm_start(args: argparse.Namespace, tmp: Path) -> tuple[Path, float, bo
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.write_builtin:
+        write_builtin(args)
+        return {}
+    if bool(args.dataset) != bool(args.eval_dataset):
+        raise SystemExit("--dataset and --eval-dataset go together (the gain is measured on the latter)")
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.time()
@@ -71,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         trainer = TrainerConfig(policy=str(checkpoint), steps=args.steps, eval_every=args.eval_every,
                                 eval_size=args.eval_size, seed=args.seed, threads=args.threads,
-                                runs_dir=str(args.runs_dir or tmp / "runs"), run_id=f"learning-{int(t_start)}")
+                                runs_dir=str(args.runs_dir or tmp / "runs"), run_id=f"learning-{int(t_start)}",
+                                dataset=str(args.dataset or ""), eval_dataset=str(args.eval_dataset or ""))
         generator = GeneratorConfig()
         t_rl = time.time()
         result = local.run(trainer, generator, log=lambda line: print(f"  {line}", flush=True))
