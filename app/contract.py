@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from app import names
 from app.rewards import RewardResult, Sample
 
 log = logging.getLogger("llamarl")
@@ -141,7 +142,7 @@ class MalformedMessage(ValueError):
 
     def __init__(self, reason: str, field_name: str, detail: str) -> None:
         super().__init__(f"malformed rollout message: {reason} in field {field_name!r}: {detail}")
-        self.reason, self.field = reason, field_name
+        self.reason, self.field, self.detail = reason, field_name, detail
 
 
 def _get(msg: dict, name: str, kind: type | tuple[type, ...]) -> Any:
@@ -195,7 +196,7 @@ def _result(d: Any, name: str) -> RewardResult:
         quarantined = _get(d, "quarantined", (str, type(None)))
         failures = _get(d, "failures", dict)
     except MalformedMessage as e:
-        raise MalformedMessage(e.reason, f"{name}.{e.field}", str(e)) from None
+        raise MalformedMessage(e.reason, f"{name}.{e.field}", e.detail) from None
     numbers_ok = all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
                      and math.isfinite(v) for k, v in components.items())
     if not numbers_ok or (total is not None and not math.isfinite(total)):
@@ -265,6 +266,11 @@ class Rejections:
             self._logged.add((reason, field_name))
             log.warning("%s: dropped a message (%s%s): %s; further ones like it are only counted",
                         self.where, reason, f" in {field_name!r}" if field_name else "", detail)
+
+    def metrics(self) -> dict[str, float]:
+        """The counts so far under their metric names. The pipeline's worker thread adds
+        reasons while the trainer reads: one C-level copy of the dict, then iterate."""
+        return {names.rejected_metric(k): float(n) for k, n in dict(self.counts).items()}
 
     def decode(self, msgs: list[dict[str, Any]], **checks: Any) -> list[RolloutGroup]:
         """The groups of ``msgs`` that keep the contract; the others are counted."""

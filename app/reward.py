@@ -50,7 +50,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
                     outbox.push(to_message(group), timeout_s=600.0, should_stop=rt.should_stop)
             values = {names.REWARD_SAMPLES_PER_S: len(results) / max(dt, 1e-9),
                       names.IDLE_FRACTION: timeline.idle_fraction(),
-                      **{names.rejected_metric(k): n for k, n in rejections.counts.items()}}
+                      **rejections.metrics()}
             rt.emit(metrics.scalars(values, role="reward", replica=rt.replica) + timeline.drain(),
                     flush=True)
     finally:

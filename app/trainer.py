@@ -219,7 +219,7 @@ class Trainer:
                                        consumed_version=consumed_version, skipped=self.guard.skipped,
                                        dropped=self.dropped, idle_fraction=self.timeline.idle_fraction())
             values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
-            values.update({names.rejected_metric(k): n for k, n in self.rejections.counts.items()})
+            values.update(self.rejections.metrics())
             events, values = steps.step_events(step, groups, values, consumed_version=consumed_version,
                                                reward_names=self.reward_names, role="trainer",
                                                replica=self.rank)

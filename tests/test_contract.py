@@ -90,6 +90,7 @@ def test_a_message_that_breaks_the_contract_is_refused_naming_the_field(edit, re
         from_message(_break(edit), vocab_size=32, group_size=3)
     assert (err.value.reason, err.value.field) == (reason, field)
     assert field in str(err.value)
+    assert str(err.value).count("malformed rollout message") == 1
 
 
 def test_rejections_count_by_reason_and_log_each_kind_once(caplog):
@@ -100,6 +101,7 @@ def test_rejections_count_by_reason_and_log_each_kind_once(caplog):
         groups = rejections.decode([bad, good, bad, bad], group_size=3)
     assert [g.group_id for g in groups] == [GroupId(2, 17)]
     assert dict(rejections.counts) == {"wrong_length": 3}
+    assert rejections.metrics() == {"security/rejected_frames/wrong_length": 3.0}
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "logprobs[0]" in lines[0] and "trainer/0" in lines[0]
 
