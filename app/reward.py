@@ -31,6 +31,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
     inbox, outbox = rt.queue(names.ROLLOUTS), rt.queue(names.SCORED)
     rejections = Rejections(f"reward/{rt.replica}")
     timeline = metrics.Timeline("reward", rt.replica)
+    reported: dict[str, float] = {}
     try:
         while True:
             with timeline.idle("wait_rollouts"):
@@ -40,6 +41,10 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
             # is what scoring reads.
             groups = rejections.decode(msgs, group_size=cfg.group_size)
             if not groups:
+                # Only bad messages: their counts still reach the metrics, once per change.
+                if (counts := rejections.metrics()) != reported:
+                    reported = counts
+                    rt.emit(metrics.scalars(counts, role="reward", replica=rt.replica), flush=True)
                 continue
             t0 = time.time()
             with timeline.busy("score"):
@@ -50,7 +55,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
                     outbox.push(to_message(group), timeout_s=600.0, should_stop=rt.should_stop)
             values = {names.REWARD_SAMPLES_PER_S: len(results) / max(dt, 1e-9),
                       names.IDLE_FRACTION: timeline.idle_fraction(),
-                      **rejections.metrics()}
+                      **(reported := rejections.metrics())}
             rt.emit(metrics.scalars(values, role="reward", replica=rt.replica) + timeline.drain(),
                     flush=True)
     finally:

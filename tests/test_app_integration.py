@@ -28,9 +28,15 @@ def test_async_app_with_reward_executor(tiny_policy, tmp_path):
     # The README's "Write your own reward" example, scored remotely by the reward executor.
     rewards = "math_verifier,examples.my_reward:brevity=0.5"
     with launch(tiny_policy, tmp_path, num_reward=1, max_staleness=1, rewards=rewards) as app:
+        app.wait_for_log("trainer", "run directory", timeout_s=APP_TIMEOUT_S)
+        push_bad_messages(app)  # on the rollouts queue, which the reward executor reads here
         state = app.wait()
         assert state == AppState.SUCCEEDED, app.logs_tail()  # local_cwd: every replica exited 0
         db = app.db()
+        rejected = dict(rows(db, "SELECT name, max(value) FROM scalars WHERE role = 'reward' AND name "
+                                 "LIKE 'security/rejected_frames/%' GROUP BY name"))
+        assert rejected == {names.rejected_metric(r): 1.0 for r in
+                            ("missing_field", "wrong_type", "wrong_length", "bad_tag", "malformed_frame")}
 
         # Weights move to every generator, version after version.
         for receiver in ("generator/0", "generator/1"):
@@ -56,8 +62,8 @@ def test_async_app_with_reward_executor(tiny_policy, tmp_path):
         assert rows(db, "SELECT count(*) FROM rewards WHERE component = 'brevity' AND value IS NOT NULL")[0][0] > 0
         scalar_roles = {role for (role,) in rows(db, "SELECT DISTINCT role FROM scalars")}
         assert scalar_roles == {"trainer", "generator", "reward"}
-        names = {n for (n,) in rows(db, "SELECT DISTINCT name FROM scalars")}
-        assert {"eval/accuracy", "gen/tokens_per_s", "reward/samples_per_s", "staleness/max"} <= names
+        scalar_names = {n for (n,) in rows(db, "SELECT DISTINCT name FROM scalars")}
+        assert {"eval/accuracy", "gen/tokens_per_s", "reward/samples_per_s", "staleness/max"} <= scalar_names
         assert rows(db, "SELECT count(*) FROM meta WHERE key = 'finished_at'") == [(1,)]
 
         # Each role stopped because the run finished, not because something failed.
