@@ -5,6 +5,11 @@
 ``generation_config.json``, the tokenizer), so ``AutoModelForCausalLM.from_pretrained``
 and ``--policy`` of a new run take it as it is.
 
+With ``extra`` (the trainer's), the step directory also holds ``train_state/``
+(``app.train_state``): the model, optimizer and run state a resume starts from, written
+inside the same temporary directory, so the policy and its training state appear
+together or not at all.
+
 A checkpoint is written under a hidden temporary name in the same directory and renamed
 once every file is written: a rename within one directory is atomic, so a crash mid-save
 leaves a ``.step-<N>.partial`` directory that nothing lists as a checkpoint (the next save
@@ -18,6 +23,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -38,8 +44,15 @@ def step_name(step: int) -> str:
     return f"step-{step}"
 
 
-def save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, root: str | Path, step: int) -> Path:
-    """Write the policy to ``root/step-<step>/`` atomically and return that path.
+def partial_path(root: str | Path, step: int) -> Path:
+    """The temporary name ``save`` writes step ``step`` under before the rename."""
+    return Path(root) / f".{step_name(step)}.partial"
+
+
+def save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, root: str | Path, step: int, *,
+         extra: Callable[[Path], None] | None = None) -> Path:
+    """Write the policy to ``root/step-<step>/`` atomically and return that path;
+    ``extra(directory)`` writes more into the step's temporary directory before the rename.
 
     An existing ``step-<step>`` is never overwritten (``FileExistsError``): two saves of
     one step in one directory mean two runs share it, or a bug. Leftovers of interrupted
@@ -51,7 +64,7 @@ def save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, root: str |
     final = root / step_name(step)
     if final.exists():
         raise FileExistsError(f"checkpoint {final} already exists; it is never overwritten")
-    partial = root / f".{step_name(step)}.partial"
+    partial = partial_path(root, step)
     try:
         root.mkdir(parents=True, exist_ok=True)
         remove_partial(root)
@@ -59,10 +72,14 @@ def save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, root: str |
         if not (partial / "generation_config.json").is_file():
             # A model built from a bare config may carry none; loaders expect the file.
             GenerationConfig.from_model_config(model.config).save_pretrained(partial)
+        if extra is not None:
+            extra(partial)
         os.rename(partial, final)
-    except OSError as e:
+    except Exception as e:
         shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(f"cannot write checkpoint {final}: {e}") from e
+        if isinstance(e, OSError):
+            raise CheckpointError(f"cannot write checkpoint {final}: {e}") from e
+        raise
     return final
 
 

@@ -1,0 +1,163 @@
+"""The trainer's training state (app/train_state.py): a saved state loads back exactly
+(model, optimizer, RNG), inside the atomic checkpoint; the slot ledger gives every slot
+once; every resume that cannot work is refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from app import checkpoint, policy, train_state
+from app.metrics import DB_NAME
+from app.train_state import Resume, ResumeError, SlotLedger, find_resume
+from app.weight_layout import flatten_parameters_
+
+
+def _trainer_model(seed: int = 0):
+    model, tokenizer = policy.create_default_policy(seed=seed)
+    flatten_parameters_(model)
+    return model, tokenizer, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model, optimizer) -> None:
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    optimizer.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
+def _save_run(tmp_path, step: int, *, config: dict | None = None, with_state: bool = True):
+    """A run directory with a metrics DB and one checkpoint of a model trained ``step`` steps."""
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / DB_NAME).write_bytes(b"")
+    (run_dir / "config.json").write_text(json.dumps(config or {"lr": 0.01}))
+    model, tokenizer, optimizer = _trainer_model()
+    for _ in range(step):
+        _step(model, optimizer)
+
+    def extra(partial):
+        train_state.save(partial / train_state.DIR_NAME, model, optimizer, {
+            "step": step, "version": step, "config": config or {"lr": 0.01},
+            "fingerprint": train_state.fingerprint(model),
+            "parameter_shapes": train_state.parameter_shapes(model),
+            "ledger": SlotLedger().state_dict(), "rng": train_state.rng_state()})
+
+    checkpoint.save(model, tokenizer, run_dir / checkpoint.DIR_NAME, step, extra=extra if with_state else None)
+    return run_dir, model, optimizer
+
+
+def test_model_and_optimizer_round_trip_exactly(tmp_path):
+    run_dir, model, optimizer = _save_run(tmp_path, 2)
+    resume = find_resume(tmp_path / "runs", "", "r1")
+    assert (resume.step, resume.path) == (2, run_dir / "checkpoints" / "step-2")
+    fresh, _, fresh_opt = _trainer_model(seed=0)
+    resume.check_model(fresh)
+    train_state.load(resume.train_state, fresh, fresh_opt)
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+    # The optimizer state came back too: one more step on both gives the same weights.
+    _step(model, optimizer)
+    _step(fresh, fresh_opt)
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    # The parameters are still views of the flat buffer the weight sync sends.
+    flat = {p.untyped_storage().data_ptr() for p in fresh.parameters()}
+    assert len(flat) == 1
+
+
+def test_rng_states_round_trip():
+    state = json.loads(json.dumps(train_state.rng_state()))
+    expected = (torch.rand(3), random.random())
+    train_state.set_rng_state(state)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+def test_ledger_gives_each_slot_once_and_regenerates_the_missing_ones():
+    ledger = SlotLedger()
+    for s in (0, 1, 3, 5, 2, 8):  # out of order, as several generators deliver
+        ledger.consume(s)
+    assert (ledger.frontier, ledger.done, ledger.count) == (4, {5, 8}, 6)
+    with pytest.raises(ValueError, match="consumed twice"):
+        ledger.consume(3)
+    # After a resume the counter restarts at count: the holes 4, 6, 7 first, then 9 on.
+    assert ledger.slot_ids(range(6, 11)) == [4, 6, 7, 9, 10]
+    assert SlotLedger().slot_ids(range(0, 3)) == [0, 1, 2]
+    again = SlotLedger.from_state(json.loads(json.dumps(ledger.state_dict())))
+    assert again == ledger
+    with pytest.raises(ValueError, match="bad slot ledger"):
+        SlotLedger.from_state({"frontier": 4, "done": [2]})
+
+
+def test_ledgers_of_several_ranks_merge():
+    even, odd = SlotLedger(), SlotLedger()
+    for s in range(0, 10, 2):
+        even.consume(s)
+    for s in (1, 3, 7):
+        odd.consume(s)
+    merged = even.merged([odd])
+    assert (merged.frontier, merged.done) == (5, {6, 7, 8})
+    assert merged.gathered() is merged  # not distributed: nothing to gather
+
+
+def test_auto_on_a_new_run_id_is_a_fresh_run_and_on_a_run_without_checkpoint_step_0(tmp_path):
+    assert find_resume(tmp_path, "r1", "") is None
+    assert find_resume(tmp_path, "new-run", "auto") is None
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r1" / DB_NAME).write_bytes(b"")
+    assert find_resume(tmp_path, "r1", "auto") == Resume(run_dir=tmp_path / "r1", step=0)
+
+
+@pytest.mark.parametrize("resume, run_id, message", [
+    ("../x", "", "not a single safe directory name"),
+    ("/abs", "", "not a single safe directory name"),
+    ("auto", "", "give one"),
+    ("nope", "", "no run 'nope'"),
+])
+def test_bad_run_ids_are_refused(tmp_path, resume, run_id, message):
+    with pytest.raises(ResumeError, match=message):
+        find_resume(tmp_path, run_id, resume)
+
+
+def test_a_run_without_checkpoint_or_training_state_is_refused(tmp_path):
+    (tmp_path / "runs" / "r1").mkdir(parents=True)
+    (tmp_path / "runs" / "r1" / DB_NAME).write_bytes(b"")
+    with pytest.raises(ResumeError, match="no complete checkpoint"):
+        find_resume(tmp_path / "runs", "", "r1")
+    partial = checkpoint.partial_path(tmp_path / "runs" / "r1" / checkpoint.DIR_NAME, 3)
+    partial.mkdir(parents=True)
+    with pytest.raises(ResumeError, match="no complete checkpoint"):
+        find_resume(tmp_path / "runs", "", "r1")
+
+
+def test_a_policy_only_checkpoint_is_refused(tmp_path):
+    _save_run(tmp_path, 1, with_state=False)
+    with pytest.raises(ResumeError, match="has no training state"):
+        find_resume(tmp_path / "runs", "", "r1")
+
+
+def test_another_config_another_model_or_nothing_left_is_refused(tmp_path):
+    _save_run(tmp_path, 2, config={"lr": 0.01, "steps": 4, "seed": 0})
+    resume = find_resume(tmp_path / "runs", "", "r1")
+    resume.check({"lr": 0.01, "steps": 8, "seed": 0, "save_every": 3}, steps=8)  # resumable changes
+    with pytest.raises(ResumeError, match=r"another config \(lr: 0.01 then, 0.02 now; seed"):
+        resume.check({"lr": 0.02, "steps": 4, "seed": 1}, steps=4)
+    with pytest.raises(ResumeError, match="at step 2 and --steps is 2: nothing left"):
+        resume.check({"lr": 0.01, "steps": 2, "seed": 0}, steps=2)
+    other = torch.nn.Linear(3, 4)
+    with pytest.raises(ResumeError, match="another model than --policy: bias: None saved, \\[4\\] now"):
+        resume.check_model(other)
+
+
+def test_a_failing_training_state_leaves_no_checkpoint(tmp_path):
+    model, tokenizer, _ = _trainer_model()
+
+    def fails(partial):
+        raise RuntimeError("collective failed")
+
+    with pytest.raises(RuntimeError, match="collective failed"):
+        checkpoint.save(model, tokenizer, tmp_path, 1, extra=fails)
+    assert list(tmp_path.iterdir()) == []
