@@ -99,10 +99,16 @@ class TrainerConfig:
     """Where run directories are created."""
     run_id: str = ""
     """Run directory name; empty makes one from the time."""
+    resume: str = ""
+    """Continue a run from its newest complete checkpoint (model, optimizer, step, data
+    position), in its run directory: a run id, or 'auto' for the run named by --run-id
+    (from step 0 when it has no checkpoint yet, a fresh run when it does not exist).
+    Empty: a new run."""
     save_every: int = 0
-    """Save the policy to <run dir>/checkpoints/step-<N>/ (a Hugging Face directory) every
-    N steps; the end of a successful run always saves one (0: only that one). The
-    TorchX app only: the single-process loop (app.local) saves none."""
+    """Save the policy to <run dir>/checkpoints/step-<N>/ (a Hugging Face directory, with
+    the training state --resume needs in its train_state/) every N steps; the end of a
+    successful run always saves one (0: only that one). The TorchX app only: the
+    single-process loop (app.local) saves none."""
     keep_last: int = 0
     """Keep only the newest K saved checkpoints, deleting older ones (0 keeps all)."""
     tensorboard: bool = False

@@ -9,7 +9,8 @@ builds and reads that message here, with ``to_message`` and ``from_message``:
     {"kind": "rollout_group", "generator": int, "seq": int, "version": int,
      "sent_at": float, "prompt": str, "prompt_ids": int64[P], "task": {...JSON...},
      "completions": [str] * G, "completion_ids": [int64[T_i]] * G,
-     "logprobs": [float32[T_i]] * G, "results": [RewardResult dict] * G  (scored only)}
+     "logprobs": [float32[T_i]] * G, "results": [RewardResult dict] * G  (scored only),
+     "slot": int  (optional)}
 
 Token ids and log-probs travel as raw tensor bytes (``app.transport``'s frames): exact,
 and 4 to 8 bytes a number instead of ~20 as JSON text.
@@ -98,6 +99,9 @@ class RolloutGroup:
     rollouts: list[Rollout]
     sent_at: float = 0.0
     """Unix time the generator sent it (0 until sent)."""
+    slot: int | None = None
+    """The staleness slot it fills (its prompt is ``order.problem(slot)``): what the
+    trainer's slot ledger records, so a resume regenerates exactly the missing groups."""
 
     def __post_init__(self) -> None:
         if not self.rollouts:
@@ -132,6 +136,8 @@ def to_message(group: RolloutGroup) -> dict[str, Any]:
         "completion_ids": [torch.tensor(r.completion_ids, dtype=torch.int64) for r in group.rollouts],
         "logprobs": [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) for r in group.rollouts],
     }
+    if group.slot is not None:
+        msg["slot"] = group.slot
     if group.scored:
         msg["results"] = [r.result.to_dict() for r in group.rollouts]  # type: ignore[union-attr]
     return msg
@@ -222,6 +228,9 @@ def from_message(msg: dict[str, Any], *, vocab_size: int | None = None,
     if min(generator, seq, version) < 0:
         raise MalformedMessage(BAD_VALUE, "generator/seq/version", "must be >= 0")
     sent_at = float(_get(msg, "sent_at", (int, float)))
+    slot = _get(msg, "slot", int) if "slot" in msg else None
+    if slot is not None and slot < 0:
+        raise MalformedMessage(BAD_VALUE, "slot", "must be >= 0")
     prompt = _get(msg, "prompt", str)
     prompt_ids = _token_ids(_get(msg, "prompt_ids", torch.Tensor), "prompt_ids", vocab_size, min_len=1)
     task = _get(msg, "task", dict)
@@ -248,7 +257,7 @@ def from_message(msg: dict[str, Any], *, vocab_size: int | None = None,
             prompt_ids=prompt_ids, completion_ids=tokens, behaviour_logprobs=lp.tolist(),
             version=version, group_id=group_id, prompt=prompt, completion=texts[i], task=task,
             result=None if results[i] is None else _result(results[i], f"results[{i}]")))
-    return RolloutGroup(group_id=group_id, version=version, rollouts=rollouts, sent_at=sent_at)
+    return RolloutGroup(group_id=group_id, version=version, rollouts=rollouts, sent_at=sent_at, slot=slot)
 
 
 class Rejections:

@@ -214,7 +214,9 @@ class ProblemOrder:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position; the order itself must be the same one."""
         mine = self.state_dict()
-        for key in ("seed", "size", "shuffle"):
+        # Unshuffled (the built-in task), slot n is problem n whatever the size: a resume
+        # with more --steps draws more problems after the same ones.
+        for key in ("seed", "size", "shuffle") if self.shuffle else ("seed", "shuffle"):
             if state.get(key) != mine[key]:
                 raise ValueError(f"saved data order has {key}={state.get(key)!r}, this run's has "
                                  f"{mine[key]!r}: not the same order")

@@ -7,7 +7,8 @@ through the control store, so all roles agree by construction. Weights arrive on
 weight plane in a background thread and are swapped in between decode batches.
 
 Staleness bound: before sampling, a generator reserves group slots from a global
-counter. Slot n (1-based) trains at step ceil(n / B) (B groups per step), so weights of
+counter (which a resumed run restarts at the number of slots its checkpoint consumed; the
+slots it lacks are filled first: ``app.train_state.SlotLedger``). Slot n (1-based) trains at step ceil(n / B) (B groups per step), so weights of
 version v may fill slots up to (v + 1 + max_staleness) * B (plus the groups the trainer
 dropped). Past that the generator waits for newer weights: it never runs more than
 ``max_staleness`` versions ahead, and ``max_staleness = 0`` is the synchronous baseline.
@@ -15,6 +16,7 @@ dropped). Past that the generator waits for newer weights: it never runs more th
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import sys
@@ -26,6 +28,7 @@ from app import data, metrics, names, rl, runtime, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import to_message
 from app.policy import load_policy
+from app.train_state import SlotLedger
 from app.weight_sync import WeightReceiver, WeightSyncError, flatten_parameters_, init_weight_group
 
 log = logging.getLogger("llamarl")
@@ -34,8 +37,15 @@ log = logging.getLogger("llamarl")
 class SlotBudget:
     """Reserves group slots so no rollout can be more than ``max_staleness`` stale."""
 
-    def __init__(self, store, *, groups_per_step: int, max_staleness: int) -> None:
+    def __init__(self, store, *, groups_per_step: int, max_staleness: int,
+                 ledger: SlotLedger | None = None) -> None:
         self.store, self.B, self.K = store, groups_per_step, max_staleness
+        self.ledger = ledger or SlotLedger()
+
+    def slot_ids(self, reserved: range) -> list[int]:
+        """The slots (prompt-order positions) of counter values ``reserved``: after a
+        resume, those the trainer's ledger lacks come first (rollouts lost in flight)."""
+        return self.ledger.slot_ids(reserved)
 
     def reserve(self, want: int, version: int) -> range:
         """Slots (0-based) this generator may fill with weights of ``version``; empty when
@@ -84,8 +94,9 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: WeightRec
                       prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig) -> None:
     store = rt.store
     timeline = metrics.Timeline("generator", rt.replica)
+    ledger = SlotLedger.from_state(json.loads(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger")))
     budget = SlotBudget(store, groups_per_step=trainer_cfg.prompts_per_step,
-                        max_staleness=trainer_cfg.max_staleness)
+                        max_staleness=trainer_cfg.max_staleness, ledger=ledger)
     out_queue = rt.queue(names.ROLLOUTS)
     sampling = gen_cfg.sampling()
     rng = torch.Generator().manual_seed(gen_cfg.gen_seed + 1000 * rt.replica)
@@ -106,17 +117,18 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: WeightRec
                         raise transport.Stopped("stop requested")
                     time.sleep(0.005)
             continue
+        slot_ids = budget.slot_ids(slots)
         t0 = time.time()
         with timeline.busy("generate"):
-            groups = rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slots],
+            groups = rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slot_ids],
                                         group_size=trainer_cfg.group_size, params=sampling,
                                         version=version, rng=rng, generator_id=rt.replica,
                                         first_seq=sent, format_prompt=prompts.format_prompt)
         dt = time.time() - t0
         sent += len(groups)
         with timeline.idle("queue_full"):
-            for group in groups:
-                group.sent_at = time.time()
+            for group, slot in zip(groups, slot_ids):
+                group.sent_at, group.slot = time.time(), slot
                 out_queue.push(to_message(group), timeout_s=600.0, should_stop=rt.should_stop)
         rollouts = [r for g in groups for r in g.rollouts]
         tokens = sum(len(r.completion_ids) for r in rollouts)

@@ -9,7 +9,8 @@ Tables (schema version ``SCHEMA_VERSION``):
 
 - ``meta(key, value)``: ``schema_version``, ``run_id``, ``started_at``, ``config`` (JSON),
   ``finished_at`` once the run ended well, ``last_checkpoint`` (JSON ``{"step", "path"}``)
-  once the trainer saved one.
+  once the trainer saved one, ``resumed`` (JSON list of ``{"step", "t"}``) once a run
+  was resumed: where each resume restarted, and when.
 - ``scalars(t, step, role, replica, name, value)``: every number over time: throughput
   (``gen/tokens_per_s``, ``train/tokens_per_s``, ...), learning (``loss``, ``reward/<c>``,
   ``eval/accuracy``, ``aipo/ratio_mean`` ...), queue depths (``queue/<name>``), idle
@@ -38,6 +39,8 @@ SCHEMA_VERSION = 1
 DB_NAME = "metrics.db"
 LAST_CHECKPOINT = "last_checkpoint"
 """Meta key (and ``config.json`` key) naming the newest saved checkpoint."""
+RESUMED = "resumed"
+"""Meta key: the steps a run was resumed at (JSON list of ``{"step", "t"}``)."""
 
 EVENT_TYPES = ("scalar", "interval", "staleness", "weight_sync", "reward")
 
@@ -144,8 +147,30 @@ class MetricsWriter:
             self._db.executemany(
                 "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                 [("schema_version", str(SCHEMA_VERSION)), ("run_id", run_id),
-                 ("started_at", repr(time.time())), ("config", json.dumps(config, default=str))],
+                 ("config", json.dumps(config, default=str))],
             )
+            # A resumed run keeps its start: the dashboard's time axis spans both attempts.
+            self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('started_at', ?)",
+                             (repr(time.time()),))
+
+    def resume_at(self, step: int, saved_at: float) -> None:
+        """Continue this database from the checkpoint of ``step`` saved at Unix time
+        ``saved_at``: events of later steps (and step-less ones after ``saved_at``) are
+        deleted, since the resumed run records them again; ``finished_at`` is cleared and
+        ``resumed`` gets the step. ``step=-1``, ``saved_at=0``: keep no event at all."""
+        with self._db:
+            for table in ("scalars", "rewards"):
+                self._db.execute(f"DELETE FROM {table} WHERE step > ? OR (step IS NULL AND t > ?)",
+                                 (step, saved_at))
+            self._db.execute("DELETE FROM staleness WHERE step > ?", (step,))
+            self._db.execute("DELETE FROM weight_sync WHERE version > ? OR t > ?", (step, saved_at))
+            self._db.execute("DELETE FROM intervals WHERE t0 > ?", (saved_at,))
+            self._db.execute("DELETE FROM meta WHERE key = 'finished_at'")
+            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (RESUMED,)).fetchone()
+            resumed = json.loads(row[0]) if row else []
+            resumed.append({"step": max(step, 0), "t": time.time()})
+            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                             (RESUMED, json.dumps(resumed)))
 
     def set_meta(self, key: str, value: str) -> None:
         with self._db:

@@ -29,6 +29,12 @@ RESERVED_KEY = _ROOT + "groups_reserved"
 """Staleness-slot counter: group slots generators have reserved (``count token``)."""
 DROPPED_KEY = _ROOT + "groups_dropped"
 """Groups the trainer dropped as too stale: their slots may be filled again."""
+SLOTS_DONE_KEY = _ROOT + "slots_done"
+"""The slot ledger the run starts from (JSON, ``app.train_state.SlotLedger``): empty for
+a fresh run; after a resume, generators fill the slots it lacks first."""
+RESUME_KEY = _ROOT + "resume"
+"""Where trainer replica 0 resumes from (JSON ``{"step", "train_state"}``), for the other
+trainer ranks, which load the same training state."""
 DATA_KEY = _ROOT + "data"
 """The run's prompts as trainer replica 0 read them (paths, counts, fingerprint; JSON)."""
 
@@ -129,6 +135,9 @@ DATA_SKIPPED_BAD_ROWS = "data/skipped_bad_rows"
 """Dataset rows left out under ``--on-bad-row skip`` (no question, no reference...)."""
 DATA_SKIPPED_LONG_PROMPTS = "data/skipped_long_prompts"
 """Prompts left out for being longer than ``--max-prompt-tokens`` (never truncated)."""
+DATA_SLOT = "data/slot"
+"""At each checkpoint: the slot ledger's frontier, the prompt order's position (every
+slot below it was trained or dropped)."""
 
 # Checkpoints (trainer replica 0, at each save).
 CHECKPOINT_SAVE_S = "checkpoint/save_s"

@@ -78,6 +78,11 @@ class SlotLedger:
             self.frontier += 1
 
     @property
+    def missing(self) -> int:
+        """Slots below the highest consumed one that were not consumed (lost in flight)."""
+        return max(self.done) + 1 - self.count if self.done else 0
+
+    @property
     def count(self) -> int:
         """How many slots were consumed: where the generators' counter restarts."""
         return self.frontier + len(self.done)

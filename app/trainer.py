@@ -20,6 +20,12 @@ generators after every step, watches every role's health, and ends the run. With
 ``nproc_per_node > 1`` the trainer ranks train data-parallel over torchrun's
 group (gradients averaged once per step); each rank pulls its share of groups from the
 same queue.
+
+Checkpoints (``--save-every``) hold the policy and the training state
+(``app.train_state``); ``--resume`` continues a run from its newest one. The run's
+config, model and prompt order are checked before anything is written, the metrics
+database drops what was recorded after the checkpoint, and the generators regenerate
+the groups the checkpoint had not consumed (the slot ledger): no group is trained twice.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, cli, data, metrics, names, rl, runtime, steps, transport
+from app import checkpoint, cli, data, metrics, names, rl, runtime, steps, train_state, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
@@ -72,6 +79,8 @@ class Trainer:
         self.guard = steps.SkipGuard()
         self.rejections = Rejections(f"trainer/{rank}")
         self.tensorboard: TensorBoardMirror | None = None  # replica 0 with --tensorboard
+        self.ledger = train_state.SlotLedger()  # the slots this rank consumed
+        self.start_step = 0  # the checkpoint's step after a resume
 
     # --- setup ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -84,28 +93,37 @@ class Trainer:
             cfg = self.cfg = data.absolute_paths(cfg)
             if cfg.tensorboard:
                 summary_writer_class()  # a missing package fails here, before the run directory
+            resume = train_state.find_resume(cfg.runs_dir, cfg.run_id, cfg.resume)
+            if resume is not None:
+                resume.check(self._config_dict(), steps=cfg.steps)
             sources = data.read(cfg, log=log.info)
             policy = data.resolve_policy(cfg.policy, log=log.info)
             self.data = data.prepare(sources, cfg, load_tokenizer(policy), log=log.info)
-            rt.store.add(names.RESERVED_KEY, 0)
-            rt.store.add(names.DROPPED_KEY, 0)
-            self.run_dir = metrics.new_run_dir(cfg.runs_dir, cfg.run_id, self._config_dict())
-            runtime.log_to_run_dir(str(self.run_dir), "trainer", 0)
-            self.writer = metrics.MetricsWriter(self.run_dir, run_id=self.run_dir.name, config=self._config_dict())
-            self.tensorboard = TensorBoardMirror(self.run_dir) if cfg.tensorboard else None
+            self.model, self.tokenizer = load_policy(policy)
+            if resume is not None:  # every check before the run directory is touched
+                self._check_resume(resume)
+            self._open_run_dir(resume)
             data.publish(rt.store, self.data)  # before the config: generators read it after
             runtime.publish_config(rt.store, cfg, self.gen, policy_path=str(policy.resolve()),
                                    run_dir=str(self.run_dir.resolve()))
-            rt.emit(metrics.scalars(self.data.counts, role="trainer", step=0))
+            if self.start_step == 0:
+                rt.emit(metrics.scalars(self.data.counts, role="trainer", step=0))
             log.info("run directory %s", self.run_dir)
         else:
             _, _, policy = runtime.read_config(rt, 900.0)
-        self.model, self.tokenizer = load_policy(policy)
+            self.run_dir = Path(json.loads(rt.store.get(names.CONFIG_KEY))["run_dir"])
+            self.model, self.tokenizer = load_policy(policy)
+        resumed = json.loads(rt.wait_key(names.RESUME_KEY, 60.0, "resume point"))
+        self.start_step = self.version = resumed["step"]
+        self.ledger = train_state.SlotLedger.from_state(json.loads(rt.store.get(names.SLOTS_DONE_KEY)))
         # Before DDP and the optimizer: they then update the flat buffers the weight sync
         # broadcasts without packing.
         flatten_parameters_(self.model)
         self.ref_model = copy.deepcopy(self.model).eval() if cfg.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        if resumed["train_state"]:  # after the reference copy: the KL stays to the starting policy
+            train_state.load(resumed["train_state"], self.model, self.optimizer)
+            log.info("resumed from %s at step %d", resumed["train_state"], self.start_step)
         inline = self.num_reward == 0
         self.reward_names = [c.name for c in parse_spec(cfg.rewards)]
         self.reward = build_reward(cfg.rewards, timeout_s=cfg.reward_timeout_s) if inline else None
@@ -128,13 +146,65 @@ class Trainer:
             timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,
             vocab_size=self.model.get_input_embeddings().num_embeddings)
 
+    def _check_resume(self, resume: train_state.Resume) -> None:
+        """Replica 0: the checkpoint's model and prompt order are this run's, or
+        ``ResumeError``; then the counters continue from it."""
+        resume.check_model(self.model)
+        if resume.path is None:
+            return
+        try:
+            self.data.order.load_state_dict(resume.state["order"])
+            if self.cfg.dataset and resume.state["data_fingerprint"] != self.data.fingerprint:
+                raise ValueError(f"the prompts' fingerprint was {resume.state['data_fingerprint'][:16]}, "
+                                 f"it is {self.data.fingerprint[:16]} now: the dataset file changed")
+        except (KeyError, ValueError) as e:
+            raise train_state.ResumeError(f"checkpoint {resume.path}: another prompt order than this "
+                                          f"run's ({e})") from None
+        self.dropped = resume.state["dropped"]
+        self.guard.skipped = resume.state["skipped"]
+        train_state.set_rng_state(resume.state["rng"])
+
+    def _open_run_dir(self, resume: train_state.Resume | None) -> None:
+        """Replica 0: a new run directory, or the resumed one with the metrics recorded
+        after its checkpoint deleted; the staleness-slot counters the generators share."""
+        cfg, store = self.cfg, self.rt.store
+        state = resume.state if resume is not None else {}
+        ledger = train_state.SlotLedger.from_state(state.get("ledger", train_state.SlotLedger().state_dict()))
+        self.run_dir = resume.run_dir if resume else metrics.new_run_dir(cfg.runs_dir, cfg.run_id, self._config_dict())
+        runtime.log_to_run_dir(str(self.run_dir), "trainer", 0)
+        self.writer = metrics.MetricsWriter(self.run_dir, run_id=self.run_dir.name, config=self._config_dict())
+        if resume is not None:
+            # No checkpoint (step 0): nothing of the earlier attempt is kept.
+            self.writer.resume_at(resume.step if resume.path else -1, state.get("saved_at", 0.0))
+            log.info("resuming run %s at step %d (%d groups consumed, %d lost in flight to regenerate first)",
+                     self.run_dir.name, resume.step, ledger.count, ledger.missing)
+        self.tensorboard = TensorBoardMirror(self.run_dir) if cfg.tensorboard else None
+        store.set(names.RESERVED_KEY, str(ledger.count))
+        store.add(names.DROPPED_KEY, state.get("dropped_groups", 0))  # their slots were refilled
+        store.set(names.SLOTS_DONE_KEY, json.dumps(ledger.state_dict()))
+        store.set(names.RESUME_KEY, json.dumps({
+            "step": resume.step if resume else 0,
+            "train_state": str(resume.train_state) if resume and resume.train_state else ""}))
+
     def _config_dict(self) -> dict:
         return {"mode": "async" if self.cfg.max_staleness > 0 else "sync",
                 "num_generators": self.num_generators, "num_reward": self.num_reward,
                 "trainer_ranks": self.world, **cli.to_dict(self.cfg), **cli.to_dict(self.gen)}
 
     # --- the loop ----------------------------------------------------------------------
+    def _consume(self, groups: list[RolloutGroup]) -> None:
+        """Record the groups' slots as consumed (trained or dropped) in the ledger."""
+        for g in groups:
+            if g.slot is None:
+                continue
+            try:
+                self.ledger.consume(g.slot)
+            except ValueError:
+                raise RuntimeError(f"group {g.group_id} fills slot {g.slot}, which was already trained or "
+                                   "dropped: a generator handed out a slot twice") from None
+
     def _on_drop(self, group: RolloutGroup, lag: int) -> None:
+        self._consume([group])
         self.dropped += 1
         self.rt.store.add(names.DROPPED_KEY, 1)  # generators may fill the slot again
         self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
@@ -178,30 +248,57 @@ class Trainer:
         return m
 
     def save_checkpoint(self, step: int) -> None:
-        """Replica 0: the policy after ``step`` steps to ``checkpoints/step-<step>/``, the
-        oldest beyond ``keep_last`` deleted; config.json and the metrics DB name it."""
+        """Every rank (the training state is a collective): the policy and the training
+        state after ``step`` steps to ``checkpoints/step-<step>/``. Replica 0 writes the
+        directory, deletes the oldest beyond ``keep_last`` and names it in config.json and
+        the metrics DB."""
         t0 = time.time()
+        ledger = self.ledger = self.ledger.gathered()
+        root = self.run_dir / checkpoint.DIR_NAME
+        if self.rank != 0:
+            dist.barrier()  # replica 0 has made the step's temporary directory
+            train_state.save(checkpoint.partial_path(root, step) / train_state.DIR_NAME, self.model,
+                             self.optimizer, None)
+            return
+
+        def with_train_state(partial: Path) -> None:
+            if self.world > 1:
+                dist.barrier()
+            train_state.save(partial / train_state.DIR_NAME, self.model, self.optimizer,
+                             self._train_state(step, ledger))
+
         with self.timeline.busy("checkpoint"):
-            root = self.run_dir / checkpoint.DIR_NAME
-            path = checkpoint.save(self.model, self.tokenizer, root, step).resolve()
+            path = checkpoint.save(self.model, self.tokenizer, root, step, extra=with_train_state).resolve()
             pruned = checkpoint.prune(root, self.cfg.keep_last)
             checkpoint.record_latest(self.run_dir / "config.json", step, path)
         seconds = time.time() - t0
         self.writer.set_meta(metrics.LAST_CHECKPOINT, json.dumps({"step": step, "path": str(path)}))
-        self.rt.emit(metrics.scalars({names.CHECKPOINT_SAVE_S: seconds, names.CHECKPOINT_STEP: step},
-                                     role="trainer", step=step))
+        self.rt.emit(metrics.scalars({names.CHECKPOINT_SAVE_S: seconds, names.CHECKPOINT_STEP: step,
+                                      names.DATA_SLOT: ledger.frontier}, role="trainer", step=step))
         log.info("saved checkpoint %s in %.2f s%s", path, seconds,
                  f" (deleted {', '.join(p.name for p in pruned)})" if pruned else "")
+
+    def _train_state(self, step: int, ledger: train_state.SlotLedger) -> dict:
+        """Replica 0: what ``state.json`` holds besides the model and optimizer."""
+        self.data.order.position = ledger.frontier
+        return {"step": step, "version": self.version, "ledger": ledger.state_dict(),
+                "order": self.data.order.state_dict(), "data_fingerprint": self.data.fingerprint,
+                "dropped": self.dropped,
+                "dropped_groups": int(self.rt.store.add(names.DROPPED_KEY, 0)),
+                "skipped": self.guard.skipped, "fingerprint": train_state.fingerprint(self.model),
+                "parameter_shapes": train_state.parameter_shapes(self.model),
+                "rng": train_state.rng_state(), "config": self._config_dict()}
 
     def run(self) -> None:
         cfg = self.cfg
         step_cfg = cfg.step_config(self.gen)
-        if self.rank == 0:
+        if self.rank == 0 and self.start_step == 0:
             self.evaluate(0)
         t_prev = time.time()
-        for step in range(1, cfg.steps + 1):
+        for step in range(self.start_step + 1, cfg.steps + 1):
             with self.timeline.idle("wait_rollouts"):
                 groups = self.stream.next_batch()
+            self._consume(groups)
             t0 = time.time()
             train = None
             # Every rank decides alone: with data parallel ranks, one rank's batch may have
@@ -223,14 +320,17 @@ class Trainer:
             events, values = steps.step_events(step, groups, values, consumed_version=consumed_version,
                                                reward_names=self.reward_names, role="trainer",
                                                replica=self.rank)
+            save = (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
             if self.rank != 0:  # the other ranks' events travel to replica 0 in batches
                 self.rt.emit(events + self.timeline.drain())
+                if save:
+                    self.save_checkpoint(step)
                 continue
             self.rt.emit(events)
             self._sync()
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 self.evaluate(step)
-            if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
+            if save:
                 self.save_checkpoint(step)
             self._check_health()
             self._drain_metrics()

@@ -1,0 +1,105 @@
+"""Checkpoint and resume through TorchX, as a user would: a run killed after its step-2
+checkpoint is resumed with --resume; it continues the same run directory and metrics
+database, trains the remaining steps on the same prompts in the same order, and every
+step is recorded once. A resume that cannot work fails before anything trains and
+leaves the run as it was."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from torchx.specs import AppState
+
+from app import data, names
+from app.config import TrainerConfig
+from app.metrics import RESUMED
+from app.policy import load_tokenizer
+from app_launch import GROUP_SIZE, PROMPTS_PER_STEP, SMALL, launch, rows
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEPS = 4
+RECORDER = '''"""Scores nothing (weight 0): writes down the prompts the trainer's reward saw."""
+import os
+
+
+def seen(prompt, completion, meta):
+    with open(os.environ["LLAMARL_TEST_PROMPTS"], "a") as f:
+        f.write(prompt.replace("\\n", " ") + "\\n")
+    return 0.0
+'''
+
+
+def _launch(policy, tmp_path, record, *flags, steps=STEPS):
+    # Synchronous with one generator: step s trains slots (s-1)*B .. s*B-1, in order.
+    return launch(policy, tmp_path, steps=steps, num_generators=1, max_staleness=0,
+                  rewards="math_verifier,record_prompts:seen=0",
+                  extra=[*SMALL, "--eval-every", "100", "--save-every", "2", *flags],
+                  env={"PYTHONPATH": str(tmp_path / "plugins"), "LLAMARL_TEST_PROMPTS": str(record)})
+
+
+def _groups(record) -> list[str]:
+    lines = record.read_text().splitlines() if record.exists() else []
+    return [lines[i] for i in range(0, len(lines), GROUP_SIZE)]
+
+
+def test_a_killed_run_resumes_from_its_checkpoint(tiny_policy, tmp_path):
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "record_prompts.py").write_text(RECORDER)
+    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    with _launch(tiny_policy, tmp_path, first) as app:
+        run_dir = app.runs_dir / app.app_id
+        deadline = time.monotonic() + 240
+        while not (run_dir / "checkpoints" / "step-2").is_dir():
+            assert time.monotonic() < deadline, app.logs_tail()
+            assert app.runner.status(app.handle).state == AppState.RUNNING, app.logs_tail()
+            time.sleep(0.2)
+        app.runner.cancel(app.handle)  # every process of the app killed: a crash
+        assert app.wait() != AppState.SUCCEEDED
+        run_id = app.app_id
+    state = json.loads((run_dir / "checkpoints" / "step-2" / "train_state" / "state.json").read_text())
+    assert state["step"] == 2 and state["ledger"] == {"frontier": 2 * PROMPTS_PER_STEP, "done": []}
+
+    with _launch(tiny_policy, tmp_path, second, "--resume", run_id) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        assert f"resuming run {run_id} at step 2" in app.log("trainer"), app.logs_tail()
+    assert not (app.runs_dir / app.app_id).exists(), "the resume continued the old run directory"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    assert (run_dir / "checkpoints" / "step-4" / "train_state" / "state.json").is_file()
+
+    # The same prompts in the same order as an uninterrupted run: slot n is problem n of
+    # the run's order, and the resumed run trained slots 8..15 first.
+    cfg = TrainerConfig(steps=STEPS, prompts_per_step=PROMPTS_PER_STEP, eval_size=20)
+    order = data.load(cfg, load_tokenizer(tiny_policy), log=lambda _: None).order
+    expected = [f"Q: {order.problem(n).question} A:" for n in range(2 * PROMPTS_PER_STEP, STEPS * PROMPTS_PER_STEP)]
+    assert _groups(second)[: len(expected)] == expected
+    assert _groups(first)[: 2 * PROMPTS_PER_STEP] == [
+        f"Q: {order.problem(n).question} A:" for n in range(2 * PROMPTS_PER_STEP)]
+
+    # One metrics database: every step once, the resume marked, the run finished.
+    import sqlite3
+    db = sqlite3.connect(run_dir / "metrics.db")
+    steps = [s for (s,) in rows(db, f"SELECT step FROM scalars WHERE name = '{names.TRAIN_VERSION}' ORDER BY t")]
+    assert steps == [1, 2, 3, 4]
+    versions = [v for (v,) in rows(db, f"SELECT value FROM scalars WHERE name = '{names.TRAIN_VERSION}' ORDER BY t")]
+    assert versions == [1.0, 2.0, 3.0, 4.0]
+    meta = dict(rows(db, "SELECT key, value FROM meta"))
+    assert [r["step"] for r in json.loads(meta[RESUMED])] == [2] and "finished_at" in meta
+    assert rows(db, f"SELECT step, value FROM scalars WHERE name = '{names.DATA_SLOT}' ORDER BY step") == [
+        (2, 8.0), (4, 16.0)]
+    assert max(s for (s,) in rows(db, "SELECT step FROM staleness")) == STEPS
+
+    # Refusals: before anything trains, nothing of the run changed.
+    before = (rows(db, "SELECT COUNT(*) FROM scalars"), sorted(p.name for p in run_dir.rglob("*")))
+    for flags, steps_, message in [
+        (["--resume", "no-such-run"], STEPS, "no run 'no-such-run'"),
+        (["--resume", run_id], STEPS, "nothing left to train"),
+        (["--resume", run_id, "--lr", "0.5"], 6, "was started with another config (lr: 0.0001 then, 0.5 now)"),
+    ]:
+        with _launch(tiny_policy, tmp_path, tmp_path / "refused.txt", *flags, steps=steps_) as app:
+            assert app.wait() == AppState.FAILED
+            assert message in app.log("trainer"), app.logs_tail()
+    assert (rows(db, "SELECT COUNT(*) FROM scalars"), sorted(p.name for p in run_dir.rglob("*"))) == before
+    assert not (tmp_path / "refused.txt").exists(), "a refused resume generated rollouts"
