@@ -27,6 +27,8 @@ def llamarl(
     dataset: str = "",
     runs_dir: str = "runs",
     store_port: int = 29600,
+    resume: str = "",
+    max_retries: int = 0,
     threads: int = 1,
     image: str = "llamarl",
     trainer_cpu: int = 2,
@@ -59,6 +61,15 @@ def llamarl(
             mapping, answer format and prompt format go after ``--`` (docs/data.md)
         runs_dir: where ``<runs_dir>/<app id>/`` (config, metrics.db) is written
         store_port: port of the control store on trainer replica 0
+        resume: continue a run from its newest checkpoint in its own run directory: a run
+            id (the app id of the run), or ``auto`` for this app's own run (see
+            ``--resume`` of ``python -m app.trainer``); empty: a new run
+        max_retries: application restarts the scheduler may make after a failure
+            (``RetryPolicy.APPLICATION`` on every role: the whole app restarts). With
+            ``max_retries > 0`` and no ``resume``, the trainer runs with ``--resume
+            auto``, so a restarted app continues from its last checkpoint (save some
+            with ``--save-every``). SLURM requeues the job (same job id, so the same run
+            id); Kubernetes (Volcano) restarts the job; local_cwd never retries.
         threads: torch threads per process (keep threads x processes <= cores on CPU)
         image: container image (kubernetes), or the directory holding the code (slurm)
         trainer_cpu: CPUs per trainer replica
@@ -76,6 +87,8 @@ def llamarl(
         specs.AppDef: roles trainer, generator and reward
     """
     store_addr = f"$${{{specs.macros.rank0_env}}}:{store_port}"
+    # A restarted app has the same app id, hence the same run directory to resume.
+    resume = resume or ("auto" if max_retries > 0 else "")
     common_env = {
         # One secret per app, made when the app is defined: messages without it are refused.
         "LLAMARL_SECRET": secrets.token_hex(32),
@@ -91,6 +104,7 @@ def llamarl(
         f"--steps {steps} --max-staleness {max_staleness} --rewards '{rewards}'",
         f"--policy '{policy}' --runs-dir '{runs_dir}' --run-id {specs.macros.app_id}",
         f"--threads {threads} --gen-threads {threads}",
+        *([f"--resume {shlex.quote(resume)}"] if resume else []),
         *([f"--dataset {shlex.quote(dataset)}"] if dataset else []),
         # Quoted: the command runs under bash, and a value may hold spaces or a backslash
         # (--system-prompt "Put the answer in \boxed{}.").
@@ -98,14 +112,14 @@ def llamarl(
     ])
     roles = [
         _role("trainer", image, trainer_cmd, 1, trainer_cpu, trainer_gpu, trainer_mem_mb, common_env,
-              port_map={"store": store_port}),
+              max_retries, port_map={"store": store_port}),
         _role("generator", image,
               f"python -m app.generator --store-addr {store_addr} "
               f"--replica {specs.macros.replica_id} --num-generators {num_generators}",
-              num_generators, generator_cpu, generator_gpu, generator_mem_mb, common_env),
+              num_generators, generator_cpu, generator_gpu, generator_mem_mb, common_env, max_retries),
         _role("reward", image,
               f"python -m app.reward --store-addr {store_addr} --replica {specs.macros.replica_id}",
-              max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env),
+              max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env, max_retries),
     ]
     # TorchX refuses a role of zero replicas: with num_reward=0 the reward role is left
     # out (rewards are scored inline by the trainer).
@@ -113,10 +127,12 @@ def llamarl(
 
 
 def _role(name: str, image: str, cmd: str, replicas: int, cpu: int, gpu: int, mem_mb: int,
-          env: Dict[str, str], port_map: Optional[Dict[str, int]] = None) -> specs.Role:
+          env: Dict[str, str], max_retries: int, port_map: Optional[Dict[str, int]] = None) -> specs.Role:
     """One role running ``cmd`` under bash. Each role gets its own copy of ``env``:
     schedulers edit ``role.env`` in place (local_cwd prepends the cwd to PATH), and a
-    shared dict would collect every role's edits."""
+    shared dict would collect every role's edits. A retry restarts the whole app: the
+    roles only work together (one store, one weight group, one run)."""
     return specs.Role(name=name, image=image, entrypoint="bash", args=["-c", cmd],
                       num_replicas=replicas, resource=specs.Resource(cpu=cpu, gpu=gpu, memMB=mem_mb),
-                      env=dict(env), port_map=port_map or {})
+                      env=dict(env), port_map=port_map or {}, max_retries=max_retries,
+                      retry_policy=specs.RetryPolicy.APPLICATION)

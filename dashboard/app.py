@@ -116,7 +116,7 @@ def headline(run: data.Run) -> None:
 
 def throughput_tab(run: data.Run) -> None:
     chart_pair((charts.line_figure(run.scalar_series(THROUGHPUT, replicas="sum"), "Throughput (all replicas)",
-                                   y_title="tokens/s"), "tput-tokens"),
+                                   y_title="tokens/s", markers=resume_markers(run)), "tput-tokens"),
                (charts.line_figure(run.scalar_series([names.TRAIN_STEPS_PER_MIN]), "RL steps per minute",
                                    y_title="steps/min"), "tput-steps"))
     chart_pair((charts.line_figure(run.scalar_series([names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S],
@@ -157,12 +157,17 @@ def weight_sync_tab(run: data.Run) -> None:
         st.dataframe(receivers, hide_index=True)
 
 
+def resume_markers(run: data.Run) -> list[tuple[float, str]]:
+    return [(t, f"resumed at step {step}") for step, t in run.resumes()]
+
+
 def learning_tab(run: data.Run) -> None:
+    marks = resume_markers(run)
     chart_pair((charts.rewards_figure(run.rewards()), "learn-rewards"),
                (charts.line_figure(run.scalar_series([names.EVAL_ACCURACY, names.REWARD_TOTAL]),
-                                   "Accuracy and mean reward"), "learn-acc"))
-    chart_pair((charts.line_figure(run.scalar_series([names.LOSS]), "AIPO loss"), "learn-loss"),
-               (charts.line_figure(run.scalar_series([names.KL]), "KL to reference"), "learn-kl"))
+                                   "Accuracy and mean reward", markers=marks), "learn-acc"))
+    chart_pair((charts.line_figure(run.scalar_series([names.LOSS]), "AIPO loss", markers=marks), "learn-loss"),
+               (charts.line_figure(run.scalar_series([names.KL]), "KL to reference", markers=marks), "learn-kl"))
     chart_pair((charts.line_figure(run.scalar_series(AIPO), "AIPO importance ratio"), "learn-aipo"),
                (charts.line_figure(run.scalar_series([names.RESPONSE_LEN]), "Response length",
                                    y_title="tokens"), "learn-len"))
@@ -208,7 +213,8 @@ def run_page(path: Path) -> None:
         span = run.time_span()
         st.caption(f"{path} · {'still being written' if live else 'not written to in the last minute'}"
                    + ("" if span is None else f" · {span[1]:,.0f} s of events")
-                   + f" · max_staleness = {run.max_staleness}")
+                   + f" · max_staleness = {run.max_staleness}"
+                   + "".join(f" · resumed at step {step}" for step, _ in run.resumes()))
         with st.expander("Config"):
             st.json(run.config, expanded=False)
         if run.is_empty():

@@ -7,7 +7,7 @@ Time axes are seconds since the run started, switched to minutes for long runs.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -15,6 +15,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 BUSY_COLOR, IDLE_COLOR, DROPPED_COLOR, BOUND_COLOR = "#1f77b4", "#d3d7de", "#d62728", "#d62728"
+RESUME_COLOR = "#7f7f7f"
 HEIGHT = 320
 _LAYOUT = dict(height=HEIGHT, margin=dict(l=10, r=10, t=40, b=10), hovermode="x unified",
                template="plotly_white",
@@ -57,9 +58,11 @@ def empty_figure(title: str, message: str = "no data recorded yet") -> go.Figure
 
 def line_figure(df: pd.DataFrame, title: str, *, y_title: str = "", bound: float | None = None,
                 bound_label: str = "", run_column: str | None = None,
-                colors: Mapping[str, str] | None = None) -> go.Figure:
+                colors: Mapping[str, str] | None = None,
+                markers: Sequence[tuple[float, str]] = ()) -> go.Figure:
     """One line per series of a ``scalar_series`` frame (per run too, with ``run_column``,
-    coloured by ``colors[run]``)."""
+    coloured by ``colors[run]``); ``markers``: ``(seconds since start, label)`` drawn as
+    vertical lines (where a run was resumed)."""
     if df.empty:
         return empty_figure(title)
     x, x_title = _time_axis(df["t"])
@@ -81,6 +84,10 @@ def line_figure(df: pd.DataFrame, title: str, *, y_title: str = "", bound: float
     if bound is not None:
         fig.add_hline(y=bound, line=dict(color=BOUND_COLOR, dash="dash"),
                       annotation_text=bound_label or f"bound {bound:g}", annotation_position="top left")
+    scale, _ = _time_scale(df["t"])
+    for t, label in markers:
+        fig.add_vline(x=t / scale, line=dict(color=RESUME_COLOR, dash="dot"), annotation_text=label,
+                      annotation_position="top right")
     fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, showlegend=True, **_LAYOUT)
     return fig
 

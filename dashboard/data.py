@@ -37,7 +37,7 @@ from typing import Any, Literal, Sequence
 import pandas as pd
 
 from app import names
-from app.metrics import COLUMNS, DB_NAME, LAST_CHECKPOINT, SCHEMA_VERSION, TABLES
+from app.metrics import COLUMNS, DB_NAME, LAST_CHECKPOINT, RESUMED, SCHEMA_VERSION, TABLES
 
 CONFIG_NAME = "config.json"
 # A run whose database changed this recently is shown as live and refreshed.
@@ -474,6 +474,15 @@ class Run:
             return int(value["step"]), str(value["path"])
         except (TypeError, ValueError, KeyError):
             return None
+
+    def resumes(self) -> list[tuple[int, float]]:
+        """``(step, seconds since start)`` of each time the run was resumed from a
+        checkpoint (``meta.resumed``), read now; empty when never or unreadable."""
+        raw = self._one("SELECT value FROM meta WHERE key = ?", [RESUMED])
+        try:
+            return [(int(r["step"]), float(r["t"]) - self.t0) for r in json.loads(raw)]
+        except (TypeError, ValueError, KeyError):
+            return []
 
     def _recent_rate(self, name: str, window_s: float) -> float | None:
         # Mean per replica over the window ending at that scalar's newest row, then summed:

@@ -195,3 +195,25 @@ def test_plain_dryrun_uses_the_repo_torchxconfig(cli):
     assert "local_cwd://" in out, "scheduler local_cwd from [cli:run]"
     assert "'name': 'llamarl'" in out and "-m app.trainer" in out, "component llamarl.llamarl"
     assert "runs/torchx-logs" in out, "log_dir from [local_cwd]"
+
+
+def test_resume_and_application_retries_reach_the_trainer_and_every_role():
+    plain = llamarl()
+    assert "--resume" not in roles(plain)["trainer"].args[-1]
+    assert all(r.max_retries == 0 for r in plain.roles)
+    named = llamarl(resume="llamarl-abc")
+    assert "--resume llamarl-abc" in roles(named)["trainer"].args[-1]
+    # Retries restart the whole app, which then resumes its own run by itself.
+    retried = llamarl(max_retries=3, num_reward=1)
+    assert "--resume auto" in roles(retried)["trainer"].args[-1]
+    assert f"--run-id {specs.macros.app_id}" in roles(retried)["trainer"].args[-1]
+    assert {(r.max_retries, r.retry_policy) for r in retried.roles} == {(3, specs.RetryPolicy.APPLICATION)}
+    assert "--resume llamarl-abc" in roles(llamarl(max_retries=1, resume="llamarl-abc"))["trainer"].args[-1]
+
+
+def test_slurm_requeues_a_retried_app():
+    info = get_runner().dryrun_component(
+        "llamarl.llamarl", ["--max_retries", "2", "--store_port", str(PORT)], scheduler="slurm", cfg={})
+    script = info.request.materialize()
+    assert "TORCHX_MAX_RETRIES=2" in script and "scontrol requeue" in script
+    assert "--resume auto" in info.request.replicas["trainer-0"].args[-1]

@@ -194,3 +194,31 @@ def test_live_run_is_read_while_it_is_written(tmp_path):
             assert run.headline().step > first  # the same read-only connection sees new commits
             assert run.scalar_series(["loss"])["n"].sum() >= first + 5
         assert [i.live for i in data.list_runs(tmp_path)] == [True]
+
+
+def test_a_resumed_run_is_one_run_with_a_marker_and_no_lost_steps_twice(tmp_path):
+    """The trainer's writer resumed at step 2 (saved at t=102): what the crashed attempt
+    recorded after the checkpoint is gone, the resumed steps are there once, marked."""
+    run_dir = tmp_path / "r"
+    writer = m.MetricsWriter(run_dir, run_id="r", config={"max_staleness": 1})
+    writer.write([m.scalar("loss", float(s), role="trainer", step=s, t=100.0 + s) for s in range(1, 5)]
+                 + [m.scalar("gen/tokens_per_s", 1.0, role="generator", t=t) for t in (101.0, 103.5)]
+                 + [m.staleness(s, s - 1, 1, True) | {"t": 100.0 + s} for s in range(1, 5)]
+                 + [m.interval("busy", "train", 101.0, 101.5, role="trainer"),
+                    m.interval("busy", "train", 103.0, 103.5, role="trainer")])
+    writer.close(finished=False)
+    again = m.MetricsWriter(run_dir, run_id="r", config={"max_staleness": 1})
+    again.resume_at(2, 102.0)
+    again.write([m.scalar("loss", -float(s), role="trainer", step=s, t=200.0 + s) for s in (3, 4)])
+    again.close()
+    with data.open_run(run_dir) as run:
+        loss = run.scalar_series(["loss"])
+        assert list(loss["step"]) == [1, 2, 3, 4] and list(loss["value"]) == [1.0, 2.0, -3.0, -4.0]
+        assert list(run.scalar_series(["gen/tokens_per_s"])["t"]) == [101.0 - run.t0]
+        assert len(run.intervals()) == 1
+        assert list(raw(run_dir, "SELECT step FROM staleness")["step"]) == [1, 2]
+        ((step, t),) = run.resumes()
+        assert step == 2 and t > 0
+        assert not run.is_live()  # finished after the resume
+        fig = charts.line_figure(loss, "loss", markers=[(t, "resumed at step 2")])
+        assert fig.layout.shapes[0].x0 == t and fig.layout.annotations[0].text == "resumed at step 2"
