@@ -96,6 +96,8 @@ class Trainer:
             resume = train_state.find_resume(cfg.runs_dir, cfg.run_id, cfg.resume)
             if resume is not None:
                 resume.check(self._config_dict(), steps=cfg.steps)
+            elif cfg.resume:
+                log.info("--resume auto: no run to resume in %s; starting run %s", cfg.runs_dir, cfg.run_id)
             sources = data.read(cfg, log=log.info)
             policy = data.resolve_policy(cfg.policy, log=log.info)
             self.data = data.prepare(sources, cfg, load_tokenizer(policy), log=log.info)

@@ -1,8 +1,9 @@
 """Checkpoint and resume through TorchX, as a user would: a run killed after its step-2
-checkpoint is resumed with --resume; it continues the same run directory and metrics
-database, trains the remaining steps on the same prompts in the same order, and every
-step is recorded once. A resume that cannot work fails before anything trains and
-leaves the run as it was."""
+checkpoint is started again with ``--resume auto`` (what a scheduler's application retry
+does); it continues the same run directory and metrics database, trains the remaining
+steps on the same prompts in the same order, and every step is recorded once. A resume
+that cannot work fails before anything trains and leaves the run as it was; a finished
+run goes on for more steps with ``--resume RUN_ID``, on two trainer ranks."""
 
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ def seen(prompt, completion, meta):
 '''
 
 
-def _launch(policy, tmp_path, record, *flags, steps=STEPS):
+def _launch(policy, tmp_path, record, *flags, steps=STEPS, nproc=1):
     # Synchronous with one generator: step s trains slots (s-1)*B .. s*B-1, in order.
-    return launch(policy, tmp_path, steps=steps, num_generators=1, max_staleness=0,
+    return launch(policy, tmp_path, steps=steps, num_generators=1, max_staleness=0, nproc=nproc,
                   rewards="math_verifier,record_prompts:seen=0",
                   extra=[*SMALL, "--eval-every", "100", "--save-every", "2", *flags],
                   env={"PYTHONPATH": str(tmp_path / "plugins"), "LLAMARL_TEST_PROMPTS": str(record)})
@@ -49,8 +50,11 @@ def test_a_killed_run_resumes_from_its_checkpoint(tiny_policy, tmp_path):
     (tmp_path / "plugins").mkdir()
     (tmp_path / "plugins" / "record_prompts.py").write_text(RECORDER)
     first, second = tmp_path / "first.txt", tmp_path / "second.txt"
-    with _launch(tiny_policy, tmp_path, first) as app:
-        run_dir = app.runs_dir / app.app_id
+    run_id = "resumed-run"
+    auto = ["--run-id", run_id, "--resume", "auto"]  # after the component's own --run-id
+    with _launch(tiny_policy, tmp_path, first, *auto) as app:
+        app.wait_for_log("trainer", "no run to resume", timeout_s=120)
+        run_dir = app.runs_dir / run_id
         deadline = time.monotonic() + 240
         while not (run_dir / "checkpoints" / "step-2").is_dir():
             assert time.monotonic() < deadline, app.logs_tail()
@@ -58,11 +62,10 @@ def test_a_killed_run_resumes_from_its_checkpoint(tiny_policy, tmp_path):
             time.sleep(0.2)
         app.runner.cancel(app.handle)  # every process of the app killed: a crash
         assert app.wait() != AppState.SUCCEEDED
-        run_id = app.app_id
     state = json.loads((run_dir / "checkpoints" / "step-2" / "train_state" / "state.json").read_text())
     assert state["step"] == 2 and state["ledger"] == {"frontier": 2 * PROMPTS_PER_STEP, "done": []}
 
-    with _launch(tiny_policy, tmp_path, second, "--resume", run_id) as app:
+    with _launch(tiny_policy, tmp_path, second, *auto) as app:
         assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
         assert f"resuming run {run_id} at step 2" in app.log("trainer"), app.logs_tail()
     assert not (app.runs_dir / app.app_id).exists(), "the resume continued the old run directory"
@@ -103,3 +106,14 @@ def test_a_killed_run_resumes_from_its_checkpoint(tiny_policy, tmp_path):
             assert message in app.log("trainer"), app.logs_tail()
     assert (rows(db, "SELECT COUNT(*) FROM scalars"), sorted(p.name for p in run_dir.rglob("*"))) == before
     assert not (tmp_path / "refused.txt").exists(), "a refused resume generated rollouts"
+
+    # A finished run trains on: two more steps, now on two trainer ranks (the training
+    # state is loaded and saved collectively, the ranks' slot ledgers merged).
+    with _launch(tiny_policy, tmp_path, tmp_path / "third.txt", "--resume", run_id, steps=6, nproc=2) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+    steps = [s for (s,) in rows(db, f"SELECT step FROM scalars WHERE name = '{names.TRAIN_VERSION}' "
+                                    "AND replica = 0 ORDER BY t")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    state = json.loads((run_dir / "checkpoints" / "step-6" / "train_state" / "state.json").read_text())
+    assert state["ledger"] == {"frontier": 6 * PROMPTS_PER_STEP, "done": []}
+    assert [r["step"] for r in json.loads(dict(rows(db, "SELECT key, value FROM meta"))[RESUMED])] == [2, 4]
