@@ -222,3 +222,9 @@ def test_a_resumed_run_is_one_run_with_a_marker_and_no_lost_steps_twice(tmp_path
         assert not run.is_live()  # finished after the resume
         fig = charts.line_figure(loss, "loss", markers=[(t, "resumed at step 2")])
         assert fig.layout.shapes[0].x0 == t and fig.layout.annotations[0].text == "resumed at step 2"
+    # Resumed before any checkpoint (step 0): nothing of the earlier attempts is kept.
+    third = m.MetricsWriter(run_dir, run_id="r", config={"max_staleness": 1})
+    third.resume_at(-1, 0.0)
+    third.close(finished=False)
+    with data.open_run(run_dir) as run:
+        assert run.is_empty() and [s for s, _ in run.resumes()] == [2, 0]

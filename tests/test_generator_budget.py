@@ -14,6 +14,7 @@ import pytest
 
 from app import names
 from app.generator import SlotBudget
+from app.train_state import SlotLedger
 from app.transport import connect_store, host_store
 
 B = 4  # groups per step
@@ -118,3 +119,18 @@ def test_synchronous_budget_gives_exactly_the_next_step(store):
         step_slots = range(version * B, (version + 1) * B)
         assert got == list(step_slots)
         assert {n // B + 1 for n in got} == {version + 1}
+
+
+def test_after_a_resume_the_slots_lost_in_flight_come_first(store):
+    """Resumed at step 2 (B=4, max_staleness 1): the checkpoint consumed slots 0-6 and 8;
+    7 was in flight at the crash. The counter restarts at the 8 consumed, and the same
+    staleness cap hands out 7 first, then fresh slots from 9: none twice, none skipped."""
+    ledger = SlotLedger()
+    for slot in [*range(7), 8]:
+        ledger.consume(slot)
+    store.set(names.RESERVED_KEY, str(ledger.count))
+    budget = SlotBudget(store, groups_per_step=B, max_staleness=1, ledger=ledger)
+    reserved = budget.reserve(100, version=2)
+    assert reserved == range(8, cap(2, 1))
+    assert budget.slot_ids(reserved) == [7, *range(9, 16)]
+    assert budget.reserve(1, version=2) == range(0)
