@@ -31,9 +31,11 @@ import json
 import random
 import re
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -178,13 +180,23 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns at every save and load without a process group; one trainer process
+    (no torchrun group) is this project's plain case, not a mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          state: dict[str, Any] | None) -> None:
     """Every trainer rank: model and optimizer into ``path`` with DCP (a collective);
     ``state`` (rank 0 passes it, the others None) into ``path/state.json`` after it."""
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path), no_dist=not _distributed())
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path), no_dist=not _distributed())
     if state is not None:
         (path / STATE_FILE).write_text(json.dumps({"format": FORMAT, "saved_at": time.time(), **state}))
 
@@ -193,7 +205,8 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     """Every trainer rank: model and optimizer from ``path`` (a collective), in place."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     sd = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(sd, checkpoint_id=str(path), no_dist=not _distributed())
+    with _quiet_single_process():
+        dcp.load(sd, checkpoint_id=str(path), no_dist=not _distributed())
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
 
 
@@ -281,7 +294,7 @@ def find_resume(runs_dir: str | Path, run_id: str, resume: str) -> Resume | None
     step, path = saved[-1]
     state = _json(path / DIR_NAME / STATE_FILE)
     if not state:
-        raise ResumeError(f"checkpoint {path} has no training state ({DIR_NAME}/{STATE_FILE}): it holds "
+        raise ResumeError(f"checkpoint {path} has no readable training state ({DIR_NAME}/{STATE_FILE}): it holds "
                           "the policy only and cannot be resumed; start a new run with --policy "
                           f"{path}")
     if state.get("format") != FORMAT or state.get("step") != step:

@@ -135,7 +135,7 @@ def test_a_run_without_checkpoint_or_training_state_is_refused(tmp_path):
 
 def test_a_policy_only_checkpoint_is_refused(tmp_path):
     _save_run(tmp_path, 1, with_state=False)
-    with pytest.raises(ResumeError, match="has no training state"):
+    with pytest.raises(ResumeError, match="has no readable training state"):
         find_resume(tmp_path / "runs", "", "r1")
 
 
