@@ -47,6 +47,13 @@ def test_a_group_round_trips_exactly_through_the_wire_format():
         assert b.group_id == GroupId(2, 17) and b.advantage is None
 
 
+def test_the_slot_travels_when_the_generator_set_one():
+    group = make_group()
+    assert "slot" not in wire(group) and from_message(wire(group)).slot is None
+    group.slot = 41
+    assert from_message(wire(group)).slot == 41
+
+
 def test_an_unscored_group_has_no_results():
     got = from_message(wire(make_group()))
     assert not got.scored and all(r.reward is None for r in got.rollouts)
@@ -66,6 +73,8 @@ def _break(edit) -> dict:
     (lambda m: m.update(version="5"), "wrong_type", "version"),
     (lambda m: m.update(version=True), "wrong_type", "version"),
     (lambda m: m.update(seq=-1), "bad_value", "generator/seq/version"),
+    (lambda m: m.update(slot=-1), "bad_value", "slot"),
+    (lambda m: m.update(slot=2.0), "wrong_type", "slot"),
     (lambda m: m.update(prompt=None), "wrong_type", "prompt"),
     (lambda m: m.update(task=[1]), "wrong_type", "task"),
     (lambda m: m["completion_ids"].__setitem__(0, [10]), "wrong_type", "completion_ids[0]"),
