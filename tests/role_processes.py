@@ -1,8 +1,10 @@
 """Helpers for tests that run roles in real processes against a store on loopback."""
 
 import multiprocessing as mp
+import time
+import traceback
 
-from app.transport import host_store
+from app.transport import connect_store, host_store
 
 
 def forkserver_context():
@@ -17,3 +19,34 @@ def forkserver_context():
 def loopback_store(timeout_s: float):
     """A fresh store server on a free loopback port (``.port`` says which)."""
     return host_store(0, None, timeout_s=timeout_s, host="127.0.0.1")
+
+
+def run_roles(role_fn, world_size: int, port: int, timeout_s: float, *args) -> list[tuple[int, str]]:
+    """Run ``role_fn(store, rank, world_size, *args)`` in ``world_size`` processes, each
+    with its own client of the store at ``port``; their outcomes by rank (a string that
+    starts with ``ERROR`` for an exception, with its traceback)."""
+    ctx = forkserver_context()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=role_entry, args=(role_fn, rank, world_size, port, results, *args))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    out = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        for _ in procs:
+            out.append(results.get(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+    return sorted(out)
+
+
+def role_entry(role_fn, rank, world_size, port, results, *args) -> None:
+    try:
+        store = connect_store(f"127.0.0.1:{port}", timeout_s=30)
+        results.put((rank, role_fn(store, rank, world_size, *args)))
+    except BaseException as e:
+        results.put((rank, f"ERROR {type(e).__name__}: {e}\n{traceback.format_exc()}"))

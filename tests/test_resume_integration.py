@@ -3,7 +3,8 @@ checkpoint is started again with ``--resume auto`` (what a scheduler's applicati
 does); it continues the same run directory and metrics database, trains the remaining
 steps on the same prompts in the same order, and every step is recorded once. A resume
 that cannot work fails before anything trains and leaves the run as it was; a finished
-run goes on for more steps with ``--resume RUN_ID``, on two trainer ranks."""
+run goes on for more steps with ``--resume RUN_ID``. (Two trainer ranks saving and
+loading collectively: tests/test_train_state.py.)"""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ def seen(prompt, completion, meta):
 '''
 
 
-def _launch(policy, tmp_path, record, *flags, steps=STEPS, nproc=1):
+def _launch(policy, tmp_path, record, *flags, steps=STEPS):
     # Synchronous with one generator: step s trains slots (s-1)*B .. s*B-1, in order.
-    return launch(policy, tmp_path, steps=steps, num_generators=1, max_staleness=0, nproc=nproc,
+    return launch(policy, tmp_path, steps=steps, num_generators=1, max_staleness=0,
                   rewards="math_verifier,record_prompts:seen=0",
                   extra=[*SMALL, "--eval-every", "100", "--save-every", "2", *flags],
                   env={"PYTHONPATH": str(tmp_path / "plugins"), "LLAMARL_TEST_PROMPTS": str(record)})
@@ -107,12 +108,10 @@ def test_a_killed_run_resumes_from_its_checkpoint(tiny_policy, tmp_path):
     assert (rows(db, "SELECT COUNT(*) FROM scalars"), sorted(p.name for p in run_dir.rglob("*"))) == before
     assert not (tmp_path / "refused.txt").exists(), "a refused resume generated rollouts"
 
-    # A finished run trains on: two more steps, now on two trainer ranks (the training
-    # state is loaded and saved collectively, the ranks' slot ledgers merged).
-    with _launch(tiny_policy, tmp_path, tmp_path / "third.txt", "--resume", run_id, steps=6, nproc=2) as app:
+    # A finished run trains on: two more steps.
+    with _launch(tiny_policy, tmp_path, tmp_path / "third.txt", "--resume", run_id, steps=6) as app:
         assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
-    steps = [s for (s,) in rows(db, f"SELECT step FROM scalars WHERE name = '{names.TRAIN_VERSION}' "
-                                    "AND replica = 0 ORDER BY t")]
+    steps = [s for (s,) in rows(db, f"SELECT step FROM scalars WHERE name = '{names.TRAIN_VERSION}' ORDER BY t")]
     assert steps == [1, 2, 3, 4, 5, 6]
     state = json.loads((run_dir / "checkpoints" / "step-6" / "train_state" / "state.json").read_text())
     assert state["ledger"] == {"frontier": 6 * PROMPTS_PER_STEP, "done": []}

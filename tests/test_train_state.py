@@ -14,6 +14,7 @@ from app import checkpoint, policy, train_state
 from app.metrics import DB_NAME
 from app.train_state import Resume, ResumeError, SlotLedger, find_resume
 from app.weight_layout import flatten_parameters_
+from role_processes import loopback_store, run_roles
 
 
 def _trainer_model(seed: int = 0):
@@ -161,3 +162,37 @@ def test_a_failing_training_state_leaves_no_checkpoint(tmp_path):
     with pytest.raises(RuntimeError, match="collective failed"):
         checkpoint.save(model, tokenizer, tmp_path, 1, extra=fails)
     assert list(tmp_path.iterdir()) == []
+
+
+def _two_trainer_ranks(store, rank: int, world_size: int, path: str) -> str:
+    """A data-parallel trainer rank: save the training state collectively, merge the
+    ranks' slot ledgers, then load the state into a fresh model and optimizer."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        model, _, optimizer = _trainer_model()
+        _step(model, optimizer)  # the same data on both ranks: replicas stay equal
+        ledger = SlotLedger()
+        for slot in range(rank, 8, 2) if rank == 0 else (1, 3, 7):
+            ledger.consume(slot)
+        merged = ledger.gathered()
+        train_state.save(path, model, optimizer, {"step": 1} if rank == 0 else None)
+        fresh, _, fresh_opt = _trainer_model()
+        train_state.load(path, fresh, fresh_opt)
+        _step(model, optimizer)
+        _step(fresh, fresh_opt)
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+        return f"{merged.frontier} {sorted(merged.done)} {same}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_two_trainer_ranks_save_and_load_collectively(tmp_path):
+    store = loopback_store(timeout_s=60)
+    results = run_roles(_two_trainer_ranks, 2, store.port, 120, str(tmp_path / "train_state"))
+    # Slots 0, 2, 4, 6 and 1, 3, 7: all up to 4, then 6 and 7 (5 was in flight).
+    assert results == [(0, "5 [6, 7] True"), (1, "5 [6, 7] True")]
+    assert json.loads((tmp_path / "train_state" / train_state.STATE_FILE).read_text())["step"] == 1

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 
 import pytest
 import torch
 from torch import nn
 
-from app.transport import connect_store
 from app.weight_sync import (
     WeightGroup,
     WeightLayoutError,
@@ -20,7 +18,7 @@ from app.weight_sync import (
     flatten_parameters_,
     init_weight_group,
 )
-from role_processes import forkserver_context, loopback_store
+from role_processes import forkserver_context, loopback_store, role_entry as _entry, run_roles as _run
 
 pytestmark = pytest.mark.integration
 
@@ -46,35 +44,6 @@ def flattened(params: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.T
     """``params`` as a generator holds them: views of one flat buffer per dtype."""
     flatten_parameters_([p for _, p in params])
     return params
-
-
-def _run(role_fn, world_size: int, port: int, timeout_s: float, *args) -> list[tuple[int, str]]:
-    """Run ``role_fn(rank, ...)`` in ``world_size`` spawned processes; their outcomes by rank."""
-    ctx = forkserver_context()
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(role_fn, rank, world_size, port, results, *args))
-             for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    out = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        for _ in procs:
-            out.append(results.get(timeout=max(1.0, deadline - time.monotonic())))
-    finally:
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-    return sorted(out)
-
-
-def _entry(role_fn, rank, world_size, port, results, *args) -> None:
-    try:
-        store = connect_store(f"127.0.0.1:{port}", timeout_s=30)
-        results.put((rank, role_fn(store, rank, world_size, *args)))
-    except BaseException as e:
-        results.put((rank, f"ERROR {type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
 def _wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
