@@ -186,3 +186,13 @@ def test_parse_levels():
 def test_configs_keyword_only():
     with pytest.raises(TypeError):
         TrainerConfig(10)  # type: ignore[misc]
+
+
+def test_raising_parser_raises_config_error_and_says_flags_use_dashes():
+    parser = cli.RaisingParser(prog="app.trainer")
+    cli.add_config_args(parser, TrainerConfig)
+    with pytest.raises(cli.ConfigError, match=r"app.trainer: unrecognized arguments: --group_size 4 "
+                                              r"\(flags are spelled with dashes"):
+        parser.parse_args(["--group_size", "4"])
+    with pytest.raises(cli.ConfigError, match="invalid int value"):
+        parser.parse_args(["--steps", "many"])

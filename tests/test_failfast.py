@@ -1,0 +1,114 @@
+"""Every failure ends the whole app, non-zero, naming its cause, with no process left:
+``llamarl.llamarl`` launched through TorchX's runner on local_cwd (``app_launch``), one
+fault per test. How fast each ends is measured by ``benchmarks/faults.py``, not here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from torchx.specs import AppState
+
+from app_launch import APP_TIMEOUT_S, SMALL, App, launch
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+# A stuck app fails its test long before APP_TIMEOUT_S: these apps end in seconds.
+FAIL_TIMEOUT_S = 120.0
+# Processes of an app that ended: a trainer rank whose torchrun agent was killed exits on
+# its own, shortly after the others (it is in a session of its own, out of the
+# scheduler's reach).
+LEFTOVER_TIMEOUT_S = 60.0
+
+
+def app_processes(app: App) -> list[str]:
+    """``pid command`` of every process whose command line carries this app's id."""
+    out = subprocess.run(["pgrep", "-af", app.app_id], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if not line.startswith(f"{os.getpid()} ")]
+
+
+def last_lines(text: str, n: int = 3) -> str:
+    return "\n".join([line for line in text.splitlines() if line.strip()][-n:])
+
+
+def assert_fails_naming(app: App, cause: str, *, stopped: tuple[tuple[str, int], ...] = (("generator", 0),),
+                        trainer_cause: str | None = None) -> None:
+    """The app ends FAILED; the error ``torchx run`` prints names ``cause``, and so do the
+    last lines of the trainer's log and of each role in ``stopped`` (which stopped
+    because of it); then no process of the app is left."""
+    state = app.wait(timeout_s=FAIL_TIMEOUT_S)
+    assert state == AppState.FAILED, app.logs_tail()
+    status = app.runner.status(app.handle)
+    assert cause in status.structured_error_msg, (status.structured_error_msg, app.logs_tail())
+    trainer = last_lines(app.log("trainer"))
+    assert (trainer_cause or cause) in trainer, app.logs_tail()
+    assert "ChildFailedError" not in trainer
+    for role, replica in stopped:
+        tail = last_lines(app.log(role, replica), 1)
+        assert "stopping: " in tail and cause in tail, (role, replica, app.logs_tail())
+    deadline = time.monotonic() + LEFTOVER_TIMEOUT_S
+    while (left := app_processes(app)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes outlived the app: {left}"
+
+
+# --------------------------------------------------------------------------- start-up typos
+
+def test_a_bad_trainer_flag_ends_every_role(tiny_policy, tmp_path):
+    with launch(tiny_policy, tmp_path, num_generators=1, extra=[*SMALL, "--group-size", "1"]) as app:
+        assert_fails_naming(app, "group_size must be >= 2")
+
+
+def test_steps_0_ends_every_role(tiny_policy, tmp_path):
+    with launch(tiny_policy, tmp_path, steps=0, num_generators=2, num_reward=1) as app:
+        assert_fails_naming(app, "steps must be >= 1, got 0",
+                            stopped=(("generator", 0), ("generator", 1), ("reward", 0)))
+
+
+def test_an_unknown_reward_ends_every_role(tiny_policy, tmp_path):
+    with launch(tiny_policy, tmp_path, num_generators=1, rewards="math_verifer") as app:
+        assert_fails_naming(app, "unknown reward 'math_verifer'")
+
+
+def test_an_unusable_runs_dir_ends_every_role(tiny_policy, tmp_path):
+    runs_dir = tmp_path / "not-a-dir"
+    runs_dir.write_text("a file where the runs directory should be")
+    with launch(tiny_policy, tmp_path, num_generators=1, runs_dir=runs_dir) as app:
+        assert_fails_naming(app, str(runs_dir))
+
+
+# --------------------------------------------------------------------------- a role dies
+
+def kill(app: App, pattern: str, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Send ``sig`` to the one process of this app whose command line matches ``pattern``."""
+    pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 1, f"expected one process matching {pattern!r}, found {pids}"
+    os.kill(int(pids[0]), sig)
+
+
+def test_a_dead_reward_executor_ends_the_app_while_the_trainer_waits(tiny_policy, tmp_path):
+    with launch(tiny_policy, tmp_path, steps=60, num_generators=1, num_reward=1,
+                extra=[*SMALL, "--eval-every", "1000"]) as app:
+        app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
+        kill(app, f"app.reward .*--app-id {app.app_id} --replica 0")
+        assert_fails_naming(app, "reward/0")
+
+
+def test_the_dead_last_generator_ends_a_synchronous_run(tiny_policy, tmp_path):
+    with launch(tiny_policy, tmp_path, steps=60, num_generators=1, max_staleness=0,
+                extra=[*SMALL, "--eval-every", "1000"]) as app:
+        app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
+        kill(app, f"app.generator .*--app-id {app.app_id} --replica 0")
+        assert_fails_naming(app, "generator/0", stopped=())
+
+
+def test_a_killed_torchrun_agent_leaves_no_trainer_behind(tiny_policy, tmp_path):
+    with launch(tiny_policy, tmp_path, steps=60, num_generators=1,
+                extra=[*SMALL, "--eval-every", "1000"]) as app:
+        app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
+        kill(app, f"torch.distributed.run .*--app-id {app.app_id} ")
+        assert_fails_naming(app, "torchrun")
