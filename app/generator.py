@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = runtime.role_arguments("generator", __doc__.splitlines()[0])
     parser.add_argument("--num-generators", type=int, required=True, help="generators in the app")
     args = parser.parse_args(argv)
-    health.enable_crash_reports()
+    health.enable_crash_reports(names.member("generator", args.replica))
     with health.reported(), runtime.join_role("generator", args) as rt:
         run(rt, num_generators=args.num_generators, config_timeout_s=args.config_timeout_s)
 

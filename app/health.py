@@ -17,6 +17,7 @@ import faulthandler
 import json
 import logging
 import os
+import re
 import threading
 import time
 import traceback
@@ -97,15 +98,13 @@ def write_error_file(message: str, exitcode: int = 1) -> None:
 
 @contextmanager
 def reported() -> Iterator[None]:
-    """Around a role's ``main``: the cause of a failure (an exception, or a ``SystemExit``
-    whose message names another member's failure) goes to the scheduler's error file."""
+    """Around a role's ``main``: the cause of its own failure (an exception) goes to the
+    scheduler's error file. A role that stops because another failed (``SystemExit``
+    naming it) writes none: TorchX shows the earliest error file of the app, which must
+    be the failed role's, not a bystander's that happened to exit first."""
     try:
         yield
-    except SystemExit as e:
-        if e.code not in (0, None):
-            write_error_file(e.code if isinstance(e.code, str) else f"exit code {e.code}")
-        raise
-    except BaseException as e:
+    except Exception as e:
         write_error_file(f"{type(e).__name__}: {e}")
         raise
 
@@ -119,10 +118,37 @@ def read_error_file(path: str) -> str | None:
         return None
 
 
-def enable_crash_reports() -> None:
-    """On SIGSEGV, SIGABRT, SIGFPE, SIGBUS or SIGILL, print every thread's Python stack to
-    stderr before the process dies: the log then names the function that crashed."""
-    faulthandler.enable(all_threads=True)
+CRASH_DIR_ENV = "LLAMARL_CRASH_DIR"
+"""Set by ``app.launch``: the trainer ranks write their crash reports there, for the
+launcher to name the crash in the app's cause."""
+_crash_files: list = []  # open for the process's life: faulthandler writes on a fatal signal
+
+
+def enable_crash_reports(member: str) -> None:
+    """On SIGSEGV, SIGABRT, SIGFPE, SIGBUS or SIGILL, write every thread's Python stack
+    before the process dies: to ``$LLAMARL_CRASH_DIR/<role>-<replica>.txt`` when set,
+    else to stderr (the role's log then names the function that crashed)."""
+    crash_dir = os.environ.get(CRASH_DIR_ENV)
+    if not crash_dir:
+        faulthandler.enable(all_threads=True)
+        return
+    f = open(os.path.join(crash_dir, member.replace("/", "-") + ".txt"), "w")
+    _crash_files.append(f)
+    faulthandler.enable(file=f, all_threads=True)
+
+
+def describe_crash(member: str, report: str) -> str:
+    """One line from a faulthandler report: what killed ``member``, and the innermost
+    Python function of the thread that crashed (user code, often: a reward, a model)."""
+    fatal = next((line.removeprefix("Fatal Python error: ").strip() for line in report.splitlines()
+                  if line.startswith("Fatal Python error:")), "a fatal signal")
+    where = ""
+    current = report.split("Current thread", 1)
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', current[1] if len(current) > 1 else report)
+    if frames:
+        path, line, function = frames[0]
+        where = f" in {function} ({path}:{line})"
+    return f"{member} crashed ({fatal}){where}"
 
 
 def watch_parent(on_orphaned: Callable[[int], None]) -> threading.Thread:

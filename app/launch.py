@@ -5,8 +5,9 @@ cause as the last line.
 
 torchrun ends a failed run with its ``ChildFailedError`` banner, which names the exit code
 of a worker, not why it failed. This wrapper gives torchrun its own error file, into
-which torchrun copies the failed worker's (written by ``app.health.reported``), and
-then prints that cause last and writes it to the scheduler's error file
+which torchrun copies the failed worker's (written by ``app.health.reported``), or,
+for a worker killed by a fatal signal, reads its faulthandler report (which names the
+function that crashed); it then prints that cause last and writes it to the scheduler's error file
 (``$TORCHELASTIC_ERROR_FILE``), which ``torchx run`` prints when the app fails. A
 torchrun that dies without a worker's cause (killed, say) is named as such.
 """
@@ -38,11 +39,24 @@ def exit_description(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+def crash_cause(crash_dir: Path) -> str | None:
+    """A trainer rank that died of a fatal signal left no error file, but its faulthandler
+    report: print the report (its Python stacks) and name the crash from it."""
+    causes = []
+    for report in sorted(crash_dir.glob("*.txt")):
+        text = report.read_text(errors="replace")
+        if text.strip():
+            print(text, file=sys.stderr, flush=True)
+            causes.append(health.describe_crash(report.stem.replace("-", "/", 1), text))
+    return "; ".join(causes) or None
+
+
 def run(nproc_per_node: int, trainer_args: list[str]) -> int:
     """torchrun's exit code; on a failure the cause is printed last and in the error file."""
     with tempfile.TemporaryDirectory(prefix="llamarl-launch-") as tmp:
-        error_file = Path(tmp) / "error.json"
-        env = {**os.environ, health.ERROR_FILE_ENV: str(error_file)}
+        error_file, crash_dir = Path(tmp) / "error.json", Path(tmp) / "crashes"
+        crash_dir.mkdir()
+        env = {**os.environ, health.ERROR_FILE_ENV: str(error_file), health.CRASH_DIR_ENV: str(crash_dir)}
         proc = subprocess.Popen(torchrun_command(nproc_per_node, trainer_args), env=env)
 
         def forward(signum: int, _frame: object) -> None:
@@ -55,7 +69,7 @@ def run(nproc_per_node: int, trainer_args: list[str]) -> int:
         returncode = proc.wait()
         if returncode == 0:
             return 0
-        cause = health.read_error_file(str(error_file))
+        cause = health.read_error_file(str(error_file)) or crash_cause(crash_dir)
     if cause is None:
         cause = f"torchrun (its agent) ended without a worker's cause: {exit_description(returncode)}"
     message = f"trainer failed: {cause}"

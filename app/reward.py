@@ -64,7 +64,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = runtime.role_arguments("reward executor", __doc__.splitlines()[0]).parse_args(argv)
-    health.enable_crash_reports()
+    health.enable_crash_reports(names.member("reward", args.replica))
     with health.reported(), runtime.join_role("reward", args) as rt:
         run(rt, config_timeout_s=args.config_timeout_s)
 

@@ -46,6 +46,9 @@ from pipelines.rollouts import RolloutStream
 
 log = logging.getLogger("llamarl")
 
+RANK_CONNECT_TIMEOUT_S = 60.0
+"""Trainer ranks > 0 reach replica 0's store on their own host; torchrun starts them together."""
+
 
 def average_across_ranks(grads: list[torch.Tensor]) -> None:
     """Data parallel: every trainer rank ends with the mean gradient. One flat all-reduce
@@ -88,8 +91,8 @@ class Trainer:
             cfg = self.cfg = data.absolute_paths(cfg)
             if cfg.tensorboard:
                 summary_writer_class()  # a missing package fails here, before the run directory
-            sources = data.read(cfg, log=log.info)
             policy = data.resolve_policy(cfg.policy, log=log.info)
+            sources = data.read(cfg, log=log.info)
             self.data = data.prepare(sources, cfg, load_tokenizer(policy), log=log.info)
             rt.store.add(names.RESERVED_KEY, 0)
             rt.store.add(names.DROPPED_KEY, 0)
@@ -307,8 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
         trainer_parser().parse_args(argv)  # prints the help and exits
-    health.enable_crash_reports()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    health.enable_crash_reports(names.member("trainer", rank))
     runtime.setup_logging("trainer", rank)
     with health.reported():
         early = _early_arguments(argv)
@@ -319,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
             # Replica 0 hosts the store before it reads a single flag: whatever fails from
             # here on is published as the app's failure cause, and every role stops.
             store = (runtime.host_app_store(port, early.app_id) if rank == 0
-                     else runtime.connect_app_store(f"127.0.0.1:{port}", early.app_id, 300.0))
+                     else runtime.connect_app_store(f"127.0.0.1:{port}", early.app_id, RANK_CONNECT_TIMEOUT_S))
             with runtime.Runtime.join("trainer", rank, store) as rt:
                 if "LOCAL_RANK" in os.environ:  # under torchrun: do not outlive its agent
                     health.watch_parent(lambda pid: rt.control.mark_failed(

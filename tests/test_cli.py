@@ -151,6 +151,10 @@ def test_trainer_and_generator_flags_parse_together():
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--gen-batch-prompts", "0"], "gen_batch_prompts must be >= 1"),
+    (["--run-id", "../x"], "run_id must be one safe path component"),
+    (["--run-id", "/tmp/x"], "run_id must be one safe path component"),
+    (["--run-id", "a/b"], "run_id must be one safe path component"),
+    (["--run-id", ".."], "run_id must be one safe path component"),
 ])
 def test_trainer_generator_validation_is_an_argparse_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -6,6 +6,7 @@ fault per test. How fast each ends is measured by ``benchmarks/faults.py``, not 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -58,11 +59,6 @@ def assert_fails_naming(app: App, cause: str, *, stopped: tuple[tuple[str, int],
 
 # --------------------------------------------------------------------------- start-up typos
 
-def test_a_bad_trainer_flag_ends_every_role(tiny_policy, tmp_path):
-    with launch(tiny_policy, tmp_path, num_generators=1, extra=[*SMALL, "--group-size", "1"]) as app:
-        assert_fails_naming(app, "group_size must be >= 2")
-
-
 def test_steps_0_ends_every_role(tiny_policy, tmp_path):
     with launch(tiny_policy, tmp_path, steps=0, num_generators=2, num_reward=1) as app:
         assert_fails_naming(app, "steps must be >= 1, got 0",
@@ -79,6 +75,24 @@ def test_an_unusable_runs_dir_ends_every_role(tiny_policy, tmp_path):
     runs_dir.write_text("a file where the runs directory should be")
     with launch(tiny_policy, tmp_path, num_generators=1, runs_dir=runs_dir) as app:
         assert_fails_naming(app, str(runs_dir))
+
+
+def test_a_second_app_on_the_same_store_port_fails_and_the_first_runs_on(tiny_policy, tmp_path):
+    with launch(tiny_policy, tmp_path / "first", steps=10_000, num_generators=1,
+                extra=[*SMALL, "--eval-every", "100000"]) as first:
+        first.wait_for_log("trainer", "step 1/10000", timeout_s=APP_TIMEOUT_S)
+        with launch(tiny_policy, tmp_path / "second", num_generators=1, store_port=first.store_port) as second:
+            state = second.wait(timeout_s=FAIL_TIMEOUT_S)
+            assert state == AppState.FAILED, second.logs_tail()
+            assert f"cannot host the control store on port {first.store_port}" in last_lines(second.log("trainer"))
+            # Its generator reached the first app's store and refused it, before registering.
+            assert f"belongs to app '{first.app_id}', not to this app ('{second.app_id}')" in \
+                last_lines(second.log("generator"))
+        # The first app trains on, untouched (the test then cancels it).
+        assert first.runner.status(first.handle).state == AppState.RUNNING, first.logs_tail()
+        last_step = int(re.findall(r"step (\d+)/10000", first.log("trainer"))[-1])
+        first.wait_for_log("trainer", f"step {last_step + 1}/10000", timeout_s=APP_TIMEOUT_S)
+        assert " ERROR " not in first.log("trainer") and second.app_id not in first.log("trainer")
 
 
 # --------------------------------------------------------------------------- a role dies
@@ -112,3 +126,15 @@ def test_a_killed_torchrun_agent_leaves_no_trainer_behind(tiny_policy, tmp_path)
         app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
         kill(app, f"torch.distributed.run .*--app-id {app.app_id} ")
         assert_fails_naming(app, "torchrun")
+
+
+def test_a_crashed_trainer_is_named_with_the_function_it_crashed_in(tiny_policy, tmp_path):
+    """A fatal signal leaves no Python exception: the trainer's faulthandler report names
+    the crash and the innermost function of the thread that crashed."""
+    with launch(tiny_policy, tmp_path, steps=60, num_generators=1,
+                extra=[*SMALL, "--eval-every", "1000"]) as app:
+        app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
+        kill(app, f"python -u -m app.trainer .*--app-id {app.app_id} ", signal.SIGSEGV)
+        assert_fails_naming(app, "trainer/0 crashed (Segmentation fault) in ", stopped=())
+        # The generator lost the store with its host, and says so rather than "Connection reset".
+        assert "stopping: the control store is gone" in last_lines(app.log("generator"), 1)

@@ -58,15 +58,32 @@ def test_error_file_round_trip_in_torchelastic_format(tmp_path, monkeypatch):
     assert health.read_error_file(str(tmp_path / "none.json")) is None
 
 
-def test_reported_writes_the_cause_of_an_exception_or_a_stopping_exit(tmp_path, monkeypatch):
+def test_reported_writes_the_cause_of_a_roles_own_failure_only(tmp_path, monkeypatch):
     path = tmp_path / "error.json"
     monkeypatch.setenv(health.ERROR_FILE_ENV, str(path))
+    with pytest.raises(SystemExit), health.reported():
+        raise SystemExit("stopping: trainer/0 failed: boom")  # a bystander of another's failure
+    assert not path.exists()
     with pytest.raises(ValueError), health.reported():
         raise ValueError("no such reward")
     assert health.read_error_file(str(path)) == "ValueError: no such reward"
-    with pytest.raises(SystemExit), health.reported():
-        raise SystemExit("stopping: trainer/0 failed: boom")
-    assert health.read_error_file(str(path)) == "stopping: trainer/0 failed: boom"
+
+
+def test_a_crash_report_names_the_signal_and_the_function():
+    report = """Fatal Python error: Segmentation fault
+
+Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/work/my_reward.py", line 12 in segv
+  File "/work/app/rl.py", line 40 in score_groups
+
+Extension modules: torch (total: 1)
+"""
+    assert health.describe_crash("trainer/0", report) == \
+        "trainer/0 crashed (Segmentation fault) in segv (/work/my_reward.py:12)"
+    assert health.describe_crash("trainer/1", "") == "trainer/1 crashed (a fatal signal)"
 
 
 def test_store_port_is_fixed_or_derived_from_the_app_id():
