@@ -97,13 +97,19 @@ def write_error_file(message: str, exitcode: int = 1) -> None:
 
 
 @contextmanager
-def reported() -> Iterator[None]:
+def reported(*, stops: bool = False) -> Iterator[None]:
     """Around a role's ``main``: the cause of its own failure (an exception) goes to the
     scheduler's error file. A role that stops because another failed (``SystemExit``
-    naming it) writes none: TorchX shows the earliest error file of the app, which must
-    be the failed role's, not a bystander's that happened to exit first."""
+    naming it) writes none, unless ``stops``: TorchX shows the earliest error file of the
+    app, which must be the failed role's, not a bystander's that happened to exit first.
+    The trainer's ranks pass ``stops=True``: their error file is torchrun's, which
+    ``app.launch`` prints as the app's cause once torchrun has ended."""
     try:
         yield
+    except SystemExit as e:
+        if stops and isinstance(e.code, str):
+            write_error_file(e.code)
+        raise
     except Exception as e:
         write_error_file(f"{type(e).__name__}: {e}")
         raise

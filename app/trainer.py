@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     health.enable_crash_reports(names.member("trainer", rank))
     runtime.setup_logging("trainer", rank)
-    with health.reported():
+    with health.reported(stops=True):
         early = _early_arguments(argv)
         port = names.store_port(early.store_port, early.app_id)
         if world > 1:

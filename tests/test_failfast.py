@@ -14,7 +14,7 @@ import time
 import pytest
 from torchx.specs import AppState
 
-from app_launch import APP_TIMEOUT_S, SMALL, App, launch
+from app_launch import APP_TIMEOUT_S, SMALL, App, launch, rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -138,3 +138,14 @@ def test_a_crashed_trainer_is_named_with_the_function_it_crashed_in(tiny_policy,
         assert_fails_naming(app, "trainer/0 crashed (Segmentation fault) in ", stopped=())
         # The generator lost the store with its host, and says so rather than "Connection reset".
         assert "stopping: the control store is gone" in last_lines(app.log("generator"), 1)
+
+
+def test_a_reward_that_segfaults_in_its_worker_is_quarantined_and_the_run_goes_on(tiny_policy, tmp_path):
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    with launch(tiny_policy, tmp_path, steps=2, num_generators=1,
+                rewards="math_verifier,reward_fixtures:segv_on_every_third_length=0.1",
+                env={"PYTHONPATH": tests_dir}) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        crashed = rows(app.db(), "SELECT max(value) FROM scalars WHERE name = 'quarantined/crashed'")[0][0]
+        assert crashed and crashed > 0, app.logs_tail()
+        assert "died while scoring" in app.log("trainer")

@@ -67,6 +67,9 @@ def test_reported_writes_the_cause_of_a_roles_own_failure_only(tmp_path, monkeyp
     with pytest.raises(ValueError), health.reported():
         raise ValueError("no such reward")
     assert health.read_error_file(str(path)) == "ValueError: no such reward"
+    with pytest.raises(SystemExit), health.reported(stops=True):  # a trainer rank: the app's voice
+        raise SystemExit("stopping: generator/0 failed: boom")
+    assert health.read_error_file(str(path)) == "stopping: generator/0 failed: boom"
 
 
 def test_a_crash_report_names_the_signal_and_the_function():
