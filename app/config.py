@@ -56,6 +56,9 @@ class TrainerConfig:
     """Reward spec: comma-separated name[=weight] (see README, Rewards)."""
     reward_timeout_s: float = 30.0
     """Deadline of one reward call; a rollout whose reward misses it is quarantined."""
+    weight_sync_timeout_s: float = 30.0
+    """Deadline of one weight sync and of the weight group's rendezvous: how long a
+    generator that vanished mid-sync can hold the trainer before the survivors regroup."""
     levels: str = "1,2,3"
     """Difficulty levels of the built-in task's training and evaluation problems."""
     dataset: str = ""
@@ -130,6 +133,8 @@ class TrainerConfig:
             raise ValueError("lr, rho_max and clip_eps must be > 0")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.weight_sync_timeout_s <= 0:
+            raise ValueError(f"weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         for name in ("save_every", "keep_last"):

@@ -24,12 +24,13 @@ import time
 
 import torch
 
-from app import data, health, metrics, names, rl, runtime, transport
+from app import data, health, membership, metrics, names, rl, runtime, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import to_message
 from app.policy import load_policy
 from app.train_state import SlotLedger
-from app.weight_sync import WeightReceiver, WeightSyncError, flatten_parameters_, init_weight_group
+from app.weight_plane import ElasticReceiver
+from app.weight_sync import WeightSyncError, flatten_parameters_
 
 log = logging.getLogger("llamarl")
 
@@ -64,7 +65,7 @@ class SlotBudget:
                 return range(start, start + take)
 
 
-def run(rt: runtime.Runtime, *, num_generators: int, config_timeout_s: float) -> None:
+def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
     store = rt.store
     trainer_cfg, gen_cfg, policy_path = runtime.read_config(rt, config_timeout_s)
     if gen_cfg.gen_threads:
@@ -75,10 +76,10 @@ def run(rt: runtime.Runtime, *, num_generators: int, config_timeout_s: float) ->
     prompts = data.load(trainer_cfg, tokenizer, log=log.info)
     data.check_published(rt, prompts, config_timeout_s)
     flatten_parameters_(model)  # WeightReceiver needs it: a swap is then one copy per dtype
-    group = init_weight_group(store, rank=rt.replica + 1, world_size=num_generators + 1,
-                              device=torch.device("cpu"), timeout_s=runtime.WEIGHT_TIMEOUT_S,
-                              should_stop=rt.should_stop)
-    receiver = WeightReceiver(group, list(model.named_parameters()))
+    # Joins the weight plane's current epoch; after a break (another generator lost) or a
+    # restart of this replica it joins the next one.
+    receiver = ElasticReceiver(store, rt.replica, list(model.named_parameters()),
+                               timeout_s=trainer_cfg.weight_sync_timeout_s)
     receiver.start_background(should_stop=rt.should_stop)
     try:
         _generate_forever(rt, model, tokenizer, receiver, prompts, trainer_cfg, gen_cfg)
@@ -91,7 +92,7 @@ def run(rt: runtime.Runtime, *, num_generators: int, config_timeout_s: float) ->
             log.warning("%s", e)
 
 
-def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: WeightReceiver,
+def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticReceiver,
                       prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig) -> None:
     store = rt.store
     timeline = metrics.Timeline("generator", rt.replica)
@@ -101,6 +102,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: WeightRec
     out_queue = rt.queue(names.ROLLOUTS)
     sampling = gen_cfg.sampling()
     rng = torch.Generator().manual_seed(gen_cfg.gen_seed + 1000 * rt.replica)
+    held = membership.HeldSlots(store, names.member("generator", rt.replica))
     version: int | None = None
     sent = 0  # this generator's groups so far: the sequence half of their ids
     while True:
@@ -110,15 +112,20 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: WeightRec
                     raise transport.Stopped("stop requested")
                 time.sleep(0.005)
         version = new if new is not None else version
-        slots = budget.reserve(gen_cfg.gen_batch_prompts, version)
-        if not slots:
-            with timeline.idle("staleness_bound"):
-                while receiver.latest_version() == version:
-                    if rt.should_stop():
-                        raise transport.Stopped("stop requested")
-                    time.sleep(0.005)
-            continue
-        slot_ids = budget.slot_ids(slots)
+        # Slots lost with a dead executor first (outside the counter: it counted them
+        # already), then new ones within the staleness bound.
+        slot_ids = membership.take_lost_slots(store, gen_cfg.gen_batch_prompts)
+        if not slot_ids:
+            slots = budget.reserve(gen_cfg.gen_batch_prompts, version)
+            if not slots:
+                with timeline.idle("staleness_bound"):
+                    while receiver.latest_version() == version and not membership.lost_slots_waiting(store):
+                        if rt.should_stop():
+                            raise transport.Stopped("stop requested")
+                        time.sleep(0.005)
+                continue
+            slot_ids = budget.slot_ids(slots)
+        held.take(slot_ids)
         t0 = time.time()
         with timeline.busy("generate"):
             groups = rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slot_ids],
@@ -131,6 +138,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: WeightRec
             for group, slot in zip(groups, slot_ids):
                 group.sent_at, group.slot = time.time(), slot
                 out_queue.push(to_message(group), timeout_s=600.0, should_stop=rt.should_stop)
+                held.passed(slot)
         rollouts = [r for g in groups for r in g.rollouts]
         tokens = sum(len(r.completion_ids) for r in rollouts)
         events = metrics.scalars({names.GEN_TOKENS_PER_S: tokens / dt,
@@ -145,11 +153,11 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: WeightRec
 
 def main(argv: list[str] | None = None) -> None:
     parser = runtime.role_arguments("generator", __doc__.splitlines()[0])
-    parser.add_argument("--num-generators", type=int, required=True, help="generators in the app")
+    parser.add_argument("--num-generators", type=int, required=True, help="generators in the app (the weight plane takes its roster from the trainer)")
     args = parser.parse_args(argv)
     health.enable_crash_reports(names.member("generator", args.replica))
     with health.reported(), runtime.join_role("generator", args) as rt:
-        run(rt, num_generators=args.num_generators, config_timeout_s=args.config_timeout_s)
+        run(rt, config_timeout_s=args.config_timeout_s)
 
 
 if __name__ == "__main__":

@@ -43,12 +43,15 @@ class AppFailed(RuntimeError):
 
 def check_health(control: Control, timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
     """``AppFailed`` naming the first member that reported a failure, or every member
-    whose heartbeat has not moved for ``timeout_s``; nothing when all are alive."""
+    whose heartbeat has not moved for ``timeout_s``; nothing when all are alive.
+    Executors the controller took out of the run (``app.membership``: a lost generator
+    or reward executor while others of its role survive) are not counted as silent."""
     failures = control.failures()
     if failures:
         who, err = next(iter(failures.items()))
         raise AppFailed(f"{who} failed: {err}")
-    stale = sorted(m for m, age in control.last_heartbeats().items() if age > timeout_s)
+    gone = control.gone()
+    stale = sorted(m for m, age in control.last_heartbeats().items() if age > timeout_s and m not in gone)
     if stale:
         raise AppFailed(f"no heartbeat for {timeout_s:g} s from {', '.join(stale)}: the process is gone "
                         "(killed, out of memory, or its node was lost)")

@@ -44,6 +44,20 @@ APP_ID_KEY = _ROOT + "app_id"
 """The TorchX app id of the app whose trainer hosts this store, set before anything else:
 every role checks it before registering, so two apps never mix."""
 
+GONE_KEY = _ROOT + "gone"
+"""Append-only ``role/replica;`` list of executors the controller took out of the run
+(``app.membership``): their silence is a tolerated loss, not a failure."""
+LOST_KEY = _ROOT + "groups_lost"
+"""Groups that executors held when they were lost: their slots go back to be regenerated."""
+LOST_SLOTS = "lost_slots"
+"""Queue of the slot ids (plain decimal) lost with an executor; generators regenerate them first."""
+
+
+def held_key(member_id: str) -> str:
+    """The slots an executor holds now (JSON list: reserved or popped, not yet passed on)."""
+    return f"{_ROOT}held/{member_id}"
+
+
 WEIGHT_PLANE_PREFIX = "weights"
 """The weight plane's process group rendezvouses under this ``PrefixStore`` prefix."""
 
@@ -99,6 +113,26 @@ def weight_layout_key(handshake: int, rank: int) -> str:
 def weight_rank_present_key(rank: int) -> str:
     """Inside the weight plane's prefix: set by each rank as it joins the weight group."""
     return f"present/{rank}"
+
+
+def weight_epoch_prefix(epoch: int) -> str:
+    """The weight group of membership epoch ``epoch`` rendezvouses under this prefix."""
+    return f"{WEIGHT_PLANE_PREFIX}/{int(epoch)}"
+
+
+WEIGHT_EPOCH_KEY = "epoch"
+"""Inside the weight plane's prefix: the newest membership epoch (its number)."""
+
+
+def weight_roster_key(epoch: int) -> str:
+    """Inside the weight plane's prefix: the generators of epoch ``epoch``, in rank order (JSON)."""
+    return f"roster/{int(epoch)}"
+
+
+def weight_joins_key(replica: int) -> str:
+    """Inside the weight plane's prefix: generator ``replica``'s newest request to join,
+    ``"<token> <newest epoch it was in>"``."""
+    return f"joins/{int(replica)}"
 
 
 def weight_sync_announce_key(sync: int) -> str:
@@ -169,6 +203,22 @@ CHECKPOINT_SAVE_S = "checkpoint/save_s"
 """Seconds one checkpoint took to write, rename and prune."""
 CHECKPOINT_STEP = "checkpoint/step"
 """The step of the checkpoint just saved."""
+
+# Faults (trainer replica 0, every step).
+FAULTS_LOST_GROUPS = "faults/lost_groups"
+"""Groups lost with a dead executor and returned for regeneration (cumulative)."""
+FAULTS_DUPLICATE_GROUPS = "faults/duplicate_groups"
+"""Groups that arrived for a slot already consumed (a lost executor's group that got out
+after all, and its regenerated twin): dropped, never trained twice."""
+WEIGHT_REGROUPS = "weights/regroups"
+"""Weight groups built after the first: one per change of the generators (cumulative)."""
+MEMBERS_PREFIX = "members/"
+
+
+def members_metric(role: str) -> str:
+    """Executors of ``role`` alive now (generators, reward executors)."""
+    return MEMBERS_PREFIX + role
+
 
 # Every executor.
 IDLE_FRACTION = "idle_fraction"

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from app import health, metrics, names, rl, runtime
+from app import health, membership, metrics, names, rl, runtime
 from app.contract import Rejections, to_message
 from app.rewards import build_reward
 
@@ -32,6 +32,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
     rejections = Rejections(f"reward/{rt.replica}")
     timeline = metrics.Timeline("reward", rt.replica)
     reported: dict[str, float] = {}
+    held = membership.HeldSlots(rt.store, names.member("reward", rt.replica))
     try:
         while True:
             with timeline.idle("wait_rollouts"):
@@ -40,6 +41,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
             # The trainer checks token ids against its vocabulary again; here what matters
             # is what scoring reads.
             groups = rejections.decode(msgs, group_size=cfg.group_size)
+            held.take([g.slot for g in groups])  # lost with this executor: regenerated
             if not groups:
                 # Only bad messages: their counts still reach the metrics, once per change.
                 if (counts := rejections.metrics()) != reported:
@@ -53,6 +55,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
             with timeline.idle("queue_full"):
                 for group in groups:
                     outbox.push(to_message(group), timeout_s=600.0, should_stop=rt.should_stop)
+                    held.passed(group.slot)
             values = {names.REWARD_SAMPLES_PER_S: len(results) / max(dt, 1e-9),
                       names.IDLE_FRACTION: timeline.idle_fraction(),
                       **(reported := rejections.metrics())}

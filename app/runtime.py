@@ -33,7 +33,6 @@ METRICS_MAXLEN = 4096
 GROUPS_MAXLEN = 256  # rollout groups per queue; the staleness budget usually binds first
 HEARTBEAT_S = 1.0
 STOP_CHECK_S = 0.05  # how stale a "keep going" answer of should_stop may be
-WEIGHT_TIMEOUT_S = 120.0  # one weight sync may not take longer (the group's collective timeout)
 APP_ID_TIMEOUT_S = 10.0  # the trainer publishes the app id right after hosting the store
 STOP_ACK_TIMEOUT_S = 60.0  # trainer replica 0 keeps the store up this long for roles to read the stop
 

@@ -42,13 +42,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, cli, data, health, metrics, names, rl, runtime, steps, train_state, transport
+from app import checkpoint, cli, data, health, membership, metrics, names, rl, runtime, steps, train_state, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
-from app.weight_sync import WeightSender, flatten_parameters_, init_weight_group
+from app.weight_plane import ElasticSender
+from app.weight_sync import flatten_parameters_
 from pipelines.rollouts import RolloutStream
 
 log = logging.getLogger("llamarl")
@@ -84,6 +85,8 @@ class Trainer:
         self.tensorboard: TensorBoardMirror | None = None  # replica 0 with --tensorboard
         self.ledger = train_state.SlotLedger()  # the slots this rank consumed
         self.start_step = 0  # the checkpoint's step after a resume
+        self.duplicates = 0  # groups for a slot already consumed: dropped
+        self.membership: membership.Membership | None = None  # replica 0
 
     # --- setup ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -141,10 +144,15 @@ class Trainer:
         if self.rank == 0:
             data.wait_for_checks(rt, [names.member("generator", i) for i in range(self.num_generators)],
                                  timeout_s=900.0)
-            group = init_weight_group(rt.store, rank=0, world_size=self.num_generators + 1,
-                                      device=torch.device("cpu"), timeout_s=runtime.WEIGHT_TIMEOUT_S,
-                                      should_stop=rt.should_stop)
-            self.sender = WeightSender(group, list(self.model.named_parameters()))
+            # From here a lost generator or reward executor is survivable while others of
+            # its role are alive (app.membership); the weight plane regroups without it.
+            self.membership = membership.Membership(rt.store, {"generator": self.num_generators,
+                                                               "reward": self.num_reward})
+            self.membership.start()
+            self.sender = ElasticSender(rt.store, list(self.model.named_parameters()),
+                                        num_generators=self.num_generators, timeout_s=cfg.weight_sync_timeout_s,
+                                        gone=self.membership.gone, should_stop=rt.should_stop)
+            self.sender.start()
             self._sync()
         self.stream = RolloutStream(
             rt.queue(names.ROLLOUTS if inline else names.SCORED), reward=self.reward,
@@ -201,16 +209,24 @@ class Trainer:
                 "trainer_ranks": self.world, **cli.to_dict(self.cfg), **cli.to_dict(self.gen)}
 
     # --- the loop ----------------------------------------------------------------------
-    def _consume(self, groups: list[RolloutGroup]) -> None:
-        """Record the groups' slots as consumed (trained or dropped) in the ledger."""
+    def _consume(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
+        """Record the groups' slots as consumed (trained or dropped) in the ledger; the
+        groups to train. A group for a slot already consumed is dropped and counted: an
+        executor lost just after it passed the group on, which was then regenerated
+        (``app.membership``); its slot may be filled again, so the bound stays whole."""
+        kept = []
         for g in groups:
-            if g.slot is None:
-                continue
-            try:
-                self.ledger.consume(g.slot)
-            except ValueError:
-                raise RuntimeError(f"group {g.group_id} fills slot {g.slot}, which was already trained or "
-                                   "dropped: a generator handed out a slot twice") from None
+            if g.slot is not None:
+                try:
+                    self.ledger.consume(g.slot)
+                except ValueError:
+                    log.warning("group %s fills slot %d, already consumed: dropped (a lost executor's "
+                                "group and its regenerated twin)", g.group_id, g.slot)
+                    self.duplicates += 1
+                    self.rt.store.add(names.DROPPED_KEY, 1)
+                    continue
+            kept.append(g)
+        return kept
 
     def _on_drop(self, group: RolloutGroup, lag: int) -> None:
         self._consume([group])
@@ -298,7 +314,7 @@ class Trainer:
         for step in range(self.start_step + 1, cfg.steps + 1):
             with self.timeline.idle("wait_rollouts"):
                 groups = self.stream.next_batch()
-            self._consume(groups)
+            groups = self._consume(groups)
             t0 = time.time()
             train = None
             # Every rank decides alone: with data parallel ranks, one rank's batch may have
@@ -326,7 +342,7 @@ class Trainer:
                 if save:
                     self.save_checkpoint(step)
                 continue
-            self.rt.emit(events)
+            self.rt.emit(events + self._membership_events(step))
             self._sync()
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 self.evaluate(step)
@@ -335,6 +351,17 @@ class Trainer:
             health.check_health(self.rt.control)
             self._drain_metrics()
             log.info("%s", steps.summary(step, cfg.steps, groups, values))
+
+    def _membership_events(self, step: int) -> list[dict]:
+        """Replica 0: losses and the executors alive, for the dashboard's Executors tab."""
+        m = self.membership
+        values = {names.FAULTS_LOST_GROUPS: int(self.rt.store.add(names.LOST_KEY, 0)),
+                  names.FAULTS_DUPLICATE_GROUPS: self.duplicates,
+                  names.WEIGHT_REGROUPS: self.sender.regroups,
+                  names.members_metric("generator"): len(m.alive("generator"))}
+        if self.num_reward:
+            values[names.members_metric("reward")] = len(m.alive("reward"))
+        return metrics.scalars(values, role="trainer", step=step)
 
     def close(self, reason: str, *, failed: bool = False) -> None:
         """Every rank: stop the rollout stream's thread. Replica 0 then asks every role to
@@ -348,6 +375,8 @@ class Trainer:
             self.reward.close()  # its worker processes
         if self.rank != 0:
             return
+        if self.membership is not None:
+            self.membership.stop()
         runtime.end_app(self.rt, expected_members(self.num_generators, self.num_reward, self.world), reason,
                         failed=failed)
         if hasattr(self, "writer"):

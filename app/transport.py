@@ -269,3 +269,14 @@ class Control:
         members = _split_list(raw)
         errors = self.store.multi_get([names.failure_key(m) for m in members])
         return {m: e.decode(errors="replace") for m, e in zip(members, errors)}
+
+    # executors taken out of the run (app.membership) ----------------------------------
+    def mark_gone(self, member: str) -> None:
+        """``member`` is lost and the run goes on without it (the controller decided)."""
+        self.store.append(names.GONE_KEY, member + ";")
+
+    def gone(self) -> set[str]:
+        """Members the controller took out of the run: their silence is no failure. One
+        that came back (a restart) is alive again: its heartbeat moves."""
+        raw = self._get(names.GONE_KEY)
+        return set(_split_list(raw)) if raw is not None else set()

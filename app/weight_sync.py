@@ -101,8 +101,25 @@ class WeightGroup:
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
         return self.backend.broadcast([tensor], opts)
 
+    abandoned: threading.Event | None = None
+    """Set by the owner to give up on this group (``app.weight_plane``: a newer epoch):
+    a wait then fails within milliseconds instead of at the timeout. The collective
+    itself runs on until the timeout, so whoever sets it keeps the group and the
+    tensors it writes alive until then."""
+
     def wait(self, work: dist.Work) -> None:
-        work.wait(datetime.timedelta(seconds=self.timeout_s))
+        if self.abandoned is None:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            return
+        deadline = time.monotonic() + self.timeout_s
+        backoff = Backoff(first_s=0.0001, max_s=0.005)
+        while not work.is_completed():
+            if self.abandoned.is_set():
+                raise WeightSyncError("this weight group was given up for a newer one")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"a collective of the weight group timed out after {self.timeout_s:g} s")
+            time.sleep(backoff.next())
+        work.wait()  # raises the collective's own error, if it failed
 
     def synchronize(self) -> None:
         """Wait for the device: NCCL's ``wait`` only orders the current stream after it."""
@@ -361,6 +378,12 @@ class WeightReceiver:
         self._thread.start()
 
     def _loop(self, should_stop: Callable[[], bool] | None) -> None:
+        self.receive_until(should_stop)
+
+    def receive_until(self, should_stop: Callable[[], bool] | None) -> BaseException | None:
+        """Receive every announced version into staging in this thread until
+        ``should_stop()`` (between syncs) or a receive fails; returns that failure (also
+        raised by the next ``swap_if_newer``), ``None`` when told to stop."""
         try:
             while self._wait_announced(should_stop):
                 with self._lock:
@@ -370,6 +393,7 @@ class WeightReceiver:
                     self._stats.append(stats)
         except BaseException as e:  # surfaced to the generator by swap_if_newer()
             self._error = e
+        return self._error
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -409,12 +433,20 @@ class WeightReceiver:
 
     def stop_background(self, timeout_s: float = 10.0) -> None:
         """Stop the thread between syncs; a receive in progress is allowed to finish."""
-        if self._thread is None:
-            return
-        self._stop.set()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise WeightSyncError(f"background weight receiver did not stop within {timeout_s:g} s "
-                                  "(stuck in a sync; it ends at the group timeout)")
-        self._thread = None
+        self._thread = stop_thread(self._thread, self._stop, timeout_s, "background weight receiver")
         self._raise_if_failed()
+
+
+def stop_thread(thread: threading.Thread | None, stop: threading.Event, timeout_s: float,
+                what: str) -> None:
+    """Set ``stop`` and join ``thread`` (a receiver's, which stops between syncs);
+    ``WeightSyncError`` if it is still in a sync after ``timeout_s``. Returns ``None``,
+    for the caller's thread attribute."""
+    if thread is None:
+        return None
+    stop.set()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise WeightSyncError(f"{what} did not stop within {timeout_s:g} s "
+                              "(stuck in a sync; it ends at the group timeout)")
+    return None

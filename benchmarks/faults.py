@@ -1,6 +1,13 @@
-"""How fast a fault ends the whole app: seconds from each injected fault to the app's exit.
+"""How fast a fault ends the whole app, and what a survivable one costs.
 
     python benchmarks/faults.py --json benchmarks/results/faults.json
+    python benchmarks/faults.py --cases generator_lost --json benchmarks/results/faults_survive.json
+
+``generator_lost`` (a survivable fault): two generators, 60 steps, generator 1 SIGKILLed
+once step 15 is logged. The run must finish every step, each once, and train exactly
+steps x prompts x G rollouts; reported: the groups lost and regenerated, steps/s before
+the kill and after the regroup, seconds from the kill to the weight plane's new epoch
+(the trainer's log) and to the next training step (the metrics database).
 
 Each case launches ``llamarl.llamarl`` through TorchX's runner on local_cwd (one torch
 thread per process) and injects one fault:
@@ -22,10 +29,12 @@ with its cause in TorchX's error; the figures are medians over ``--repeats`` lau
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import signal
 import socket
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -81,35 +90,56 @@ def app_processes(app_id: str) -> list[str]:
     return [pid for pid in out if int(pid) != os.getpid()]
 
 
+def start_app(runner, policy: str, work: Path, options: list[str]) -> tuple[str, str]:
+    """Launch ``llamarl.llamarl`` on local_cwd with ``options``, logs under
+    ``work/torchx-logs``, runs under ``work/runs``; its handle and app id."""
+    args = ["--policy", policy, "--runs_dir", str(work / "runs"), "--store_port", str(free_port()),
+            "--threads", "1", *options,
+            # Roles started by name find this interpreter's environment first.
+            "--env", f"PATH={os.path.dirname(sys.executable)}", "--", *SMALL]
+    handle = runner.run_component("llamarl.llamarl", args, scheduler="local_cwd",
+                                  cfg={"log_dir": str(work / "torchx-logs")})
+    return handle, parse_app_handle(handle).app_id
+
+
+def wait_for_step(log_dir: Path, app_id: str, step: int, deadline: float, what: str) -> None:
+    """Until the trainer logs ``step``; ``TimeoutError`` at ``deadline`` (monotonic)."""
+    while f"step {step}/" not in trainer_log(log_dir, app_id):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: no step {step} in time")
+        time.sleep(0.1)
+
+
+def kill_one(pattern: str, what: str) -> None:
+    """SIGKILL the one process whose command line matches ``pattern``."""
+    pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    if len(pids) != 1:
+        raise RuntimeError(f"{what}: expected one process matching {pattern!r}, got {pids}")
+    os.kill(int(pids[0]), signal.SIGKILL)
+
+
+def wait_for_end(runner, handle: str, deadline: float, what: str):
+    """The app's final status; ``TimeoutError`` at ``deadline`` (monotonic)."""
+    while not is_terminal((status := runner.status(handle)).state):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: the app did not end in time")
+        time.sleep(0.1)
+    return status
+
+
 def run_case(case: Case, policy: str, work: Path, timeout_s: float) -> tuple[float, float]:
     """Seconds from the fault (the launch, for a start-up error) to the app's exit, as
     TorchX sees it, and to the moment no process of the app is left."""
-    log_dir, runs_dir = work / "torchx-logs", work / "runs"
-    args = ["--policy", policy, "--runs_dir", str(runs_dir), "--store_port", str(free_port()),
-            "--steps", "60", "--threads", "1", *case.options,
-            # Roles started by name find this interpreter's environment first.
-            "--env", f"PATH={os.path.dirname(sys.executable)}", "--", *SMALL]
+    log_dir = work / "torchx-logs"
     with get_runner() as runner:
         t0 = time.monotonic()
-        handle = runner.run_component("llamarl.llamarl", args, scheduler="local_cwd",
-                                      cfg={"log_dir": str(log_dir)})
-        app_id = parse_app_handle(handle).app_id
+        handle, app_id = start_app(runner, policy, work, ["--steps", "60", *case.options])
         try:
             if case.kill:
-                while "step 1/" not in trainer_log(log_dir, app_id):
-                    if time.monotonic() - t0 > timeout_s:
-                        raise TimeoutError(f"{case.name}: no first step within {timeout_s:g} s")
-                    time.sleep(0.2)
-                pattern = case.kill.format(app_id=app_id)
-                pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-                if len(pids) != 1:
-                    raise RuntimeError(f"{case.name}: expected one process matching {pattern!r}, got {pids}")
+                wait_for_step(log_dir, app_id, 1, t0 + timeout_s, case.name)
                 t0 = time.monotonic()
-                os.kill(int(pids[0]), signal.SIGKILL)
-            while not is_terminal((status := runner.status(handle)).state):
-                if time.monotonic() - t0 > timeout_s:
-                    raise TimeoutError(f"{case.name}: the app did not end within {timeout_s:g} s")
-                time.sleep(0.1)
+                kill_one(case.kill.format(app_id=app_id), case.name)
+            status = wait_for_end(runner, handle, t0 + timeout_s, case.name)
             seconds = time.monotonic() - t0
             while app_processes(app_id):
                 if time.monotonic() - t0 > timeout_s:
@@ -122,6 +152,60 @@ def run_case(case: Case, policy: str, work: Path, timeout_s: float) -> tuple[flo
         raise RuntimeError(f"{case.name}: ended {status.state} with error {status.structured_error_msg!r}")
     print(f"{case.name}: app exit {seconds:.1f} s, no process left {gone:.1f} s", file=sys.stderr)
     return seconds, gone
+
+
+SURVIVE_STEPS, SURVIVE_KILL_AFTER = 60, 15
+PROMPTS, GROUP = 4, 4  # SMALL's --prompts-per-step and --group-size
+
+
+def _log_time(line: str) -> float:
+    """``time.time()`` of a log line (``2026-12-05 07:10:33,683 trainer/0 ...``, local time)."""
+    return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def run_generator_lost(policy: str, work: Path, timeout_s: float) -> dict:
+    """Two generators, generator 1 SIGKILLed after step ``SURVIVE_KILL_AFTER``: what the
+    run trained and how long the loss held it up."""
+    log_dir, runs_dir = work / "torchx-logs", work / "runs"
+    with get_runner() as runner:
+        t0 = time.monotonic()
+        handle, app_id = start_app(runner, policy, work, ["--steps", str(SURVIVE_STEPS), "--num_generators", "2"])
+        try:
+            wait_for_step(log_dir, app_id, SURVIVE_KILL_AFTER, t0 + timeout_s, "generator_lost")
+            killed_at = time.time()
+            kill_one(f"app.generator .*--app-id {app_id} --replica 1", "generator_lost")
+            status = wait_for_end(runner, handle, t0 + timeout_s, "generator_lost")
+        finally:
+            runner.cancel(handle)
+    log = trainer_log(log_dir, app_id)
+    if f"finished {SURVIVE_STEPS} steps" not in log:
+        raise RuntimeError(f"generator_lost: the run did not finish (app {status.state}):\n{log[-3000:]}")
+    regroup_line = next(line for line in log.splitlines() if "weight plane epoch 2:" in line)
+    db = sqlite3.connect(runs_dir / app_id / "metrics.db")
+    steps = db.execute("SELECT step, t FROM scalars WHERE name = 'train/version' ORDER BY t").fetchall()
+    trained = db.execute("SELECT COUNT(*) FROM staleness WHERE used = 1").fetchone()[0]
+    last = dict(db.execute("SELECT name, value FROM scalars WHERE step = ? AND name IN "
+                           "('faults/lost_groups', 'faults/duplicate_groups', 'weights/regroups', "
+                           "'members/generator')", (SURVIVE_STEPS,)).fetchall())
+    regrouped_at = _log_time(regroup_line)
+    before = [t for s, t in steps if t < killed_at]
+    after = [t for s, t in steps if t > regrouped_at]
+    next_step_at = min(t for _, t in steps if t > killed_at)
+    rate = lambda ts: (len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) > 1 else float("nan")  # noqa: E731
+    result = {
+        "app_state": str(status.state),
+        "steps_recorded": len(steps), "each_step_once": [s for s, _ in steps] == list(range(1, SURVIVE_STEPS + 1)),
+        "rollouts_trained": trained, "rollouts_expected": SURVIVE_STEPS * PROMPTS * GROUP,
+        "lost_groups_regenerated": int(last.get("faults/lost_groups", -1)),
+        "duplicate_groups_dropped": int(last.get("faults/duplicate_groups", -1)),
+        "weight_regroups": int(last.get("weights/regroups", -1)),
+        "generators_at_end": int(last.get("members/generator", -1)),
+        "steps_per_s_before": round(rate(before), 2), "steps_per_s_after": round(rate(after), 2),
+        "kill_to_regroup_s": round(regrouped_at - killed_at, 1),
+        "kill_to_next_step_s": round(next_step_at - killed_at, 1),
+    }
+    print(f"generator_lost: {result}", file=sys.stderr)
+    return result
 
 
 def tiny_policy(out: Path) -> str:
@@ -137,7 +221,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="", help="policy directory (default: a tiny warm start)")
     parser.add_argument("--repeats", type=int, default=1, help="launches per case")
-    parser.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
+    parser.add_argument("--cases", default=",".join(c.name for c in CASES),
+                        help="comma-separated case names; add generator_lost (not in the default) for "
+                             "the survivable case")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="give up on a launch after this long")
     parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args()
@@ -146,19 +232,27 @@ def main() -> None:
         policy = args.policy or tiny_policy(Path(tmp) / "policy")
         details = {c.name: [run_case(c, policy, Path(tmp), args.timeout_s) for _ in range(args.repeats)]
                    for c in CASES if c.name in wanted}
-    result = {
-        "what": "seconds from an injected fault (start-up errors: the launch) to the app's exit as "
-                "TorchX sees it (app_exit_s) and to no process of the app left (no_process_s); "
-                "local_cwd, one torch thread per process",
-        "machine": f"{os.cpu_count()} CPU cores, shared with other test runs",
-        "app_exit_s": {name: round(statistics.median(e for e, _ in v), 1) for name, v in details.items()},
-        "no_process_s": {name: round(statistics.median(g for _, g in v), 1) for name, v in details.items()},
-        "details": {name: [[round(e, 1), round(g, 1)] for e, g in v] for name, v in details.items()},
-    }
+        survived = [run_generator_lost(policy, Path(tmp) / f"lost-{i}", args.timeout_s)
+                    for i in range(args.repeats)] if "generator_lost" in wanted else []
+    result: dict = {}
+    if details:
+        result.update({
+            "what": "seconds from an injected fault (start-up errors: the launch) to the app's exit as "
+                    "TorchX sees it (app_exit_s) and to no process of the app left (no_process_s); "
+                    "local_cwd, one torch thread per process",
+            "machine": f"{os.cpu_count()} CPU cores, shared with other test runs",
+            "app_exit_s": {name: round(statistics.median(e for e, _ in v), 1) for name, v in details.items()},
+            "no_process_s": {name: round(statistics.median(g for _, g in v), 1) for name, v in details.items()},
+            "details": {name: [[round(e, 1), round(g, 1)] for e, g in v] for name, v in details.items()},
+        })
+    if survived:
+        result["generator_lost"] = {
+            "what": f"2 generators, {SURVIVE_STEPS} steps x {PROMPTS} prompts x G={GROUP}, generator 1 "
+                    f"SIGKILLed after step {SURVIVE_KILL_AFTER}; local_cwd, one torch thread per process",
+            "machine": f"{os.cpu_count()} CPU cores, shared with other test runs", "runs": survived}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-
 
 if __name__ == "__main__":
     main()

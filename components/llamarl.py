@@ -31,6 +31,7 @@ def llamarl(
     store_port: int = 0,
     resume: str = "",
     max_retries: int = 0,
+    executor_retries: int = 3,
     threads: int = 1,
     image: str = "llamarl",
     trainer_cpu: int = 2,
@@ -69,11 +70,18 @@ def llamarl(
             id (the app id of the run), or ``auto`` for this app's own run (see
             ``--resume`` of ``python -m app.trainer``); empty: a new run
         max_retries: application restarts the scheduler may make after a failure
-            (``RetryPolicy.APPLICATION`` on every role: the whole app restarts). With
+            (``RetryPolicy.APPLICATION`` on the trainer: the whole app restarts). With
             ``max_retries > 0`` and no ``resume``, the trainer runs with ``--resume
             auto``, so a restarted app continues from its last checkpoint (save some
             with ``--save-every``). SLURM requeues the job (same job id, so the same run
             id); Kubernetes (Volcano) restarts the job; local_cwd never retries.
+        executor_retries: restarts of one lost generator or reward executor replica
+            (``RetryPolicy.REPLICA``: that replica alone restarts, rejoins the run and,
+            a generator, the weight plane at the next version). Kubernetes (Volcano)
+            restarts the pod; local_cwd and SLURM do not restart it (the run goes on with
+            the others of its role; losing the last one ends it). SLURM and Kubernetes
+            take the app's restarts as the smallest of the roles' counts, so keep
+            ``executor_retries >= max_retries``
         threads: torch threads per process (keep threads x processes <= cores on CPU)
         image: container image (kubernetes), or the directory holding the code (slurm)
         trainer_cpu: CPUs per trainer replica
@@ -121,10 +129,12 @@ def llamarl(
         _role("generator", image,
               f"python -m app.generator --store-addr {store_addr} {app_id} "
               f"--replica {specs.macros.replica_id} --num-generators {num_generators}",
-              num_generators, generator_cpu, generator_gpu, generator_mem_mb, common_env, max_retries),
+              num_generators, generator_cpu, generator_gpu, generator_mem_mb, common_env, executor_retries,
+              retry_policy=specs.RetryPolicy.REPLICA),
         _role("reward", image,
               f"python -m app.reward --store-addr {store_addr} {app_id} --replica {specs.macros.replica_id}",
-              max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env, max_retries),
+              max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env, executor_retries,
+              retry_policy=specs.RetryPolicy.REPLICA),
     ]
     # TorchX refuses a role of zero replicas: with num_reward=0 the reward role is left
     # out (rewards are scored inline by the trainer).
@@ -132,12 +142,13 @@ def llamarl(
 
 
 def _role(name: str, image: str, cmd: str, replicas: int, cpu: int, gpu: int, mem_mb: int,
-          env: Dict[str, str], max_retries: int, port_map: Optional[Dict[str, int]] = None) -> specs.Role:
+          env: Dict[str, str], max_retries: int, port_map: Optional[Dict[str, int]] = None,
+          retry_policy: specs.RetryPolicy = specs.RetryPolicy.APPLICATION) -> specs.Role:
     """One role running ``cmd`` under bash. Each role gets its own copy of ``env``:
     schedulers edit ``role.env`` in place (local_cwd prepends the cwd to PATH), and a
-    shared dict would collect every role's edits. A retry restarts the whole app: the
-    roles only work together (one store, one weight group, one run)."""
+    shared dict would collect every role's edits. The trainer's retry restarts the whole
+    app (the store and the run live in it); an executor's restarts only itself."""
     return specs.Role(name=name, image=image, entrypoint="bash", args=["-c", cmd],
                       num_replicas=replicas, resource=specs.Resource(cpu=cpu, gpu=gpu, memMB=mem_mb),
                       env=dict(env), port_map=port_map or {}, max_retries=max_retries,
-                      retry_policy=specs.RetryPolicy.APPLICATION)
+                      retry_policy=retry_policy)

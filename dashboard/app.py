@@ -39,8 +39,9 @@ THROUGHPUT = [names.GEN_TOKENS_PER_S, names.TRAIN_TOKENS_PER_S]
 LEARNING = [names.EVAL_ACCURACY, names.REWARD_TOTAL, names.LOSS, names.KL, names.RESPONSE_LEN]
 AIPO = [names.AIPO_RATIO_MEAN, names.AIPO_RATIO_MAX, names.AIPO_FRAC_TRUNCATED]
 COUNTS = [names.DROPPED_STALE, names.TRAIN_SKIPPED_STEPS]
+LOSSES = [names.FAULTS_LOST_GROUPS, names.FAULTS_DUPLICATE_GROUPS, names.WEIGHT_REGROUPS]
 # Scalars drawn by a dedicated view; the "All scalars" tab offers the rest.
-SHOWN = {*THROUGHPUT, *LEARNING, *AIPO, *COUNTS, names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S,
+SHOWN = {*THROUGHPUT, *LEARNING, *AIPO, *COUNTS, *LOSSES, names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S,
          names.TRAIN_STEPS_PER_MIN, names.TRAIN_STEP_S, names.IDLE_FRACTION, names.STALENESS_MEAN,
          names.STALENESS_MAX}
 # Prefixes of counters drawn in the Queues tab.
@@ -140,6 +141,12 @@ def executors_tab(run: data.Run) -> None:
     if not breakdown.empty:
         with st.expander("Where the time went (seconds per activity)"):
             st.dataframe(breakdown, hide_index=True)
+    members = run.scalar_series(prefix=names.MEMBERS_PREFIX)
+    if not members.empty:  # runs recorded before executors could be lost have none
+        chart_pair((charts.line_figure(members, "Executors alive", y_title="replicas"), "exec-members"),
+                   (charts.line_figure(run.scalar_series(LOSSES), "Lost executors: groups regenerated, "
+                                       "duplicates dropped, weight regroups (so far)", y_title="count"),
+                    "exec-losses"))
 
 
 def staleness_tab(run: data.Run) -> None:
@@ -186,7 +193,7 @@ def queues_tab(run: data.Run) -> None:
 
 def other_scalars_tab(run: data.Run) -> None:
     others = [s for s in run.scalar_names()
-              if s not in SHOWN and not s.startswith((names.QUEUE_PREFIX, *DROP_PREFIXES))]
+              if s not in SHOWN and not s.startswith((names.QUEUE_PREFIX, names.MEMBERS_PREFIX, *DROP_PREFIXES))]
     if not others:
         st.info("Every scalar this run records is drawn in the other tabs.")
         return

@@ -188,7 +188,8 @@ def test_cli_dryrun_for_slurm_and_kubernetes(cli):
     k8s = cli["kubernetes"].stdout
     assert "batch.volcano.sh" in k8s and "queue: default" in k8s  # queue from .torchxconfig
     for task in ("trainer-0", "generator-0", "generator-1", "reward-0"):
-        assert f"- name: {task}" in k8s
+        assert f"name: {task}\n" in k8s
+    assert k8s.count("maxRetry: 3") == 3  # each executor replica restarts alone
     assert f"${{VC_TRAINER_0_HOSTS}}:{PORT}" in k8s
 
 
@@ -210,14 +211,15 @@ def test_plain_dryrun_uses_the_repo_torchxconfig(cli):
 def test_resume_and_application_retries_reach_the_trainer_and_every_role():
     plain = llamarl()
     assert "--resume" not in roles(plain)["trainer"].args[-1]
-    assert all(r.max_retries == 0 for r in plain.roles)
+    assert roles(plain)["trainer"].max_retries == 0
     named = llamarl(resume="llamarl-abc")
     assert "--resume llamarl-abc" in roles(named)["trainer"].args[-1]
     # Retries restart the whole app, which then resumes its own run by itself.
     retried = llamarl(max_retries=3, num_reward=1)
     assert "--resume auto" in roles(retried)["trainer"].args[-1]
     assert f"--run-id {specs.macros.app_id}" in roles(retried)["trainer"].args[-1]
-    assert {(r.max_retries, r.retry_policy) for r in retried.roles} == {(3, specs.RetryPolicy.APPLICATION)}
+    trainer = roles(retried)["trainer"]
+    assert (trainer.max_retries, trainer.retry_policy) == (3, specs.RetryPolicy.APPLICATION)
     assert "--resume llamarl-abc" in roles(llamarl(max_retries=1, resume="llamarl-abc"))["trainer"].args[-1]
 
 
@@ -227,3 +229,10 @@ def test_slurm_requeues_a_retried_app():
     script = info.request.materialize()
     assert "TORCHX_MAX_RETRIES=2" in script and "scontrol requeue" in script
     assert "--resume auto" in info.request.replicas["trainer-0"].args[-1]
+
+
+def test_a_lost_executor_replica_restarts_alone():
+    app = roles(llamarl(num_generators=2, num_reward=1, executor_retries=5))
+    for role in ("generator", "reward"):
+        assert (app[role].max_retries, app[role].retry_policy) == (5, specs.RetryPolicy.REPLICA)
+    assert roles(llamarl())["generator"].max_retries == 3  # the default

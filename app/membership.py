@@ -1,0 +1,216 @@
+"""Which generators and reward executors are alive, and what a lost one leaves behind.
+
+Trainer replica 0 runs a ``Membership`` watcher thread. An executor whose heartbeat has
+not moved for ``GONE_AFTER_S`` is gone. While another of its role is alive, the loss is
+tolerated: the member is listed as gone in the store (``Control.mark_gone``, which
+``health.check_health`` on every trainer rank skips), the groups it held go back to be
+regenerated, and the run goes on. The last generator or the last reward executor is
+not tolerated: it is marked failed with a line that says so, which stops the run.
+
+What an executor holds is in the store: the slots it reserved (a generator) or the
+groups it popped (a reward executor) and has not yet passed on, under
+``names.held_key(member)``; it rewrites that list as it takes and passes groups. On a
+loss the watcher pushes those slot ids to the ``LOST_SLOTS`` queue, where generators take
+them before reserving new slots: the prompts are regenerated, none is skipped. A group
+that did get out just before its executor died arrives twice (the original and the
+regenerated one); the trainer's slot ledger drops the second (``faults/duplicate_groups``):
+nothing is trained twice.
+
+A member whose heartbeat moves again (the scheduler restarted it, same replica id) is
+alive again; a generator rejoins the weight plane at the next weight version
+(``app.weight_plane``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from app import names
+from app.transport import Control
+
+log = logging.getLogger("llamarl")
+
+GONE_AFTER_S = 5.0
+"""A generator or reward executor silent this long is gone (heartbeats every second):
+half the app's fatal ``health.HEARTBEAT_TIMEOUT_S``, so a tolerated loss is taken out
+before the health check would call it a failure."""
+WATCH_EVERY_S = 0.5
+TOLERABLE_ROLES = ("generator", "reward")
+
+
+@dataclass
+class Loss:
+    """One executor lost: when, and how many groups it held."""
+
+    member: str
+    at: float
+    groups: int
+
+
+@dataclass
+class Membership:
+    """Alive and gone executors of one app; ``poll`` once, or ``start`` the watcher."""
+
+    store: dist.Store
+    expected: dict[str, int]
+    """Replicas of each tolerable role the app was launched with (``{"generator": 2}``)."""
+    gone_after_s: float = GONE_AFTER_S
+    losses: list[Loss] = field(default_factory=list)
+    rejoined: list[str] = field(default_factory=list)
+    _gone: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.store, dist.TCPStore):
+            self.store = self.store.clone()  # the watcher's calls never queue behind the trainer's
+        self.control = Control(self.store)
+
+    # --- what the trainer asks ---------------------------------------------------------
+    def gone(self) -> set[str]:
+        with self._lock:
+            return set(self._gone)
+
+    def tolerated(self, member: str) -> bool:
+        """Whether ``member`` was lost and the run goes on without it."""
+        with self._lock:
+            return member in self._gone
+
+    def alive(self, role: str) -> list[str]:
+        """Replicas of ``role`` not taken out (registered or not yet)."""
+        with self._lock:
+            return [m for r in range(self.expected.get(role, 0))
+                    if (m := names.member(role, r)) not in self._gone]
+
+    def lost_groups(self) -> int:
+        with self._lock:
+            return sum(loss.groups for loss in self.losses)
+
+    # --- watching ------------------------------------------------------------------------
+    def poll(self) -> list[str]:
+        """Look once: the members found gone now (their held groups returned)."""
+        ages = self.control.last_heartbeats()
+        newly = []
+        for member, age in sorted(ages.items()):
+            role = member.split("/")[0]
+            if role not in TOLERABLE_ROLES:
+                continue
+            with self._lock:
+                was_gone = member in self._gone
+            if was_gone and age < self.gone_after_s:
+                with self._lock:
+                    self._gone.discard(member)
+                    self.rejoined.append(member)
+                log.warning("%s is back (restarted): it takes part again", member)
+            elif not was_gone and age > self.gone_after_s:
+                if self._take_out(member, role, ages):
+                    newly.append(member)
+        return newly
+
+    def _take_out(self, member: str, role: str, ages: dict[str, float]) -> bool:
+        survivors = [m for m in self.alive(role) if m != member and ages.get(m, 0.0) <= self.gone_after_s]
+        what = "generator" if role == "generator" else "reward executor"
+        if not survivors:
+            # Marked failed (once): the run stops, naming the member and why it cannot go on.
+            if member not in self.control.failures():
+                _, replica = member.split("/")
+                self.control.mark_failed(role, int(replica), (
+                    f"gone: no heartbeat for {self.gone_after_s:g} s (killed, out of memory, or its node "
+                    f"was lost), and it was the last {what}: no {what} is left to go on with"))
+            return False
+        groups = self._return_held(member)
+        with self._lock:
+            self._gone.add(member)
+            self.losses.append(Loss(member, time.time(), groups))
+        self.control.mark_gone(member)
+        log.error("%s is gone (no heartbeat for %g s): the run goes on with %s; %d group(s) it held "
+                  "go back to be regenerated", member, self.gone_after_s, ", ".join(survivors), groups)
+        return True
+
+    def _return_held(self, member: str) -> int:
+        """Push the slots ``member`` held to the lost-slots queue; how many."""
+        key = names.held_key(member)
+        if not self.store.check([key]):
+            return 0
+        try:
+            slots = json.loads(self.store.get(key))
+            slots = [int(s) for s in slots if isinstance(s, int) and not isinstance(s, bool) and s >= 0]
+        except (ValueError, TypeError):
+            log.error("%s held an unreadable slot list; nothing regenerated for it", member)
+            slots = []
+        for slot in slots:
+            self.store.queue_push(names.queue_key(names.LOST_SLOTS), str(slot))
+        self.store.delete_key(key)
+        if slots:
+            self.store.add(names.LOST_KEY, len(slots))
+        return len(slots)
+
+    def start(self) -> None:
+        """Watch every ``WATCH_EVERY_S`` on a daemon thread until ``stop``."""
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="membership")
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_EVERY_S):
+            try:
+                self.poll()
+            except Exception as e:  # the store is going away with the run
+                log.debug("membership watcher: %s", e)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+
+
+# --------------------------------------------------------------------------- executors
+
+
+class HeldSlots:
+    """What one executor holds, mirrored in the store for the watcher (``names.held_key``)."""
+
+    def __init__(self, store: dist.Store, member: str) -> None:
+        self.store, self.key = store, names.held_key(member)
+        self.slots: list[int] = []
+
+    def take(self, slots: list[int]) -> None:
+        self.slots = self.slots + [s for s in slots if s is not None]
+        self.store.set(self.key, json.dumps(self.slots))
+
+    def passed(self, slot: int | None) -> None:
+        """Called after the group of ``slot`` is in the next queue."""
+        if slot is None or slot not in self.slots:
+            return
+        self.slots.remove(slot)
+        self.store.set(self.key, json.dumps(self.slots))
+
+
+def take_lost_slots(store: dist.Store, max_n: int) -> list[int]:
+    """Up to ``max_n`` slot ids lost with a dead executor, to regenerate before new ones."""
+    out: list[int] = []
+    key = names.queue_key(names.LOST_SLOTS)
+    while len(out) < max_n:
+        try:
+            raw = store.queue_pop(key, block=False)
+        except dist.QueueEmptyError:
+            break
+        text = raw.decode(errors="replace")
+        if text.isdigit():
+            out.append(int(text))
+        else:
+            log.error("dropped a malformed lost slot id %r", text[:40])
+    return out
+
+
+def lost_slots_waiting(store: dist.Store) -> int:
+    """How many lost slots wait to be regenerated (a generator at its staleness bound
+    stops waiting for newer weights for them: a synchronous step needs them)."""
+    return int(store.queue_len(names.queue_key(names.LOST_SLOTS)))
