@@ -154,8 +154,8 @@ def describe_from_sacct(app_id: str, sacct_out: str) -> Optional[DescribeAppResp
     A heterogeneous job has a row per component (``<id>+<k>``, named ``<role>-<replica>``
     by torchx; a one-replica app is a plain ``<id>``) and a row per step of each
     (``<id>+<k>.0`` is the replica's srun step). Every component carries the job's state;
-    the replica whose step exited with a code of its own (not killed by a signal, as srun's
-    --kill-on-bad-exit ends the others) is the one that failed.
+    in a failed job, the replica whose step exited with a code of its own (not killed by a
+    signal, as srun's --kill-on-bad-exit ends the others) is the one that failed.
     """
     rows = list(csv.DictReader(sacct_out.splitlines(), delimiter="|"))
     components: Dict[str, Dict[str, str]] = {}
@@ -185,7 +185,8 @@ def describe_from_sacct(app_id: str, sacct_out: str) -> Optional[DescribeAppResp
         if not role or not replica.isdigit():
             continue  # sacct fills in the name a moment after the submit
         state = app_state
-        if component in failed_steps:
+        # After a cancel, roles that exit non-zero on SIGTERM (torchrun does) failed nobody.
+        if component in failed_steps and app_state == AppState.FAILED:
             state = AppState.FAILED
             failures.append(f"{row['JobName']} exited with code {failed_steps[component]}")
         if role not in roles:

@@ -88,31 +88,33 @@ HEADER = "JobID|JobName|State|ExitCode\n"
 CANCELLED = HEADER + """\
 41+0|trainer-0|CANCELLED by 0|0:0
 41+0.batch|batch|CANCELLED|0:15
-41+0.0|env|CANCELLED|0:15
+41+0.0|env|FAILED|1:0
 41+1|generator-0|CANCELLED by 0|0:0
 41+1.0|env|CANCELLED|0:15
 """
 ONE_ROLE_FAILED = HEADER + """\
-42+0|trainer-0|FAILED|2:0
-42+0.batch|batch|FAILED|2:0
-42+0.0|env|CANCELLED|0:9
-42+1|generator-0|FAILED|2:0
-42+1.0|env|FAILED|2:0
-42+2|generator-1|FAILED|2:0
-42+2.0|env|CANCELLED|0:9
+42+0|trainer-0|FAILED|15:0
+42+0.batch|batch|FAILED|15:0
+42+0.0|env|FAILED|1:0
+42+1|generator-0|FAILED|15:0
+42+1.0|env|CANCELLED|0:15
+42+2|generator-1|FAILED|15:0
+42+2.0|env|CANCELLED|0:15
 """
 
 
 def test_describe_knows_cancelled_by_a_user():
     desc = describe_from_sacct("41", CANCELLED)
     assert desc.state == AppState.CANCELLED and desc.msg == "CANCELLED by 0"
+    # torchrun exits 1 on the cancel's SIGTERM: that is no failure of the trainer's.
+    assert {r.state for s in desc.roles_statuses for r in s.replicas} == {AppState.CANCELLED}
     assert {r.name: r.num_replicas for r in desc.roles} == {"trainer": 1, "generator": 1}
 
 
 def test_describe_names_the_replica_that_failed():
     desc = describe_from_sacct("42", ONE_ROLE_FAILED)
     assert desc.state == AppState.FAILED
-    assert desc.msg == "FAILED; generator-0 exited with code 2"
+    assert desc.msg == "FAILED; trainer-0 exited with code 1"
     states = {(s.role, r.id): r.state for s in desc.roles_statuses for r in s.replicas}
     assert states == {("trainer", 0): AppState.FAILED, ("generator", 0): AppState.FAILED,
                       ("generator", 1): AppState.FAILED}
