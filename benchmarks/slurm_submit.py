@@ -2,7 +2,10 @@
 RL step and to SUCCEEDED, on the cluster that answers (deploy/slurm/local-cluster.sh).
 
     deploy/slurm/local-cluster.sh up
-    python benchmarks/slurm_submit.py --policy /path/to/policy --json benchmarks/results/slurm_submit.json
+    python -m app.warmstart --out /tmp/tiny-policy --steps 4 --batch-size 8 --train-size 64 --eval-size 2
+    python benchmarks/slurm_submit.py --policy /tmp/tiny-policy --json benchmarks/results/slurm_submit.json
+
+(A tiny warm start, as the tests use: this measures the deployment, not the learning.)
 
 Each repeat submits the app (trainer, ``--generators`` generators, one reward executor) with
 the torchx CLI from the repository, as the README does, into a fresh directory given as
