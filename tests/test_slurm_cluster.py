@@ -39,7 +39,8 @@ def slurm_cluster() -> None:
     if shutil.which("sbatch") is None:
         problem = "SLURM is not installed (sbatch not on PATH)"
     else:
-        idle = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%D"], capture_output=True, text=True)
+        idle = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%D"], capture_output=True, text=True,
+                              timeout=60)
         if idle.returncode != 0 or not idle.stdout.strip():
             problem = f"no SLURM cluster with a partition debug answers: {(idle.stderr or idle.stdout).strip()}"
         elif int(idle.stdout.split()[0]) < 4:

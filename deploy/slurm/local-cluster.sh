@@ -197,16 +197,19 @@ down() {
       local deadline=$((SECONDS + TIMEOUT_S))
       while [[ -n $(squeue -h -o %i 2>/dev/null) ]] && ((SECONDS < deadline)); do sleep 0.5; done
     fi
-    # Then the daemons, last started first.
-    local pids=() names=()
-    while read -r name pid; do names=("$name" "${names[@]}"); pids=("$pid" "${pids[@]}"); done <"$STATE/pids"
-    for i in "${!pids[@]}"; do
-      kill -TERM "${pids[$i]}" 2>/dev/null || true
-      local deadline=$((SECONDS + 20))
-      while kill -0 "${pids[$i]}" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
-      if kill -0 "${pids[$i]}" 2>/dev/null; then
-        say "${names[$i]} (${pids[$i]}) ignored SIGTERM for 20 s: SIGKILL"
-        kill -KILL "${pids[$i]}" 2>/dev/null || true
+    # Then the daemons: SIGTERM to each, SIGKILL to those still there after 20 s.
+    local pids=()
+    while read -r name pid; do
+      # Only if the pid is still that daemon (a pid is reused once its process is gone).
+      [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "${name%%-*}" ]] || continue
+      kill -TERM "$pid" 2>/dev/null && pids+=("$pid")
+    done <"$STATE/pids"
+    local deadline=$((SECONDS + 20)) pid
+    for pid in "${pids[@]}"; do
+      while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+      if kill -0 "$pid" 2>/dev/null; then
+        say "pid $pid ignored SIGTERM for 20 s: SIGKILL"
+        kill -KILL "$pid" 2>/dev/null || true
       fi
     done
   fi
