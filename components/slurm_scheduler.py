@@ -18,7 +18,9 @@ it works around:
   reads stderr by default and looks only in the current directory;
 - ``describe`` knows ``CANCELLED by <uid>`` and names the replica that failed: torchx
   asserts on the former and gives every replica the job's state;
-- sbatch's refusal is an error message, not a ``CalledProcessError`` traceback.
+- sbatch's refusal is an error message, not a ``CalledProcessError`` traceback;
+- a dry run asks sinfo about memory only where a SLURM configuration file is: torchx
+  always asks, and sinfo takes seconds to fail where no cluster is configured.
 """
 
 import csv
@@ -84,17 +86,26 @@ class LlamarlSlurmScheduler(SlurmScheduler):
                                  max_retries=base.max_retries, secret_files=secret_files)
         return AppDryRunInfo(req, repr)
 
+    def _partition_memmb(self, partition: Optional[str]) -> Optional[int]:
+        # torchx 0.7.0 asks sinfo for the partition's memory on every dry run. Where SLURM
+        # is installed but no cluster is configured, sinfo looks for one in DNS and fails
+        # only after seconds (a minute when $SLURM_CONF names no file): ask only where a
+        # configuration file is. Without an answer torchx requests memory, its default.
+        if not os.path.isfile(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")):
+            return None
+        return super()._partition_memmb(partition)
+
     def schedule(self, dryrun_info: AppDryRunInfo[SecretBatchRequest]) -> str:
         req = dryrun_info.request
         if shutil.which("sbatch") is None:
             raise SbatchError("sbatch is not on PATH: SLURM's client commands are not installed here "
                               "(deploy/slurm/local-cluster.sh up starts a cluster on this machine)")
-        for path, secret in getattr(req, "secret_files", {}).items():
+        for path, secret in req.secret_files.items():
             _write_private(path, secret)
         try:
             return super().schedule(dryrun_info)
         except subprocess.CalledProcessError as e:
-            for path in getattr(req, "secret_files", {}):
+            for path in req.secret_files:
                 os.remove(path)
             # torchx ran sbatch with stderr going to the terminal: it has said why already.
             raise SbatchError(f"sbatch refused the job (exit code {e.returncode}); its error is "
