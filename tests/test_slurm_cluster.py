@@ -36,8 +36,11 @@ LONG = [*SMALL[:SMALL.index("--eval-every") + 1], "1000", *SMALL[SMALL.index("--
 @pytest.fixture(scope="module", autouse=True)
 def slurm_cluster() -> None:
     problem = None
+    conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
     if shutil.which("sbatch") is None:
         problem = "SLURM is not installed (sbatch not on PATH)"
+    elif not os.path.isfile(conf):
+        problem = f"no SLURM cluster is configured here ({conf} does not exist)"
     else:
         idle = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%D"], capture_output=True, text=True,
                               timeout=60)
