@@ -135,8 +135,9 @@ def create_scheduler(session_name: str, **kwargs: Any) -> LlamarlSlurmScheduler:
 
 
 def _image_dir(app: AppDef) -> Optional[str]:
-    """The directory the roles' ``image`` names, None when it names none (the component's
-    default image is a container name): then the job runs where it was submitted."""
+    """The directory the roles' ``image`` names, None when it names none (a container
+    image, as llamarl's and torchx's builtins' defaults are): then the job runs where it
+    was submitted. An absolute path that is no directory is a mistake, refused."""
     images = {role.image for role in app.roles}
     if len(images) != 1:
         raise ComponentValidationException(
@@ -144,7 +145,7 @@ def _image_dir(app: AppDef) -> Optional[str]:
     (image,) = images
     if os.path.isdir(image):
         return os.path.abspath(image)
-    if os.sep in image:
+    if os.path.isabs(image):
         raise ComponentValidationException(
             f"--image {image} is not a directory: on SLURM the image is the directory holding "
             f"the code (a path every node shares)")

@@ -59,6 +59,13 @@ def test_an_image_path_that_is_no_directory_is_refused(tmp_path):
         dryrun("--image", str(tmp_path / "missing"))
 
 
+def test_torchx_own_components_keep_running_where_submitted():
+    """utils.echo's image is a container name (ghcr.io/...): no directory, no refusal."""
+    info = get_runner().dryrun_component("utils.echo", ["--msg", "hi"], scheduler="slurm", cfg={})
+    assert not any(a.startswith("--chdir") for a in info.request.cmd)
+    assert info.request.secret_files == {}
+
+
 def test_each_replica_runs_with_the_submitting_python_first_on_path():
     req = dryrun().request
     for name, replica in req.replicas.items():
