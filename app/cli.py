@@ -18,6 +18,20 @@ from typing import Any, Literal, Sequence, TypeVar
 T = TypeVar("T")
 
 
+class ConfigError(ValueError):
+    """A flag or a config value the run refuses (raised instead of argparse's exit, so a
+    role that hosts the control store can tell the others why it stops)."""
+
+
+class RaisingParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors raise ``ConfigError`` instead of exiting."""
+
+    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+        if "unrecognized arguments" in message and "_" in message:
+            message += " (flags are spelled with dashes: --group-size, not --group_size)"
+        raise ConfigError(f"{self.prog}: {message}")
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of dataclass ``cls``."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))

@@ -98,7 +98,8 @@ class TrainerConfig:
     runs_dir: str = "runs"
     """Where run directories are created."""
     run_id: str = ""
-    """Run directory name; empty makes one from the time."""
+    """Run directory name, one path component (letters, digits, '.', '_', '-', not
+    starting with '.' or '-'); empty makes one from the time."""
     resume: str = ""
     """Continue a run from its newest complete checkpoint (model, optimizer, step, data
     position), in its run directory: a run id, or 'auto' for the run named by --run-id
@@ -134,6 +135,10 @@ class TrainerConfig:
         for name in ("save_every", "keep_last"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.run_id and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_id):
+            # Joined to runs_dir: '../x' or '/abs' would write outside it.
+            raise ValueError(f"run_id must be one safe path component (letters, digits, '.', '_', '-'; "
+                             f"not starting with '.' or '-'), got {self.run_id!r}")
         parse_levels(self.levels)
         self._check_data()
 

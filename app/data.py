@@ -18,7 +18,8 @@ Decisions:
   A dataset is used epoch after epoch, each epoch a permutation seeded by the run's seed
   and the epoch number, made when first needed (so ``--steps 100000`` precomputes
   nothing). The built-in task keeps its own order (it draws ``steps x prompts_per_step``
-  distinct problems from the seed), unshuffled. ``ProblemOrder.state_dict`` is the
+  distinct problems from the seed, ``BUILTIN_TRAIN_PROBLEMS`` at most, then repeats
+  them), unshuffled. ``ProblemOrder.state_dict`` is the
   position a resumed run restores.
 - Held-out problems: ``--eval-dataset``, or the rows of ``--dataset`` whose prompt hashes
   below ``--eval-fraction`` (a duplicated prompt lands on one side only). Of those, the
@@ -51,7 +52,7 @@ from typing import Any, Callable, Sequence
 from app import names, runtime, tasks, transport
 from app.config import TrainerConfig, parse_levels
 from app.datafile import DataError, FieldMap, read_problems
-from app.policy import encode_prompts
+from app.policy import check_causal_lm, encode_prompts
 from app.tasks import Problem
 from app.warmstart import ensure_warmstart
 
@@ -61,7 +62,10 @@ TOKENIZE_CHUNK = 1024  # prompts tokenized at once when measuring lengths
 
 def resolve_policy(spec: str, *, log: Callable[[str], None] = print) -> Path:
     """``warmstart`` (the embedded policy, warm-started once and cached) or a directory."""
-    return ensure_warmstart(log=log) if spec == "warmstart" else Path(spec)
+    if spec == "warmstart":
+        return ensure_warmstart(log=log)
+    check_causal_lm(spec)
+    return Path(spec)
 
 
 def absolute_paths(cfg: TrainerConfig) -> TrainerConfig:
@@ -94,12 +98,19 @@ def _unit_hash(text: str) -> float:
     return int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:8], "big") / 2 ** 64
 
 
+BUILTIN_TRAIN_PROBLEMS = 20_000
+"""The most distinct problems the built-in task draws (1250 steps of 16 prompts); a longer
+run goes through them again in the same order. Every role draws and tokenizes them at
+start-up, so ``--steps`` in the millions must not mean minutes of it."""
+
+
 def read(cfg: TrainerConfig, *, log: Callable[[str], None] = print) -> Sources:
     """The run's training and held-out problems; ``DataError`` names a bad file or row."""
     if not cfg.dataset:
         levels = parse_levels(cfg.levels)
         return Sources(
-            train=tasks.make_split("train", cfg.steps * cfg.prompts_per_step, seed=cfg.seed + 1, levels=levels),
+            train=tasks.make_split("train", min(cfg.steps * cfg.prompts_per_step, BUILTIN_TRAIN_PROBLEMS),
+                                   seed=cfg.seed + 1, levels=levels),
             held_out=tasks.make_split("eval", cfg.eval_size, seed=cfg.seed, levels=levels),
             train_from=BUILTIN, eval_from=f"{BUILTIN} (its eval split)")
     fields = FieldMap(cfg.prompt_field, cfg.answer_field, cfg.answer_format)

@@ -1,6 +1,6 @@
 """Generator executor: samples groups of completions with the newest weights it has.
 
-    python -m app.generator --store-addr HOST:PORT --replica I
+    python -m app.generator --store-addr HOST:PORT --app-id APP --replica I
 
 Everything else (policy, sampling, group size, staleness bound) comes from the trainer
 through the control store, so all roles agree by construction. Weights arrive on the
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from app import data, metrics, names, rl, runtime, transport
+from app import data, health, metrics, names, rl, runtime, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import to_message
 from app.policy import load_policy
@@ -76,7 +76,8 @@ def run(rt: runtime.Runtime, *, num_generators: int, config_timeout_s: float) ->
     data.check_published(rt, prompts, config_timeout_s)
     flatten_parameters_(model)  # WeightReceiver needs it: a swap is then one copy per dtype
     group = init_weight_group(store, rank=rt.replica + 1, world_size=num_generators + 1,
-                              device=torch.device("cpu"), timeout_s=runtime.WEIGHT_TIMEOUT_S)
+                              device=torch.device("cpu"), timeout_s=runtime.WEIGHT_TIMEOUT_S,
+                              should_stop=rt.should_stop)
     receiver = WeightReceiver(group, list(model.named_parameters()))
     receiver.start_background(should_stop=rt.should_stop)
     try:
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = runtime.role_arguments("generator", __doc__.splitlines()[0])
     parser.add_argument("--num-generators", type=int, required=True, help="generators in the app")
     args = parser.parse_args(argv)
-    with runtime.join_role("generator", args) as rt:
+    health.enable_crash_reports(names.member("generator", args.replica))
+    with health.reported(), runtime.join_role("generator", args) as rt:
         run(rt, num_generators=args.num_generators, config_timeout_s=args.config_timeout_s)
 
 

@@ -9,6 +9,8 @@ Store keys all live under ``llamarl/``; the weight plane's rendezvous lives in i
 
 from __future__ import annotations
 
+import zlib
+
 # --------------------------------------------------------------------------- store keys
 
 _ROOT = "llamarl/"
@@ -38,8 +40,26 @@ trainer ranks, which load the same training state."""
 DATA_KEY = _ROOT + "data"
 """The run's prompts as trainer replica 0 read them (paths, counts, fingerprint; JSON)."""
 
+APP_ID_KEY = _ROOT + "app_id"
+"""The TorchX app id of the app whose trainer hosts this store, set before anything else:
+every role checks it before registering, so two apps never mix."""
+
 WEIGHT_PLANE_PREFIX = "weights"
 """The weight plane's process group rendezvouses under this ``PrefixStore`` prefix."""
+
+
+STORE_PORT_BASE, STORE_PORT_SPAN = 29600, 2000
+
+
+def store_port(port: int, app_id: str) -> int:
+    """The control store's port: ``port`` when set, else (``port == 0``) one derived from
+    the app id, so that two apps started with default settings on one machine use
+    different ports, and every role of one app computes the same one."""
+    if port:
+        return port
+    if not app_id:
+        raise ValueError("store port 0 (derive it from the app id) needs --app-id")
+    return STORE_PORT_BASE + zlib.crc32(app_id.encode()) % STORE_PORT_SPAN
 
 
 def member(role: str, replica: int) -> str:
@@ -74,6 +94,11 @@ def queue_key(name: str) -> str:
 def weight_layout_key(handshake: int, rank: int) -> str:
     """Inside the weight plane's prefix: each rank's layout document for a handshake."""
     return f"layout/{handshake}/{rank}"
+
+
+def weight_rank_present_key(rank: int) -> str:
+    """Inside the weight plane's prefix: set by each rank as it joins the weight group."""
+    return f"present/{rank}"
 
 
 def weight_sync_announce_key(sync: int) -> str:

@@ -24,6 +24,33 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 DEFAULT_VOCAB_SIZE = 512
 
 
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+"""How Hugging Face names the classes of a causal LM (``LlamaForCausalLM``, ``GPT2LMHeadModel``)."""
+
+
+def check_causal_lm(path: str | Path) -> None:
+    """``ValueError`` unless ``path`` is a Hugging Face causal-LM directory: a config that
+    ``AutoModelForCausalLM`` can build and whose saved architecture is a causal LM (a
+    reward classifier or a masked LM trains nonsense, so it is refused before the run)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"policy {path} is not a Hugging Face model directory (no config.json there)")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"policy {path}: its config.json does not load: {e}") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"policy {path} is a {config.model_type!r} model, which has no causal-LM class "
+                         "(AutoModelForCausalLM)")
+    saved = config.architectures or []
+    if saved and not any(a.endswith(CAUSAL_LM_SUFFIXES) for a in saved):
+        raise ValueError(f"policy {path} holds a {', '.join(saved)}, not a causal language model "
+                         "(a ...ForCausalLM): give the policy's directory, not a reward model's")
+
+
 def build_tokenizer(texts: list[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
     """A BPE tokenizer over ``texts`` that splits every digit on its own (arithmetic is
     easier to learn digit by digit) and decodes back to the exact text."""

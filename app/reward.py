@@ -1,6 +1,6 @@
 """Reward executor: scores rollout groups remotely, in batches.
 
-    python -m app.reward --store-addr HOST:PORT --replica I
+    python -m app.reward --store-addr HOST:PORT --app-id APP --replica I
 
 Pops group messages from the ``rollouts`` queue, scores all of their completions in
 one batched call of the configured reward components (the trainer's ``--rewards``),
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from app import metrics, names, rl, runtime
+from app import health, metrics, names, rl, runtime
 from app.contract import Rejections, to_message
 from app.rewards import build_reward
 
@@ -64,7 +64,8 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = runtime.role_arguments("reward executor", __doc__.splitlines()[0]).parse_args(argv)
-    with runtime.join_role("reward", args) as rt:
+    health.enable_crash_reports(names.member("reward", args.replica))
+    with health.reported(), runtime.join_role("reward", args) as rt:
         run(rt, config_timeout_s=args.config_timeout_s)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from app import cli, frames, names, transport
+from app import cli, frames, health, names, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.transport import Control, StoreQueue
 
@@ -34,12 +34,17 @@ GROUPS_MAXLEN = 256  # rollout groups per queue; the staleness budget usually bi
 HEARTBEAT_S = 1.0
 STOP_CHECK_S = 0.05  # how stale a "keep going" answer of should_stop may be
 WEIGHT_TIMEOUT_S = 120.0  # one weight sync may not take longer (the group's collective timeout)
+APP_ID_TIMEOUT_S = 10.0  # the trainer publishes the app id right after hosting the store
+STOP_ACK_TIMEOUT_S = 60.0  # trainer replica 0 keeps the store up this long for roles to read the stop
 
 
 def role_arguments(role: str, description: str) -> argparse.ArgumentParser:
     """The flags every non-trainer role takes: where the store is and who it is."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--store-addr", required=True, help="host:port of the control store (trainer replica 0)")
+    parser.add_argument("--store-addr", required=True,
+                        help="host:port of the control store (trainer replica 0); port 0: derived from --app-id")
+    parser.add_argument("--app-id", default="",
+                        help="the app this role belongs to: a control store of another app is refused")
     parser.add_argument("--replica", type=int, required=True, help=f"this {role}'s index, 0-based")
     parser.add_argument("--connect-timeout-s", type=float, default=300.0, help="wait for the control store")
     parser.add_argument("--config-timeout-s", type=float, default=900.0,
@@ -48,10 +53,49 @@ def role_arguments(role: str, description: str) -> argparse.ArgumentParser:
 
 
 def join_role(role: str, args: argparse.Namespace) -> "Runtime":
-    """Log as ``role/replica``, reach the control store and register there."""
+    """Log as ``role/replica``, reach the control store of this app and register there."""
     setup_logging(role, args.replica)
-    store = transport.connect_store(args.store_addr, args.connect_timeout_s)
+    host, sep, port = args.store_addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"control store address must be 'host:port', got {args.store_addr!r}")
+    addr = f"{host}:{names.store_port(int(port), args.app_id)}"
+    store = connect_app_store(addr, args.app_id, args.connect_timeout_s)
     return Runtime.join(role, args.replica, store)
+
+
+def host_app_store(port: int, app_id: str) -> dist.TCPStore:
+    """Trainer replica 0: host the control store and publish the app id on it, first
+    thing, so that every role can be told why the run ends, whatever goes wrong next."""
+    try:
+        store = transport.host_store(port)
+    except (dist.DistError, RuntimeError, OSError) as e:
+        raise ConnectionError(
+            f"cannot host the control store on port {port}: {e}. Another app or process uses it: "
+            "give this app another --store_port, or leave it 0 (derived from the app id)") from None
+    store.set(names.APP_ID_KEY, app_id)
+    return store
+
+
+def connect_app_store(addr: str, app_id: str, timeout_s: float,
+                      check_timeout_s: float = APP_ID_TIMEOUT_S) -> dist.TCPStore:
+    """Reach the control store at ``addr`` and check that it is this app's: another app's
+    store (two apps on one port) is refused before this role registers there."""
+    store = transport.connect_store(addr, timeout_s)
+    if not app_id:  # started by hand, without --app-id: nothing to check against
+        return store
+    deadline = time.monotonic() + check_timeout_s
+    while not store.check([names.APP_ID_KEY]):
+        if time.monotonic() > deadline:
+            raise ConnectionError(f"the store at {addr} publishes no llamarl app id after "
+                                  f"{check_timeout_s:g} s: it is not this app's control store")
+        time.sleep(0.05)
+    theirs = store.get(names.APP_ID_KEY).decode()
+    if theirs != app_id:
+        raise ConnectionError(
+            f"the control store at {addr} belongs to app {theirs!r}, not to this app ({app_id!r}): "
+            "two apps use one store port; give each its own --store_port, or leave it 0 "
+            "(derived from the app id)")
+    return store
 
 
 def log_to_run_dir(run_dir: str, role: str, replica: int) -> None:
@@ -148,14 +192,15 @@ class Runtime:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is not None and not issubclass(exc_type, transport.Stopped):
+        store_gone = exc_type is not None and not self._store_alive()
+        if exc_type is not None and not issubclass(exc_type, transport.Stopped) and not store_gone:
             error = "".join(traceback.format_exception_only(exc_type, exc)).strip()
             log.error("failed: %s", error)
             try:
                 self.control.mark_failed(self.role, self.replica, error)
             except Exception:
                 log.error("could not report the failure to the control store (gone)")
-        else:
+        elif exc_type is None:
             try:
                 self.flush_metrics()
             except Exception as e:
@@ -168,9 +213,20 @@ class Runtime:
             self.store.add(names.exited_key(names.member(self.role, self.replica)), 1)
         except Exception:
             pass
+        if store_gone:
+            # The cause is the store's host, not this role's "Connection reset by peer".
+            log.error("%s", exc)
+            raise SystemExit(f"stopping: the control store is gone: trainer/0, which hosts it, has "
+                             f"exited (its log says why); here: {exc_type.__name__}")
         if exc_type is not None and issubclass(exc_type, transport.Stopped):
-            log.info("stopping: %s", self.control.stop_reason() if self._store_alive() else exc)
-            return True  # a requested stop is a clean exit
+            reason = self.control.stop_reason() or str(exc)
+            if self.control.failures():
+                # Another member failed: this role ends non-zero too, naming that cause (in
+                # its log file too, and as the process's last line).
+                log.error("stopping: %s", reason)
+                raise SystemExit(f"stopping: {reason}")
+            log.info("stopping: %s", reason)
+            return True  # a requested stop of a run that did not fail is a clean exit
         return False
 
     def _store_alive(self) -> bool:
@@ -208,3 +264,28 @@ def wait_for_exits(store: dist.TCPStore, members: list[str], timeout_s: float) -
         missing = [m for m in missing if not store.check([names.exited_key(m)])]
         time.sleep(0.05)
     return missing
+
+
+def end_app(rt: Runtime, expected: list[str], reason: str, *, failed: bool) -> None:
+    """Trainer replica 0: ask every role to stop (a failure names its cause), then keep the
+    store up until each has acknowledged, has gone silent, or ``STOP_ACK_TIMEOUT_S`` passed.
+    ``expected``: every member of the app, registered or not yet: one that starts after a
+    failure at start-up must still find the store up and read why, instead of waiting
+    minutes to connect to a store that is gone."""
+    if failed:
+        rt.control.mark_failed(rt.role, rt.replica, reason)
+    else:
+        rt.control.request_stop(reason)
+    me = names.member(rt.role, rt.replica)
+    missing = sorted(set(expected + rt.control.members()) - {me})
+    deadline = time.monotonic() + STOP_ACK_TIMEOUT_S
+    while missing and time.monotonic() < deadline:
+        missing = wait_for_exits(rt.store, missing, timeout_s=1.0)
+        # A killed process never acknowledges: stop waiting once its heartbeat is still.
+        dead = [m for m in rt.control.dead_members(max_age_s=health.HEARTBEAT_TIMEOUT_S) if m in missing]
+        if dead:
+            log.error("%s: no heartbeat and no stop acknowledged: the process is gone", ", ".join(dead))
+            missing = [m for m in missing if m not in dead]
+    if missing:
+        log.warning("roles that did not acknowledge the stop within %g s: %s", STOP_ACK_TIMEOUT_S,
+                    ", ".join(missing))

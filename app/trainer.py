@@ -1,6 +1,6 @@
 """Trainer executor: consumes scored rollouts, steps the optimizer, publishes weights.
 
-    torchrun --standalone --nproc_per_node 1 -m app.trainer --store-port 29600 \\
+    python -m app.launch --nproc-per-node 1 --store-port 29600 --app-id APP \\
         --num-generators 2 --num-reward 0 [TrainerConfig and GeneratorConfig flags]
 
 The loop this module drives (one message per rollout group; app/contract.py)::
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, cli, data, metrics, names, rl, runtime, steps, train_state, transport
+from app import checkpoint, cli, data, health, metrics, names, rl, runtime, steps, train_state, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
@@ -52,6 +52,9 @@ from app.weight_sync import WeightSender, flatten_parameters_, init_weight_group
 from pipelines.rollouts import RolloutStream
 
 log = logging.getLogger("llamarl")
+
+RANK_CONNECT_TIMEOUT_S = 60.0
+"""Trainer ranks > 0 reach replica 0's store on their own host; torchrun starts them together."""
 
 
 def average_across_ranks(grads: list[torch.Tensor]) -> None:
@@ -87,6 +90,10 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        # A bad reward spec (an unknown name, bad options) fails first, in a second; the
+        # reward executors resolve their own copy.
+        self.reward_names = [c.name for c in parse_spec(cfg.rewards)]
+        self.reward = build_reward(cfg.rewards, timeout_s=cfg.reward_timeout_s) if self.num_reward == 0 else None
         if self.rank == 0:
             # Bad input stops the run here, before the warm start and before anything trains;
             # the store is up, so the error is the app's failure cause for every role.
@@ -98,8 +105,8 @@ class Trainer:
                 resume.check(self._config_dict(), steps=cfg.steps)
             elif cfg.resume:
                 log.info("--resume auto: no run to resume in %s; starting run %s", cfg.runs_dir, cfg.run_id)
-            sources = data.read(cfg, log=log.info)
             policy = data.resolve_policy(cfg.policy, log=log.info)
+            sources = data.read(cfg, log=log.info)
             self.data = data.prepare(sources, cfg, load_tokenizer(policy), log=log.info)
             self.model, self.tokenizer = load_policy(policy)
             if resume is not None:  # every check before the run directory is touched
@@ -127,8 +134,6 @@ class Trainer:
             train_state.load(resumed["train_state"], self.model, self.optimizer)
             log.info("resumed from %s at step %d", resumed["train_state"], self.start_step)
         inline = self.num_reward == 0
-        self.reward_names = [c.name for c in parse_spec(cfg.rewards)]
-        self.reward = build_reward(cfg.rewards, timeout_s=cfg.reward_timeout_s) if inline else None
         if self.reward is not None:
             self.reward.load()
         expected = {"generator": self.num_generators, "reward": self.num_reward, "trainer": self.world}
@@ -137,7 +142,8 @@ class Trainer:
             data.wait_for_checks(rt, [names.member("generator", i) for i in range(self.num_generators)],
                                  timeout_s=900.0)
             group = init_weight_group(rt.store, rank=0, world_size=self.num_generators + 1,
-                                      device=torch.device("cpu"), timeout_s=runtime.WEIGHT_TIMEOUT_S)
+                                      device=torch.device("cpu"), timeout_s=runtime.WEIGHT_TIMEOUT_S,
+                                      should_stop=rt.should_stop)
             self.sender = WeightSender(group, list(self.model.named_parameters()))
             self._sync()
         self.stream = RolloutStream(
@@ -146,6 +152,7 @@ class Trainer:
             max_staleness=cfg.max_staleness, current_version=lambda: self.version,
             on_drop=self._on_drop, normalize_std=cfg.normalize_std, should_stop=rt.should_stop,
             timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,
+            health=lambda: health.check_health(rt.control),
             vocab_size=self.model.get_input_embeddings().num_embeddings)
 
     def _check_resume(self, resume: train_state.Resume) -> None:
@@ -216,15 +223,6 @@ class Trainer:
             stats = self.sender.send(self.version)
         self.rt.control.set_version(self.version)
         self.rt.emit([metrics.weight_sync(stats.version, "trainer", stats.bytes, stats.seconds)])
-
-    def _check_health(self) -> None:
-        failures = self.rt.control.failures()
-        if failures:
-            who, err = next(iter(failures.items()))
-            raise RuntimeError(f"{who} failed: {err}")
-        dead = self.rt.control.dead_members(max_age_s=60.0)
-        if dead:
-            raise RuntimeError(f"no heartbeat for 60 s from {', '.join(dead)}: the role is gone")
 
     def _drain_metrics(self) -> None:
         """Replica 0 writes its own events directly and everyone else's from the queue."""
@@ -334,7 +332,7 @@ class Trainer:
                 self.evaluate(step)
             if save:
                 self.save_checkpoint(step)
-            self._check_health()
+            health.check_health(self.rt.control)
             self._drain_metrics()
             log.info("%s", steps.summary(step, cfg.steps, groups, values))
 
@@ -350,28 +348,8 @@ class Trainer:
             self.reward.close()  # its worker processes
         if self.rank != 0:
             return
-        if failed:
-            self.rt.control.mark_failed("trainer", 0, reason)
-        else:
-            self.rt.control.request_stop(reason)
-        # Every role of the app, registered or not yet: one that starts after a failure at
-        # start-up (a bad dataset fails within a second) must still find the store up and
-        # read the stop, instead of waiting minutes to connect to a store that is gone.
-        expected = ([names.member("generator", i) for i in range(self.num_generators)]
-                    + [names.member("reward", i) for i in range(self.num_reward)]
-                    + [names.member("trainer", r) for r in range(1, self.world)])
-        missing = sorted(set(expected + self.rt.control.members()) - {"trainer/0"})
-        deadline = time.monotonic() + 60.0
-        while missing and time.monotonic() < deadline:
-            missing = runtime.wait_for_exits(self.rt.store, missing, timeout_s=1.0)
-            # A killed process never acknowledges: stop waiting once its heartbeat is still.
-            dead = [m for m in self.rt.control.dead_members(max_age_s=10.0) if m in missing]
-            if dead:
-                log.error("%s: no heartbeat for 10 s and no stop acknowledged: the process is gone",
-                          ", ".join(dead))
-                missing = [m for m in missing if m not in dead]
-        if missing:
-            log.warning("roles that did not acknowledge the stop within 60 s: %s", ", ".join(missing))
+        runtime.end_app(self.rt, expected_members(self.num_generators, self.num_reward, self.world), reason,
+                        failed=failed)
         if hasattr(self, "writer"):
             try:
                 self._drain_metrics()
@@ -382,43 +360,106 @@ class Trainer:
             log.info("run %s: %s; run directory %s", "failed" if failed else "finished", reason, self.run_dir)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store-port", type=int, default=29600, help="port of the control store on replica 0")
+def trainer_parser() -> argparse.ArgumentParser:
+    parser = cli.RaisingParser(prog="app.trainer", description=__doc__.splitlines()[0])
+    _store_arguments(parser)
     parser.add_argument("--num-generators", type=int, required=True, help="generator replicas in the app")
     parser.add_argument("--num-reward", type=int, default=0, help="reward replicas (0: score inline)")
     cli.add_config_args(parser, TrainerConfig)
     cli.add_config_args(parser, GeneratorConfig)
+    return parser
+
+
+def _store_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store-port", type=int, default=0,
+                        help="port of the control store on replica 0 (0: derived from --app-id)")
+    parser.add_argument("--app-id", default="", help="the TorchX app id, published on the control store")
+
+
+def _early_arguments(argv: list[str]) -> argparse.Namespace:
+    """What replica 0 needs before it validates anything: where to host the store, and
+    which roles to wait for if the rest of the flags are wrong (counts read leniently)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _store_arguments(parser)
+    for flag in ("--num-generators", "--num-reward"):
+        parser.add_argument(flag, default="0")
+    args, _ = parser.parse_known_args(argv)
+    for name in ("num_generators", "num_reward"):
+        value = getattr(args, name)
+        setattr(args, name, int(value) if value.isdigit() else 0)
+    return args
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str], world: int):
     args = parser.parse_args(argv)
     try:
         cfg, gen = cli.config_from_args(args, TrainerConfig), cli.config_from_args(args, GeneratorConfig)
     except (TypeError, ValueError) as e:
-        parser.error(str(e))
-    if cfg.prompts_per_step % int(os.environ.get("WORLD_SIZE", "1")):
-        parser.error("prompts_per_step must be divisible by the number of trainer ranks")
+        raise cli.ConfigError(f"app.trainer: {e}") from None
+    if cfg.prompts_per_step % world:
+        raise cli.ConfigError("app.trainer: prompts_per_step must be divisible by the number of trainer ranks")
+    return args, cfg, gen
+
+
+def expected_members(num_generators: int, num_reward: int, world: int) -> list[str]:
+    """Every member of the app, whether it has registered yet or not."""
+    return ([names.member("generator", i) for i in range(num_generators)]
+            + [names.member("reward", i) for i in range(num_reward)]
+            + [names.member("trainer", r) for r in range(world)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        trainer_parser().parse_args(argv)  # prints the help and exits
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    health.enable_crash_reports(names.member("trainer", rank))
     runtime.setup_logging("trainer", rank)
-    if world > 1:
-        dist.init_process_group("gloo")
-    try:
-        store = (transport.host_store(args.store_port) if rank == 0
-                 else transport.connect_store(f"127.0.0.1:{args.store_port}", 300.0))
-        with runtime.Runtime.join("trainer", rank, store) as rt:
-            trainer = Trainer(rt, cfg, gen, num_generators=args.num_generators, num_reward=args.num_reward,
-                              rank=rank, world=world)
-            try:
-                trainer.start()
-                trainer.run()
-            except transport.Stopped:
-                trainer.close(rt.control.stop_reason() or "stopped", failed=True)
-                raise
-            except Exception as e:
-                trainer.close(f"{type(e).__name__}: {e}", failed=True)
-                raise
-            trainer.close(f"finished {cfg.steps} steps")
-    finally:
+    with health.reported(stops=True):
+        early = _early_arguments(argv)
+        port = names.store_port(early.store_port, early.app_id)
         if world > 1:
-            dist.destroy_process_group()
+            dist.init_process_group("gloo")
+        try:
+            # Replica 0 hosts the store before it reads a single flag: whatever fails from
+            # here on is published as the app's failure cause, and every role stops.
+            store = (runtime.host_app_store(port, early.app_id) if rank == 0
+                     else runtime.connect_app_store(f"127.0.0.1:{port}", early.app_id, RANK_CONNECT_TIMEOUT_S))
+            with runtime.Runtime.join("trainer", rank, store) as rt:
+                if "LOCAL_RANK" in os.environ:  # under torchrun: do not outlive its agent
+                    health.watch_parent(lambda pid: rt.control.mark_failed(
+                        "trainer", rank, f"its torchrun agent (pid {pid}) is gone"))
+                _train(rt, argv, early, rank, world)
+        finally:
+            if world > 1:
+                dist.destroy_process_group()
+
+
+def _train(rt: runtime.Runtime, argv: list[str], early: argparse.Namespace, rank: int, world: int) -> None:
+    trainer: Trainer | None = None
+    try:
+        args, cfg, gen = _parse(trainer_parser(), argv, world)
+        trainer = Trainer(rt, cfg, gen, num_generators=args.num_generators, num_reward=args.num_reward,
+                          rank=rank, world=world)
+        trainer.start()
+        trainer.run()
+    except BaseException as e:
+        # "Connection reset by peer" is not a cause: the member that vanished is.
+        own = (transport.Stopped, health.AppFailed, cli.ConfigError)
+        peer = health.blame_peer(rt.control, e) if isinstance(e, Exception) and not isinstance(e, own) else None
+        if isinstance(e, transport.Stopped):
+            reason = rt.control.stop_reason() or "stopped"
+        else:
+            reason = f"{type(peer or e).__name__}: {peer or e}"
+        if trainer is not None:
+            trainer.close(reason, failed=True)
+        elif rank == 0:
+            runtime.end_app(rt, expected_members(early.num_generators, early.num_reward, world), reason,
+                            failed=True)
+        if peer is not None:
+            raise peer from e
+        raise
+    trainer.close(f"finished {cfg.steps} steps")
 
 
 if __name__ == "__main__":

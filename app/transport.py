@@ -63,7 +63,9 @@ def connect_store(addr: str, timeout_s: float = 300.0) -> dist.TCPStore:
     except (dist.DistError, RuntimeError, OSError) as e:
         raise ConnectionError(
             f"could not reach the llamarl control store at {host}:{port} after "
-            f"{time.monotonic() - t0:.0f} s (timeout {timeout_s:g} s): {e}") from None
+            f"{time.monotonic() - t0:.0f} s (timeout {timeout_s:g} s): trainer replica 0, which hosts "
+            f"it, has not started, has already exited (its log says why), or uses another port "
+            f"(--store_port); {e}") from None
 
 
 def _sleep_or_stop(delay_s: float, should_stop: Callable[[], bool] | None, what: str) -> None:

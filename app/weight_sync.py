@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from app import names
-from app.transport import Backoff
+from app.transport import Backoff, Stopped
 from app.weight_layout import (  # flatten_parameters_: part of this plane's API
     DEFAULT_BUCKET_MB,
     Layout,
@@ -111,11 +111,14 @@ class WeightGroup:
 
 
 def init_weight_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
-                      timeout_s: float = 300.0, prefix: str = names.WEIGHT_PLANE_PREFIX) -> WeightGroup:
+                      timeout_s: float = 300.0, prefix: str = names.WEIGHT_PLANE_PREFIX,
+                      should_stop: Callable[[], bool] | None = None) -> WeightGroup:
     """Join the weight group (collective over all ``world_size`` ranks).
 
     gloo for CPU ``device``, NCCL for CUDA. ``timeout_s`` bounds the rendezvous and
-    every collective; a peer that disappears surfaces as ``WeightSyncError``.
+    every collective; a peer that disappears surfaces as ``WeightSyncError``. The ranks
+    first wait for each other in a poll that watches ``should_stop`` (``Stopped`` once it
+    is true): the backend's own rendezvous cannot be interrupted.
     """
     if not 0 <= rank < world_size or world_size < 2:
         raise ValueError(f"weight group needs 0 <= rank < world_size and world_size >= 2, "
@@ -128,6 +131,7 @@ def init_weight_group(store: dist.Store, rank: int, world_size: int, device: tor
         store = store.clone()
         store.set_timeout(timeout)
     prefix_store = dist.PrefixStore(prefix, store)
+    _wait_for_ranks(prefix_store, rank, world_size, timeout_s, should_stop)
     try:
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -144,6 +148,24 @@ def init_weight_group(store: dist.Store, rank: int, world_size: int, device: tor
                               f"its peers within {timeout_s:g} s: {e}") from None
     return WeightGroup(backend=backend, store=prefix_store, rank=rank, world_size=world_size,
                        device=device, timeout_s=timeout_s)
+
+
+def _wait_for_ranks(store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                    should_stop: Callable[[], bool] | None) -> None:
+    """Every rank says it is here, then waits until all are: ``WeightSyncError`` naming the
+    missing ranks after ``timeout_s``, ``Stopped`` as soon as ``should_stop()``."""
+    store.set(names.weight_rank_present_key(rank), "1")
+    keys = [names.weight_rank_present_key(r) for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    backoff = Backoff(first_s=0.005, max_s=0.1)
+    while not store.check(keys):
+        if should_stop is not None and should_stop():
+            raise Stopped("stopped while waiting for the weight group's ranks")
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise WeightSyncError(f"weight group: rank {rank} of {world_size} waited {timeout_s:g} s "
+                                  f"for ranks {missing} (rank 0 is the trainer, rank i + 1 generator i)")
+        time.sleep(backoff.next())
 
 
 def _handshake(group: WeightGroup, layout: Layout) -> None:

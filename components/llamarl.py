@@ -5,7 +5,9 @@
     torchx run -s kubernetes llamarl.llamarl --image registry/llamarl:latest ...
 
 ``roles[0]`` is the trainer: its replica 0 hosts the control store that every other
-role reaches at ``$<rank0_env>:<store_port>``. Each role runs ``python -m app.<role>``.
+role reaches at ``$<rank0_env>:<store_port>``. Each role runs ``python -m app.<role>``
+(the trainer ``app.launch``: torchrun around ``app.trainer``); every role gets the app id
+and refuses a control store of another app.
 """
 
 import secrets
@@ -26,7 +28,7 @@ def llamarl(
     policy: str = "warmstart",
     dataset: str = "",
     runs_dir: str = "runs",
-    store_port: int = 29600,
+    store_port: int = 0,
     resume: str = "",
     max_retries: int = 0,
     threads: int = 1,
@@ -60,7 +62,9 @@ def llamarl(
             directory, at a path every role can read (empty: the built-in task); field
             mapping, answer format and prompt format go after ``--`` (docs/data.md)
         runs_dir: where ``<runs_dir>/<app id>/`` (config, metrics.db) is written
-        store_port: port of the control store on trainer replica 0
+        store_port: port of the control store on trainer replica 0; 0 derives it from the
+            app id (29600 + crc32(app id) % 2000), so that two apps on one machine do not
+            collide; kubernetes needs a fixed port here (its service maps ports at launch)
         resume: continue a run from its newest checkpoint in its own run directory: a run
             id (the app id of the run), or ``auto`` for this app's own run (see
             ``--resume`` of ``python -m app.trainer``); empty: a new run
@@ -89,6 +93,7 @@ def llamarl(
     store_addr = f"$${{{specs.macros.rank0_env}}}:{store_port}"
     # A restarted app has the same app id, hence the same run directory to resume.
     resume = resume or ("auto" if max_retries > 0 else "")
+    app_id = f"--app-id {specs.macros.app_id}"
     common_env = {
         # One secret per app, made when the app is defined: messages without it are refused.
         "LLAMARL_SECRET": secrets.token_hex(32),
@@ -98,9 +103,9 @@ def llamarl(
         **(env or {}),
     }
     trainer_cmd = " ".join([
-        "python -m torch.distributed.run --standalone --nnodes 1",
-        f"--nproc_per_node {nproc_per_node} -m app.trainer",
-        f"--store-port {store_port} --num-generators {num_generators} --num-reward {num_reward}",
+        # app.launch runs torchrun and ends with the failure's cause, not torchrun's banner.
+        f"python -m app.launch --nproc-per-node {nproc_per_node}",
+        f"--store-port {store_port} {app_id} --num-generators {num_generators} --num-reward {num_reward}",
         f"--steps {steps} --max-staleness {max_staleness} --rewards '{rewards}'",
         f"--policy '{policy}' --runs-dir '{runs_dir}' --run-id {specs.macros.app_id}",
         f"--threads {threads} --gen-threads {threads}",
@@ -112,13 +117,13 @@ def llamarl(
     ])
     roles = [
         _role("trainer", image, trainer_cmd, 1, trainer_cpu, trainer_gpu, trainer_mem_mb, common_env,
-              max_retries, port_map={"store": store_port}),
+              max_retries, port_map={"store": store_port} if store_port else None),
         _role("generator", image,
-              f"python -m app.generator --store-addr {store_addr} "
+              f"python -m app.generator --store-addr {store_addr} {app_id} "
               f"--replica {specs.macros.replica_id} --num-generators {num_generators}",
               num_generators, generator_cpu, generator_gpu, generator_mem_mb, common_env, max_retries),
         _role("reward", image,
-              f"python -m app.reward --store-addr {store_addr} --replica {specs.macros.replica_id}",
+              f"python -m app.reward --store-addr {store_addr} {app_id} --replica {specs.macros.replica_id}",
               max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env, max_retries),
     ]
     # TorchX refuses a role of zero replicas: with num_reward=0 the reward role is left

@@ -143,6 +143,11 @@ def _run_info(path: Path) -> RunInfo:
                              CorruptDatabase: "corrupt", SchemaMismatch: "old schema"}.get(type(err), "error")
         return RunInfo(run_id=path.name, path=path, status=status, message=str(err),
                        updated_at=_db_mtime(path), config=_read_config_json(path))
+    except (OSError, ValueError, TypeError, sqlite3.Error) as err:
+        # Whatever else is wrong with one run is its own status: it never hides the others.
+        return RunInfo(run_id=path.name, path=path, status="error",
+                       message=f"run {path.name!r}: cannot read {path / DB_NAME}: {type(err).__name__}: {err}",
+                       config=_read_config_json(path))
 
 
 def _db_mtime(path: Path) -> float | None:
@@ -170,6 +175,8 @@ def open_run(path: str | Path) -> "Run":
     if not path.is_dir():
         raise RunNotFound(f"run directory {str(path)!r} does not exist")
     db_path = path / DB_NAME
+    if db_path.exists() and not db_path.is_file():
+        raise CorruptDatabase(f"run {path.name!r}: {db_path} is not a file (a directory?)")
     if not db_path.is_file():
         raise NoMetricsYet(f"run {path.name!r} has no {DB_NAME} yet; it may still be starting")
     try:
@@ -357,7 +364,11 @@ class Run:
                 f"(SELECT COALESCE(MAX(rowid), 0) FROM {table}) - {TAIL_ROWS}"
                 for table, col in (("scalars", "t"), ("intervals", "t1"), ("staleness", "t"),
                                    ("weight_sync", "t"), ("rewards", "t")))
-            self._last_time = self._one(f"SELECT MAX(t) FROM ({parts})")
+            value = self._one(f"SELECT MAX(t) FROM ({parts})")
+            if value is not None and not isinstance(value, (int, float)):
+                raise CorruptDatabase(f"run {self.path.name!r}: {DB_NAME} holds {value!r} where an event "
+                                      "time (a number) belongs")
+            self._last_time = value
         return self._last_time
 
     def is_live(self, now: float | None = None) -> bool:

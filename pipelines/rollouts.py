@@ -17,7 +17,13 @@ The prefetcher's thread is a daemon that torchdata gives no public way to stop. 
 thread still inside native code (a store call, say) when the
 interpreter exits aborts the whole process ("terminate called without an active
 exception"), so the stages that run in that thread pass through a ``Gate`` that
-``RolloutStream.close`` shuts and waits out before the process exits.
+``RolloutStream.close`` shuts and waits out before the process exits. The gate also
+keeps the first error raised inside it, which ``next_batch`` raises as it is (torchdata
+hands it over re-wrapped, its message prefixed with "Caught X in _populate_queue").
+
+While it waits for rollouts, the source calls ``health()`` every ``HEALTH_CHECK_S``: the
+trainer learns that a producer died (a reward executor, the last generator) while it is
+blocked here, not after a silent ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from app.contract import Rejections, RolloutGroup
 from app.rewards import CompositeReward
 from app.transport import StoreQueue, Stopped
 
+HEALTH_CHECK_S = 0.5
+"""How often the source calls ``health()`` while no rollout arrives."""
+
 
 class Gate:
     """Every pass of a worker-thread stage holds the gate; once ``close`` returns, no stage
@@ -42,6 +51,8 @@ class Gate:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self.error: Exception | None = None
+        """The first exception a stage raised inside the gate (``StopIteration`` aside)."""
 
     def is_closed(self) -> bool:
         return self._closed.is_set()
@@ -52,7 +63,9 @@ class Gate:
             self._lock.release()
             raise StopIteration
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, Exception) and not isinstance(exc, StopIteration) and self.error is None:
+            self.error = exc
         self._lock.release()
 
     def close(self, timeout_s: float) -> None:
@@ -68,14 +81,16 @@ class QueueSource(BaseNode[RolloutGroup]):
     waiting (groups from several generators arrive out of order; taking the oldest
     first keeps them inside the staleness bound). A frame that does not decode or a
     message that breaks the rollout contract is dropped and counted in ``rejections``.
-    A silent queue is an error after ``timeout_s``. ``checks``: ``from_message``'s
-    bounds (``vocab_size``, ``group_size``)."""
+    A silent queue is an error after ``timeout_s``; ``health()`` (which raises when the
+    producers are gone) is called every ``HEALTH_CHECK_S`` of waiting. ``checks``:
+    ``from_message``'s bounds (``vocab_size``, ``group_size``)."""
 
     def __init__(self, queue: StoreQueue, *, timeout_s: float, should_stop: Callable[[], bool],
                  rejections: Rejections, what: str = "rollouts", lookahead: int = 64,
-                 gate: Gate | None = None, **checks: Any) -> None:
+                 gate: Gate | None = None, health: Callable[[], None] | None = None,
+                 **checks: Any) -> None:
         super().__init__()
-        self.queue, self.timeout_s, self.what = queue, timeout_s, what
+        self.queue, self.timeout_s, self.what, self.health = queue, timeout_s, what, health
         self.rejections, self.checks = rejections, checks
         self.gate = gate or Gate()
         self.should_stop = lambda: self.gate.is_closed() or should_stop()
@@ -91,10 +106,12 @@ class QueueSource(BaseNode[RolloutGroup]):
         while True:
             # Wait only when nothing is waiting; rejected messages are not traffic, so the
             # deadline stands through them.
-            wait_s = 0.0 if self._waiting else max(0.0, deadline - time.monotonic())
+            wait_s = 0.0 if self._waiting else min(HEALTH_CHECK_S, max(0.0, deadline - time.monotonic()))
             with self.gate:
                 msgs = self.queue.pop_many(self.lookahead, wait_s, should_stop=self.should_stop,
                                            on_reject=self.rejections)
+                if not msgs and not self._waiting and self.health is not None:
+                    self.health()
             for group in self.rejections.decode(msgs, **self.checks):
                 heapq.heappush(self._waiting, (group.version, self._arrivals, group))
                 self._arrivals += 1
@@ -178,11 +195,11 @@ class RolloutStream:
                  groups_per_batch: int, max_staleness: int, current_version: Callable[[], int],
                  on_drop: Callable[[RolloutGroup, int], None], normalize_std: bool,
                  should_stop: Callable[[], bool], timeout_s: float, rejections: Rejections,
-                 prefetch: int = 2, **checks: Any) -> None:
+                 prefetch: int = 2, health: Callable[[], None] | None = None, **checks: Any) -> None:
         self.gate = Gate()
         self.close_timeout_s = (reward_timeout_s or 0.0) + 30.0
         node: BaseNode = QueueSource(queue, timeout_s=timeout_s, should_stop=should_stop,
-                                     rejections=rejections, gate=self.gate, **checks)
+                                     rejections=rejections, gate=self.gate, health=health, **checks)
         node = Mapper(node, Scored(reward, rejections, reward_timeout_s, gate=self.gate))
         node = Prefetcher(node, prefetch_factor=prefetch)
         node = Mapper(node, with_advantages(normalize_std))
@@ -191,13 +208,18 @@ class RolloutStream:
         self.root = Batcher(node, batch_size=groups_per_batch, drop_last=False)
 
     def next_batch(self) -> list[RolloutGroup]:
-        """The next batch; the pipeline's stop becomes ``Stopped`` for the caller."""
+        """The next batch; the pipeline's stop becomes ``Stopped`` for the caller, and an
+        error in the worker thread is raised as it was raised there."""
         if self.gate.is_closed():
             raise Stopped("the rollout stream is closed")
         try:
             return next(self.root)
         except StopIteration:
             raise Stopped("the rollout stream ended") from None
+        except Exception:
+            if self.gate.error is not None:
+                raise self.gate.error from None
+            raise
 
     def close(self) -> None:
         """Stop the worker thread's stages and wait until none is inside a store call or a

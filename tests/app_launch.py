@@ -88,11 +88,13 @@ class App:
 def launch(policy: Path, tmp_path: Path, *, steps: int = STEPS, num_generators: int = 2,
            num_reward: int = 0, max_staleness: int = 1, rewards: str = "math_verifier", nproc: int = 1,
            extra: list[str] = SMALL, options: Sequence[str] = (),
-           env: dict[str, str] | None = None) -> Iterator[App]:
+           env: dict[str, str] | None = None, store_port: int | None = None,
+           runs_dir: Path | None = None) -> Iterator[App]:
     """``llamarl.llamarl`` on local_cwd; ``options`` are further component options,
-    ``env`` further environment variables of every role, ``extra`` the trainer flags."""
-    port = free_port()
-    runs_dir, log_dir = tmp_path / "runs", tmp_path / "torchx-logs"
+    ``env`` further environment variables of every role, ``extra`` the trainer flags;
+    a free store port and ``tmp_path/runs`` unless ``store_port`` and ``runs_dir`` say."""
+    port = free_port() if store_port is None else store_port
+    runs_dir, log_dir = runs_dir or tmp_path / "runs", tmp_path / "torchx-logs"
     args = ["--policy", str(policy), "--runs_dir", str(runs_dir), "--store_port", str(port),
             "--steps", str(steps), "--num_generators", str(num_generators),
             "--num_reward", str(num_reward), "--max_staleness", str(max_staleness),

@@ -144,3 +144,11 @@ class TorchThreads:
 
     def __getstate__(self):
         return {}  # the module is imported again in the worker, by load()
+
+
+def segv_on_every_third_length(prompt, completion, meta):
+    """Segfaults its worker on a completion whose length is a multiple of 3; else 0.0:
+    a run scoring with it sees some crashes and many scores."""
+    if len(completion) % 3 == 0:
+        ctypes.string_at(0)
+    return 0.0

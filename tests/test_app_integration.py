@@ -120,7 +120,7 @@ def push_bad_messages(app: App) -> None:
     """On the rollouts queue of a running app: a garbage frame, a frame signed with another
     secret, and three messages signed with the app's own secret that break the rollout
     contract (a missing field, a wrong type, log-probs that do not match the tokens)."""
-    pattern = f"app.generator --store-addr .*:{app.store_port} --replica 0 "
+    pattern = f"app.generator .*--app-id {app.app_id} --replica 0 "
     (pid,) = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
     environ = dict(kv.split("=", 1) for kv in
                    Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
@@ -168,8 +168,8 @@ def test_a_dead_generator_fails_the_app_cleanly(tiny_policy, tmp_path):
     with launch(tiny_policy, tmp_path, steps=60, num_reward=0, max_staleness=1,
                 extra=[*SMALL, "--eval-every", "1000"]) as app:
         app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
-        # The store port is unique to this launch, so this matches only our generator/1.
-        pattern = f"app.generator --store-addr .*:{app.store_port} --replica 1 "
+        # The app id is unique to this launch, so this matches only our generator/1.
+        pattern = f"app.generator .*--app-id {app.app_id} --replica 1 "
         pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
         assert len(pids) == 1, f"expected one generator/1 process, found {pids}"
         os.kill(int(pids[0]), signal.SIGKILL)

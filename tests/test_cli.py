@@ -151,6 +151,10 @@ def test_trainer_and_generator_flags_parse_together():
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--gen-batch-prompts", "0"], "gen_batch_prompts must be >= 1"),
+    (["--run-id", "../x"], "run_id must be one safe path component"),
+    (["--run-id", "/tmp/x"], "run_id must be one safe path component"),
+    (["--run-id", "a/b"], "run_id must be one safe path component"),
+    (["--run-id", ".."], "run_id must be one safe path component"),
 ])
 def test_trainer_generator_validation_is_an_argparse_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -186,3 +190,13 @@ def test_parse_levels():
 def test_configs_keyword_only():
     with pytest.raises(TypeError):
         TrainerConfig(10)  # type: ignore[misc]
+
+
+def test_raising_parser_raises_config_error_and_says_flags_use_dashes():
+    parser = cli.RaisingParser(prog="app.trainer")
+    cli.add_config_args(parser, TrainerConfig)
+    with pytest.raises(cli.ConfigError, match=r"app.trainer: unrecognized arguments: --group_size 4 "
+                                              r"\(flags are spelled with dashes"):
+        parser.parse_args(["--group_size", "4"])
+    with pytest.raises(cli.ConfigError, match="invalid int value"):
+        parser.parse_args(["--steps", "many"])

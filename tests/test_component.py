@@ -59,15 +59,25 @@ def test_appdef_has_trainer_first_then_generators_and_reward():
     trainer, generator, reward = app.roles
     assert trainer.num_replicas == 1 and generator.num_replicas == 3 and reward.num_replicas == 2
     cmd = trainer.args[-1]
-    assert "torch.distributed.run" in cmd and "--nproc_per_node 2" in cmd and "-m app.trainer" in cmd
+    assert "-m app.launch --nproc-per-node 2" in cmd, "app.launch runs torchrun and names a failure's cause"
     for flag in ("--num-generators 3", "--num-reward 2", "--steps 7", "--max-staleness 0",
-                 f"--store-port {PORT}", f"--run-id {specs.macros.app_id}"):
+                 f"--store-port {PORT}", f"--run-id {specs.macros.app_id}", f"--app-id {specs.macros.app_id}"):
         assert flag in cmd
     assert cmd.endswith("--lr 3e-4"), "trainer_args are passed through last"
     assert trainer.port_map == {"store": PORT}
     assert "-m app.generator" in generator.args[-1] and "--num-generators 3" in generator.args[-1]
     assert f"--replica {specs.macros.replica_id}" in generator.args[-1]
     assert "-m app.reward" in reward.args[-1]
+    for role in (generator, reward):
+        assert f"--app-id {specs.macros.app_id}" in role.args[-1], "every role checks its store's app"
+
+
+def test_default_store_port_is_derived_by_each_role_from_the_app_id():
+    app = llamarl(num_reward=1)
+    assert "--store-port 0 " in app.roles[0].args[-1]
+    assert app.roles[0].port_map == {}, "no fixed port to map (kubernetes needs --store_port)"
+    for role in app.roles[1:]:
+        assert f"--store-addr $${{{specs.macros.rank0_env}}}:0 " in role.args[-1]
 
 
 def test_dataset_option_reaches_the_trainer_quoted():
@@ -139,7 +149,7 @@ def test_slurm_dryrun_is_one_het_job_with_every_role():
     gen = req.replicas["generator-1"]
     assert f"--store-addr ${{SLURM_JOB_NODELIST_HET_GROUP_0}}:{PORT}" in gen.args[-1]
     assert "--replica 1" in gen.args[-1]
-    assert "--nproc_per_node 1" in req.replicas["trainer-0"].args[-1]
+    assert "--nproc-per-node 1" in req.replicas["trainer-0"].args[-1]
     assert "-m app.reward" in req.replicas["reward-0"].args[-1]
 
 
@@ -193,7 +203,7 @@ def test_plain_dryrun_uses_the_repo_torchxconfig(cli):
     out = proc.stdout + proc.stderr
     assert "loaded configs from" in out and ".torchxconfig" in out
     assert "local_cwd://" in out, "scheduler local_cwd from [cli:run]"
-    assert "'name': 'llamarl'" in out and "-m app.trainer" in out, "component llamarl.llamarl"
+    assert "'name': 'llamarl'" in out and "-m app.launch" in out, "component llamarl.llamarl"
     assert "runs/torchx-logs" in out, "log_dir from [local_cwd]"
 
 

@@ -35,6 +35,19 @@ def test_list_runs_reports_every_run_and_why_it_cannot_be_shown(runs_root):
     assert infos["old-schema-run"].label == "old-schema-run · old schema"
 
 
+def test_unreadable_metrics_are_named_and_never_hide_the_other_runs(tmp_path):
+    make_run(tmp_path / "good-run", steps=3)
+    (tmp_path / "dir-run" / m.DB_NAME).mkdir(parents=True)
+    text_run = make_run(tmp_path / "text-run", steps=3)
+    with sqlite3.connect(text_run / m.DB_NAME) as db:
+        db.execute("UPDATE scalars SET t = 'yesterday' WHERE rowid = (SELECT MAX(rowid) FROM scalars)")
+    infos = {i.run_id: i for i in data.list_runs(tmp_path)}
+    assert infos["good-run"].status == "ok"
+    assert infos["dir-run"].status == "corrupt" and "is not a file" in infos["dir-run"].message
+    assert infos["text-run"].status == "corrupt"
+    assert "'yesterday' where an event time (a number) belongs" in infos["text-run"].message
+
+
 def test_list_runs_of_missing_root_is_a_typed_error(tmp_path):
     with pytest.raises(data.RunNotFound, match="does not exist"):
         data.list_runs(tmp_path / "nope")

@@ -100,6 +100,13 @@ def test_builtin_task_is_unchanged_by_default(tokenizer):
     assert run.format_prompt(q) == tasks.format_prompt(q)
 
 
+def test_builtin_task_draws_a_bounded_pool_however_many_steps(monkeypatch):
+    """--steps in the millions must not mean minutes of drawing and tokenizing prompts."""
+    monkeypatch.setattr(data, "BUILTIN_TRAIN_PROBLEMS", 20)
+    sources = data.read(cfg(steps=10**9, prompts_per_step=16, eval_size=5), log=quiet)
+    assert sources.train == tasks.make_split("train", 20, seed=1)
+
+
 def test_prompt_template_and_its_newline_escape(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "m.jsonl", MATH_ROWS, MATH)
     template = r"Problem: {question}\nPut the answer in \boxed{}.\nSolution:"

@@ -93,6 +93,35 @@ def test_queue_source_stops_when_asked(queue):
         next(source)
 
 
+def test_the_stream_checks_health_while_it_waits_and_raises_its_error_as_it_was(queue, stream_over):
+    """A producer that died is noticed while the trainer is blocked in ``next_batch``, and
+    the error reaches it as raised, not re-wrapped by torchdata's prefetch thread."""
+    class ProducerGone(RuntimeError):
+        pass
+
+    checks: list[float] = []
+
+    def health() -> None:
+        checks.append(time.monotonic())
+        if len(checks) == 3:
+            raise ProducerGone("no heartbeat for 10 s from reward/0")
+
+    stream = stream_over(queue, health=health, timeout_s=600.0)
+    with pytest.raises(ProducerGone) as caught:
+        stream.next_batch()
+    assert str(caught.value) == "no heartbeat for 10 s from reward/0"
+    assert len(checks) == 3
+
+
+def test_the_stream_does_not_check_health_while_rollouts_flow(queue, stream_over):
+    calls: list[int] = []
+    for slot in range(2):
+        queue.push(message(slot, 0), timeout_s=5)
+    stream = stream_over(queue, health=lambda: calls.append(1))
+    assert len(stream.next_batch()) == 2
+    assert calls == []
+
+
 # --------------------------------------------------------------------------- StalenessFilter
 
 def test_staleness_filter_drops_and_reports_groups_over_the_bound():

@@ -167,3 +167,21 @@ def test_tiny_gpt2_is_a_policy_for_generation_and_training(tokenizer, tmp_path):
     # the behaviour log-probs came from these very weights: ratios are 1 up to float noise
     assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_policy_directory_must_hold_a_causal_lm(tmp_path, tiny_policy):
+    from transformers import BertConfig, LlamaConfig
+
+    from app.policy import check_causal_lm
+
+    check_causal_lm(tiny_policy)  # the warm-started default: a LlamaForCausalLM
+    with pytest.raises(ValueError, match="no config.json"):
+        check_causal_lm(tmp_path)
+    reward_model = tmp_path / "reward-model"
+    LlamaConfig(architectures=["LlamaForSequenceClassification"]).save_pretrained(reward_model)
+    with pytest.raises(ValueError, match="holds a LlamaForSequenceClassification, not a causal language model"):
+        check_causal_lm(reward_model)
+    encoder = tmp_path / "encoder"
+    BertConfig(architectures=["BertForMaskedLM"]).save_pretrained(encoder)
+    with pytest.raises(ValueError, match="BertForMaskedLM"):
+        check_causal_lm(encoder)

@@ -1,0 +1,180 @@
+"""Whether the app is still whole, and how a failure is reported once it is not.
+
+- ``check_health``: the trainer's test that every other role is alive (it raises naming
+  the first role that failed, or whose heartbeat stood still for ``HEARTBEAT_TIMEOUT_S``).
+  The trainer calls it between steps and, through the rollout stream's ``health`` hook,
+  while it waits for rollouts: a dead producer is noticed while the trainer is blocked.
+- ``write_error_file``: the cause in TorchElastic's error-file format at
+  ``$TORCHELASTIC_ERROR_FILE``, which TorchX schedulers read back as the app's
+  structured error (``torchx run`` prints it last when the app fails).
+- ``enable_crash_reports`` and ``watch_parent``: an interpreter crash leaves a Python
+  traceback; a trainer rank whose torchrun agent is gone does not outlive it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import re
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from app.transport import Control
+
+log = logging.getLogger("llamarl")
+
+HEARTBEAT_TIMEOUT_S = 10.0
+"""A member whose heartbeat (one per ``runtime.HEARTBEAT_S``) has not moved for this long
+is gone: long enough for a loaded 2-core machine, short enough to end the app in seconds."""
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+"""Where TorchX's local, SLURM and Kubernetes schedulers expect a replica's error file."""
+ORPHAN_GRACE_S = 30.0
+"""A rank whose parent died exits at the latest this long after it noticed."""
+
+
+class AppFailed(RuntimeError):
+    """Another member of the app failed or is gone; the message names it and its cause."""
+
+
+def check_health(control: Control, timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+    """``AppFailed`` naming the first member that reported a failure, or every member
+    whose heartbeat has not moved for ``timeout_s``; nothing when all are alive."""
+    failures = control.failures()
+    if failures:
+        who, err = next(iter(failures.items()))
+        raise AppFailed(f"{who} failed: {err}")
+    stale = sorted(m for m, age in control.last_heartbeats().items() if age > timeout_s)
+    if stale:
+        raise AppFailed(f"no heartbeat for {timeout_s:g} s from {', '.join(stale)}: the process is gone "
+                        "(killed, out of memory, or its node was lost)")
+
+
+PEER_ERROR_HINTS = ("connection", "peer", "broken pipe", "timed out", "timeout", "weight group", "weight sync")
+"""Words of an error that a vanished peer causes (gloo's "Connection reset by peer"...)."""
+
+
+def blame_peer(control: Control, error: BaseException,
+               wait_s: float = HEARTBEAT_TIMEOUT_S + 1.0) -> AppFailed | None:
+    """For an error that a dead peer may have caused (a collective or a socket failing),
+    the peer to blame: ``check_health`` is asked until ``wait_s`` passes, long enough for
+    a killed process's heartbeat to go stale. ``None``: no member is gone, ``error`` is
+    its own cause."""
+    if not any(hint in str(error).lower() for hint in PEER_ERROR_HINTS):
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            check_health(control)
+        except AppFailed as e:
+            return e
+        except Exception:  # the store itself is gone: nothing to learn from it
+            return None
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.5)
+
+
+def write_error_file(message: str, exitcode: int = 1) -> None:
+    """The failure's cause where the scheduler reads it (``$TORCHELASTIC_ERROR_FILE``,
+    when set): the same JSON that ``torch.distributed.elastic``'s ``@record`` writes."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    data = {"message": {"message": message, "errorCode": exitcode,
+                        "extraInfo": {"py_callstack": traceback.format_exc(),
+                                      "timestamp": str(int(time.time()))}}}
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError as e:
+        log.warning("could not write the error file %s: %s", path, e)
+
+
+@contextmanager
+def reported(*, stops: bool = False) -> Iterator[None]:
+    """Around a role's ``main``: the cause of its own failure (an exception) goes to the
+    scheduler's error file. A role that stops because another failed (``SystemExit``
+    naming it) writes none, unless ``stops``: TorchX shows the earliest error file of the
+    app, which must be the failed role's, not a bystander's that happened to exit first.
+    The trainer's ranks pass ``stops=True``: their error file is torchrun's, which
+    ``app.launch`` prints as the app's cause once torchrun has ended."""
+    try:
+        yield
+    except SystemExit as e:
+        if stops and isinstance(e.code, str):
+            write_error_file(e.code)
+        raise
+    except Exception as e:
+        write_error_file(f"{type(e).__name__}: {e}")
+        raise
+
+
+def read_error_file(path: str) -> str | None:
+    """The message of a TorchElastic error file, or ``None`` if there is none."""
+    try:
+        with open(path) as f:
+            return str(json.load(f)["message"]["message"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+CRASH_DIR_ENV = "LLAMARL_CRASH_DIR"
+"""Set by ``app.launch``: the trainer ranks write their crash reports there, for the
+launcher to name the crash in the app's cause."""
+_crash_files: list = []  # open for the process's life: faulthandler writes on a fatal signal
+
+
+def enable_crash_reports(member: str) -> None:
+    """On SIGSEGV, SIGABRT, SIGFPE, SIGBUS or SIGILL, write every thread's Python stack
+    before the process dies: to ``$LLAMARL_CRASH_DIR/<role>-<replica>.txt`` when set,
+    else to stderr (the role's log then names the function that crashed)."""
+    crash_dir = os.environ.get(CRASH_DIR_ENV)
+    if not crash_dir:
+        faulthandler.enable(all_threads=True)
+        return
+    f = open(os.path.join(crash_dir, member.replace("/", "-") + ".txt"), "w")
+    _crash_files.append(f)
+    faulthandler.enable(file=f, all_threads=True)
+
+
+def describe_crash(member: str, report: str) -> str:
+    """One line from a faulthandler report: what killed ``member``, and the innermost
+    Python function of the thread that crashed (user code, often: a reward, a model)."""
+    fatal = next((line.removeprefix("Fatal Python error: ").strip() for line in report.splitlines()
+                  if line.startswith("Fatal Python error:")), "a fatal signal")
+    where = ""
+    current = report.split("Current thread", 1)
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', current[1] if len(current) > 1 else report)
+    if frames:
+        path, line, function = frames[0]
+        where = f" in {function} ({path}:{line})"
+    return f"{member} crashed ({fatal}){where}"
+
+
+def watch_parent(on_orphaned: Callable[[int], None]) -> threading.Thread:
+    """A daemon thread that notices when this process's parent dies (it is re-parented),
+    calls ``on_orphaned(old_parent_pid)`` to fail the run cleanly, and ends the process
+    ``ORPHAN_GRACE_S`` later if it is still there (stuck in a collective, say)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        log.error("parent process %d (the torchrun agent) is gone: stopping", parent)
+        try:
+            on_orphaned(parent)
+        except Exception as e:  # the store may be gone with it
+            log.error("could not report it: %s", e)
+        time.sleep(ORPHAN_GRACE_S)
+        log.error("still running %g s after the parent died: exiting", ORPHAN_GRACE_S)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, daemon=True, name="parent-watch")
+    thread.start()
+    return thread

@@ -1,0 +1,121 @@
+"""``app.health`` and the app-id check of ``app.runtime`` against a real store on loopback."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from app import health, names, runtime
+from app.transport import Control
+from role_processes import loopback_store
+
+
+@pytest.fixture()
+def store():
+    return loopback_store(timeout_s=30)
+
+
+def test_check_health_names_a_failed_member_first(store):
+    control = Control(store)
+    control.register("generator", 0)
+    health.check_health(control)  # all alive
+    control.mark_failed("reward", 0, "ValueError: bad spec")
+    with pytest.raises(health.AppFailed, match=r"^reward/0 failed: ValueError: bad spec$"):
+        health.check_health(control)
+
+
+def test_check_health_names_members_whose_heartbeat_stood_still(store):
+    control = Control(store)
+    for replica in (0, 1):
+        control.register("generator", replica)
+    health.check_health(control, timeout_s=0.2)  # first sight: fresh
+    time.sleep(0.3)
+    control.heartbeat("generator", 0)
+    with pytest.raises(health.AppFailed, match=r"no heartbeat for 0.2 s from generator/1: the process is gone"):
+        health.check_health(control, timeout_s=0.2)
+
+
+def test_blame_peer_names_the_dead_member_behind_a_connection_error(store):
+    control = Control(store)
+    control.register("generator", 0)
+    control.mark_failed("generator", 0, "killed")
+    blamed = health.blame_peer(control, RuntimeError("Connection reset by peer"), wait_s=1.0)
+    assert isinstance(blamed, health.AppFailed) and "generator/0" in str(blamed)
+    # An error of its own (no peer in its words) is not blamed on anyone, whoever failed.
+    assert health.blame_peer(control, ValueError("shape mismatch"), wait_s=1.0) is None
+
+
+def test_error_file_round_trip_in_torchelastic_format(tmp_path, monkeypatch):
+    path = tmp_path / "replica" / "error.json"
+    monkeypatch.setenv(health.ERROR_FILE_ENV, str(path))
+    health.write_error_file("trainer failed: ConfigError: steps must be >= 1, got 0", 1)
+    data = json.loads(path.read_text())
+    assert data["message"]["message"] == "trainer failed: ConfigError: steps must be >= 1, got 0"
+    assert data["message"]["errorCode"] == 1 and int(data["message"]["extraInfo"]["timestamp"]) > 0
+    assert health.read_error_file(str(path)) == data["message"]["message"]
+    assert health.read_error_file(str(tmp_path / "none.json")) is None
+
+
+def test_reported_writes_the_cause_of_a_roles_own_failure_only(tmp_path, monkeypatch):
+    path = tmp_path / "error.json"
+    monkeypatch.setenv(health.ERROR_FILE_ENV, str(path))
+    with pytest.raises(SystemExit), health.reported():
+        raise SystemExit("stopping: trainer/0 failed: boom")  # a bystander of another's failure
+    assert not path.exists()
+    with pytest.raises(ValueError), health.reported():
+        raise ValueError("no such reward")
+    assert health.read_error_file(str(path)) == "ValueError: no such reward"
+    with pytest.raises(SystemExit), health.reported(stops=True):  # a trainer rank: the app's voice
+        raise SystemExit("stopping: generator/0 failed: boom")
+    assert health.read_error_file(str(path)) == "stopping: generator/0 failed: boom"
+
+
+def test_a_crash_report_names_the_signal_and_the_function():
+    report = """Fatal Python error: Segmentation fault
+
+Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/work/my_reward.py", line 12 in segv
+  File "/work/app/rl.py", line 40 in score_groups
+
+Extension modules: torch (total: 1)
+"""
+    assert health.describe_crash("trainer/0", report) == \
+        "trainer/0 crashed (Segmentation fault) in segv (/work/my_reward.py:12)"
+    assert health.describe_crash("trainer/1", "") == "trainer/1 crashed (a fatal signal)"
+
+
+def test_store_port_is_fixed_or_derived_from_the_app_id():
+    assert names.store_port(31234, "any") == 31234
+    derived = names.store_port(0, "llamarl-abc123")
+    assert derived == names.store_port(0, "llamarl-abc123"), "every role computes the same port"
+    assert names.STORE_PORT_BASE <= derived < names.STORE_PORT_BASE + names.STORE_PORT_SPAN
+    assert names.store_port(0, "llamarl-abc124") != derived
+    with pytest.raises(ValueError, match="--app-id"):
+        names.store_port(0, "")
+
+
+def test_a_role_refuses_the_control_store_of_another_app():
+    store = runtime.host_app_store(0, "llamarl-first")
+    addr = f"127.0.0.1:{store.port}"
+    mine = runtime.connect_app_store(addr, "llamarl-first", timeout_s=10)
+    assert mine.get(names.APP_ID_KEY) == b"llamarl-first"
+    with pytest.raises(ConnectionError, match=r"belongs to app 'llamarl-first', not to this app "
+                                              r"\('llamarl-second'\).*--store_port"):
+        runtime.connect_app_store(addr, "llamarl-second", timeout_s=10)
+    assert Control(store).members() == [], "refused before registering"
+
+
+def test_a_second_store_on_a_port_in_use_fails_saying_why():
+    first = runtime.host_app_store(0, "llamarl-first")
+    with pytest.raises(ConnectionError, match=rf"cannot host the control store on port {first.port}.*--store_port"):
+        runtime.host_app_store(first.port, "llamarl-second")
+
+
+def test_a_store_without_an_app_id_is_not_this_apps(store):
+    with pytest.raises(ConnectionError, match="publishes no llamarl app id"):
+        runtime.connect_app_store(f"127.0.0.1:{store.port}", "llamarl-x", timeout_s=10, check_timeout_s=0.3)
