@@ -68,12 +68,17 @@ def new_secret() -> bytes:
 
 
 def secret_from_env(var: str = SECRET_ENV) -> bytes:
-    """The shared secret, passed to every role as hex in ``$LLAMARL_SECRET``."""
+    """The shared secret, passed to every role as hex in ``$LLAMARL_SECRET``, or in a file
+    named by ``$LLAMARL_SECRET_FILE`` (the SLURM scheduler's way: a batch script and the
+    srun command line are readable by others, a 0600 file is not)."""
     value = os.environ.get(var)
+    file_var = var + "_FILE"
+    if not value and os.environ.get(file_var):
+        value = _read_private_file(os.environ[file_var], file_var)
     if not value:
         raise RuntimeError(
-            f"${var} is not set: every llamarl role needs the run's shared secret "
-            f"(hex, from app.frames.new_secret().hex())")
+            f"${var} (or ${file_var}) is not set: every llamarl role needs the run's shared "
+            f"secret (hex, from app.frames.new_secret().hex())")
     try:
         secret = bytes.fromhex(value.strip())
     except ValueError:
@@ -81,6 +86,20 @@ def secret_from_env(var: str = SECRET_ENV) -> bytes:
     if len(secret) < 16:
         raise RuntimeError(f"${var} holds {len(secret)} bytes; a secret needs at least 16")
     return secret
+
+
+def _read_private_file(path: str, var: str) -> str:
+    """The text of ``path``, refused when its group or other users may read or write it."""
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if mode & 0o077:
+                raise RuntimeError(
+                    f"${var} names {path}, whose mode {mode & 0o777:o} lets other users read or "
+                    f"change the run's secret; it must be 600")
+            return f.read().decode()
+    except OSError as e:
+        raise RuntimeError(f"${var} names {path}, which cannot be read: {e.strerror}") from None
 
 
 # --------------------------------------------------------------------------- encoding

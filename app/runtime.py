@@ -220,7 +220,9 @@ class Runtime:
         if exc_type is not None and issubclass(exc_type, transport.Stopped):
             reason = self.control.stop_reason() or str(exc)
             if self.control.failures():
-                # Another member failed: this role ends non-zero too, naming that cause.
+                # Another member failed: this role ends non-zero too, naming that cause (in
+                # its log file too, and as the process's last line).
+                log.error("stopping: %s", reason)
                 raise SystemExit(f"stopping: {reason}")
             log.info("stopping: %s", reason)
             return True  # a requested stop of a run that did not fail is a clean exit

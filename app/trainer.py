@@ -157,6 +157,7 @@ class Trainer:
         self.stream = RolloutStream(
             rt.queue(names.ROLLOUTS if inline else names.SCORED), reward=self.reward,
             reward_timeout_s=cfg.reward_timeout_s, groups_per_batch=cfg.prompts_per_step // self.world,
+            ranks=self.world,
             max_staleness=cfg.max_staleness, current_version=lambda: self.version,
             on_drop=self._on_drop, normalize_std=cfg.normalize_std, should_stop=rt.should_stop,
             timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,

@@ -21,6 +21,13 @@ exception"), so the stages that run in that thread pass through a ``Gate`` that
 keeps the first error raised inside it, which ``next_batch`` raises as it is (torchdata
 hands it over re-wrapped, its message prefixed with "Caught X in _populate_queue").
 
+Several trainer ranks pop the same queue, each for its share of every batch. A ``Holding``
+then caps what one rank holds and has not trained at ``(1 + max_staleness)`` batches, the
+most the generators may be ahead; a batch counts as held until the trainer asks for the
+next one (by then every rank has its share of the step just trained). Without it one
+rank's lookahead and prefetch could take the groups another rank needs for the same step,
+and both would wait (the other rank in the gradient all-reduce) until the rollout timeout.
+
 While it waits for rollouts, the source calls ``health()`` every ``HEALTH_CHECK_S``: the
 trainer learns that a producer died (a reward executor, the last generator) while it is
 blocked here, not after a silent ``timeout_s``.
@@ -76,11 +83,41 @@ class Gate:
         self._lock.release()
 
 
+class Holding:
+    """Groups one rank took from the queue and has not yet trained or dropped, at most
+    ``cap``. The source takes (in its worker thread); the consumer releases."""
+
+    def __init__(self, cap: int) -> None:
+        if cap < 1:
+            raise ValueError(f"a rank must be able to hold at least one group, got cap={cap}")
+        self.cap, self.held = cap, 0
+        self._changed = threading.Condition()
+
+    def room(self) -> int:
+        with self._changed:
+            return self.cap - self.held
+
+    def take(self, n: int) -> None:
+        with self._changed:
+            self.held += n
+
+    def release(self, n: int = 1) -> None:
+        with self._changed:
+            self.held -= n
+            self._changed.notify_all()
+
+    def wait_for_room(self, timeout_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self.held < self.cap, timeout_s)
+
+
 class QueueSource(BaseNode[RolloutGroup]):
     """Rollout groups from a store queue, forever, oldest policy version first among those
     waiting (groups from several generators arrive out of order; taking the oldest
     first keeps them inside the staleness bound). A frame that does not decode or a
     message that breaks the rollout contract is dropped and counted in ``rejections``.
+    With a ``holding``, it takes no more than that has room for (a full holding waits for the
+    consumer, not for the producers: the silence deadline starts again after it).
     A silent queue is an error after ``timeout_s``; ``health()`` (which raises when the
     producers are gone) is called every ``HEALTH_CHECK_S`` of waiting. ``checks``:
     ``from_message``'s bounds (``vocab_size``, ``group_size``)."""
@@ -88,8 +125,9 @@ class QueueSource(BaseNode[RolloutGroup]):
     def __init__(self, queue: StoreQueue, *, timeout_s: float, should_stop: Callable[[], bool],
                  rejections: Rejections, what: str = "rollouts", lookahead: int = 64,
                  gate: Gate | None = None, health: Callable[[], None] | None = None,
-                 **checks: Any) -> None:
+                 holding: Holding | None = None, **checks: Any) -> None:
         super().__init__()
+        self.holding = holding
         self.queue, self.timeout_s, self.what, self.health = queue, timeout_s, what, health
         self.rejections, self.checks = rejections, checks
         self.gate = gate or Gate()
@@ -106,13 +144,24 @@ class QueueSource(BaseNode[RolloutGroup]):
         while True:
             # Wait only when nothing is waiting; rejected messages are not traffic, so the
             # deadline stands through them.
+            room = self.holding.room() if self.holding is not None else self.lookahead
+            if room <= 0 and not self._waiting:
+                with self.gate:
+                    if self.should_stop():
+                        raise Stopped("the run is stopping")
+                    if not self.holding.wait_for_room(HEALTH_CHECK_S):
+                        continue
+                deadline = time.monotonic() + self.timeout_s
+                continue
             wait_s = 0.0 if self._waiting else min(HEALTH_CHECK_S, max(0.0, deadline - time.monotonic()))
             with self.gate:
-                msgs = self.queue.pop_many(self.lookahead, wait_s, should_stop=self.should_stop,
-                                           on_reject=self.rejections)
+                msgs = self.queue.pop_many(min(self.lookahead, room), wait_s, should_stop=self.should_stop,
+                                           on_reject=self.rejections) if room > 0 else []
                 if not msgs and not self._waiting and self.health is not None:
                     self.health()
             for group in self.rejections.decode(msgs, **self.checks):
+                if self.holding is not None:
+                    self.holding.take(1)
                 heapq.heappush(self._waiting, (group.version, self._arrivals, group))
                 self._arrivals += 1
             if self._waiting:
@@ -187,7 +236,8 @@ class StalenessFilter(BaseNode[RolloutGroup]):
 
 class RolloutStream:
     """The graph above; ``next_batch()`` gives a batch: a list of ``groups_per_batch``
-    groups. Call ``close()`` before the process exits (see the module docstring).
+    groups; ``ranks``: how many trainer ranks pop the same queue, each with a stream of
+    its own. Call ``close()`` before the process exits (see the module docstring).
     ``rejections`` counts the messages dropped on receipt; ``checks`` bound what a
     message may hold (``vocab_size``, ``group_size``: see ``app.contract.from_message``)."""
 
@@ -195,31 +245,57 @@ class RolloutStream:
                  groups_per_batch: int, max_staleness: int, current_version: Callable[[], int],
                  on_drop: Callable[[RolloutGroup, int], None], normalize_std: bool,
                  should_stop: Callable[[], bool], timeout_s: float, rejections: Rejections,
-                 prefetch: int = 2, health: Callable[[], None] | None = None, **checks: Any) -> None:
+                 prefetch: int = 2, health: Callable[[], None] | None = None, ranks: int = 1,
+                 **checks: Any) -> None:
         self.gate = Gate()
         self.close_timeout_s = (reward_timeout_s or 0.0) + 30.0
+        # One rank alone takes all it can see: the more it sees, the better its oldest-first
+        # order. Several share the queue, so each holds at most its share (module docstring).
+        self.holding = Holding(cap=(1 + max_staleness) * groups_per_batch) if ranks > 1 else None
+        self._last_batch = 0
         node: BaseNode = QueueSource(queue, timeout_s=timeout_s, should_stop=should_stop,
-                                     rejections=rejections, gate=self.gate, health=health, **checks)
-        node = Mapper(node, Scored(reward, rejections, reward_timeout_s, gate=self.gate))
+                                     rejections=rejections, gate=self.gate, health=health,
+                                     holding=self.holding, **checks)
+        scored = Scored(reward, rejections, reward_timeout_s, gate=self.gate)
+        node = Mapper(node, lambda group: self._released_if_dropped(scored(group)))
         node = Prefetcher(node, prefetch_factor=prefetch)
         node = Mapper(node, with_advantages(normalize_std))
+
+        def dropped_stale(group: RolloutGroup, lag: int) -> None:
+            if self.holding is not None:
+                self.holding.release()
+            on_drop(group, lag)
+
         node = StalenessFilter(node, max_staleness=max_staleness, current_version=current_version,
-                               on_drop=on_drop)
+                               on_drop=dropped_stale)
         self.root = Batcher(node, batch_size=groups_per_batch, drop_last=False)
+
+    def _released_if_dropped(self, group: RolloutGroup | None) -> RolloutGroup | None:
+        if group is None and self.holding is not None:  # dropped unscored by ``Scored``
+            self.holding.release()
+        return group
 
     def next_batch(self) -> list[RolloutGroup]:
         """The next batch; the pipeline's stop becomes ``Stopped`` for the caller, and an
         error in the worker thread is raised as it was raised there."""
         if self.gate.is_closed():
             raise Stopped("the rollout stream is closed")
+        if self.holding is not None:
+            # The trainer asks for a batch once it trained the last one, so every rank had its
+            # share of that step (the all-reduce waited for them): only now may this rank
+            # take the next step's groups.
+            self.holding.release(self._last_batch)
+            self._last_batch = 0
         try:
-            return next(self.root)
+            batch = next(self.root)
         except StopIteration:
             raise Stopped("the rollout stream ended") from None
         except Exception:
             if self.gate.error is not None:
                 raise self.gate.error from None
             raise
+        self._last_batch = len(batch)
+        return batch
 
     def close(self) -> None:
         """Stop the worker thread's stages and wait until none is inside a store call or a
@@ -227,4 +303,4 @@ class RolloutStream:
         self.gate.close(self.close_timeout_s)
 
 
-__all__ = ["Gate", "QueueSource", "RolloutStream", "Scored", "StalenessFilter", "with_advantages"]
+__all__ = ["Gate", "Holding", "QueueSource", "RolloutStream", "Scored", "StalenessFilter", "with_advantages"]

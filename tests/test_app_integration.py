@@ -104,9 +104,13 @@ def dashboard_draws_run(runs_dir: Path, run_id: str) -> None:
         del os.environ["LLAMARL_RUNS_DIR"]
 
 
-def test_two_data_parallel_trainer_ranks(tiny_policy, tmp_path):
-    """nproc_per_node=2: each rank trains on half of every batch; gradients are averaged."""
-    with launch(tiny_policy, tmp_path, steps=2, num_generators=1, nproc=2) as app:
+@pytest.mark.parametrize("max_staleness", [1, 0])
+def test_two_data_parallel_trainer_ranks(tiny_policy, tmp_path, max_staleness):
+    """nproc_per_node=2: each rank trains on half of every batch; gradients are averaged.
+    Synchronous too, where the generator makes exactly one step's groups and each rank
+    must leave the other its half (``pipelines.rollouts.Holding``)."""
+    with launch(tiny_policy, tmp_path, steps=2, num_generators=1, nproc=2,
+                max_staleness=max_staleness) as app:
         assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
         db = app.db()
         assert rows(db, "SELECT DISTINCT replica FROM intervals WHERE role = 'trainer' ORDER BY replica") == [(0,), (1,)]

@@ -12,7 +12,7 @@ from torchdata.nodes import IterableWrapper
 from app.contract import GroupId, Rejections, Rollout, RolloutGroup, to_message
 from app.rewards import build_reward
 from app.transport import Stopped, StoreQueue, host_store
-from pipelines.rollouts import Gate, QueueSource, RolloutStream, StalenessFilter
+from pipelines.rollouts import Gate, Holding, QueueSource, RolloutStream, StalenessFilter
 
 SECRET = bytes(range(32))
 G = 4  # completions per group
@@ -182,6 +182,34 @@ def test_rollout_stream_scores_batches_and_filters(queue, stream_over):
     assert [r.advantage for r in groups[5].rollouts] == [0.0] * G  # all correct: no signal
     trained = [r for b in batches for g in b for r in g.rollouts if r.reward is not None]
     assert len(trained) == 3 * G
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_two_ranks_on_one_queue_each_get_their_share_of_a_step(queue, stream_over, max_staleness):
+    """Two trainer ranks pop the same queue, 2 groups each per step. In a synchronous run
+    the generators make exactly one step's groups (4) and wait for the step to train; with
+    staleness 1, two steps' (8). Neither rank may take what the other needs: before the
+    holding cap, the first rank's lookahead took all of them and the second waited in vain."""
+    groups_per_step = 4
+    for seq in range((1 + max_staleness) * groups_per_step):
+        queue.push(message(seq, 0), timeout_s=5)
+    first, second = (stream_over(queue, groups_per_batch=2, max_staleness=max_staleness, ranks=2,
+                                 timeout_s=3.0) for _ in range(2))
+    got_first = first.next_batch()
+    time.sleep(0.5)  # the first rank's prefetch thread runs on: it must stop at its cap
+    got_second = second.next_batch()
+    seqs = [g.group_id.seq for g in got_first + got_second]
+    assert len(seqs) == 4 and len(set(seqs)) == 4
+
+
+def test_holding_counts_and_waits_for_room():
+    holding = Holding(cap=2)
+    holding.take(2)
+    assert holding.room() == 0 and not holding.wait_for_room(0.05)
+    threading.Timer(0.05, holding.release).start()
+    assert holding.wait_for_room(5.0) and holding.room() == 1
+    with pytest.raises(ValueError, match="at least one group"):
+        Holding(cap=0)
 
 
 def test_rollout_stream_reads_scores_attached_by_a_reward_executor(queue, stream_over):

@@ -325,3 +325,20 @@ def test_runtime_should_stop_sees_a_stop_and_spares_the_store(store, monkeypatch
     assert rt.should_stop() is True
     calls = len(round_trips)
     assert all(rt.should_stop() for _ in range(100)) and len(round_trips) == calls
+
+
+def test_secret_from_a_private_file(tmp_path, monkeypatch):
+    """The SLURM scheduler's way: $LLAMARL_SECRET_FILE names a file only its owner reads."""
+    secret = new_secret()
+    path = tmp_path / "secret"
+    path.write_text(secret.hex())
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.setenv(SECRET_ENV + "_FILE", str(path))
+    path.chmod(0o644)
+    with pytest.raises(RuntimeError, match="mode 644 lets other users read"):
+        secret_from_env()
+    path.chmod(0o600)
+    assert secret_from_env() == secret
+    path.unlink()
+    with pytest.raises(RuntimeError, match="cannot be read"):
+        secret_from_env()

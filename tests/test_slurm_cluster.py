@@ -1,0 +1,187 @@
+"""llamarl on a real SLURM cluster, through the ``torchx`` CLI as a user types it.
+
+Needs a cluster whose partition ``debug`` has at least 4 nodes: on one machine,
+``deploy/slurm/local-cluster.sh up`` (CI does this). Without one these tests skip, saying
+so; with ``LLAMARL_REQUIRE_SLURM=1`` (CI) a missing cluster fails them instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from torchx.runner import get_runner
+from torchx.specs import AppState, is_terminal, parse_app_handle
+
+from app_launch import SMALL, free_port
+
+pytestmark = [pytest.mark.slurm, pytest.mark.integration]
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 4
+APP_TIMEOUT_S = 300.0
+# After a cancel Slurm sends SIGTERM, then SIGKILL KillWait (10 s on the local cluster) later.
+PROCESS_EXIT_TIMEOUT_S = 60.0
+# A long run for the cancels, without held-out evaluations.
+LONG = [*SMALL[:SMALL.index("--eval-every") + 1], "1000", *SMALL[SMALL.index("--eval-every") + 2:]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_cluster() -> None:
+    problem = None
+    conf = os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")
+    if shutil.which("sbatch") is None:
+        problem = "SLURM is not installed (sbatch not on PATH)"
+    elif not os.path.isfile(conf):
+        problem = f"no SLURM cluster is configured here ({conf} does not exist)"
+    else:
+        idle = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%D"], capture_output=True, text=True,
+                              timeout=60)
+        if idle.returncode != 0 or not idle.stdout.strip():
+            problem = f"no SLURM cluster with a partition debug answers: {(idle.stderr or idle.stdout).strip()}"
+        elif int(idle.stdout.split()[0]) < 4:
+            problem = f"partition debug has {idle.stdout.split()[0]} nodes; the app needs 4"
+    if problem is None:
+        return
+    problem += " (start one with deploy/slurm/local-cluster.sh up)"
+    if os.environ.get("LLAMARL_REQUIRE_SLURM") == "1":
+        pytest.fail(f"LLAMARL_REQUIRE_SLURM=1 but {problem}")
+    pytest.skip(problem)
+
+
+def torchx(*args: str) -> subprocess.CompletedProcess:
+    """The torchx CLI from the repository (its .torchxconfig: partition debug)."""
+    return subprocess.run([sys.executable, "-m", "torchx.cli.main", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def submit(policy: Path, tmp_path: Path, *, steps: int = STEPS, extra: list[str] = SMALL) -> str:
+    """``torchx run -s slurm llamarl.llamarl``: the app runs in ``tmp_path`` (``--image``),
+    which holds its runs directory and its logs; returns the app handle."""
+    proc = torchx("run", "-s", "slurm", "llamarl.llamarl", "--image", str(tmp_path), "--policy", str(policy),
+                  "--runs_dir", str(tmp_path / "runs"), "--store_port", str(free_port()), "--steps", str(steps),
+                  "--num_generators", "2", "--num_reward", "1", "--", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    handle = proc.stdout.strip().splitlines()[-1]
+    assert handle.startswith("slurm://"), proc.stdout
+    return handle
+
+
+def app_id(handle: str) -> str:
+    return parse_app_handle(handle).app_id
+
+
+def logs(tmp_path: Path, handle: str) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                     for p in sorted(tmp_path.glob(f"slurm-{app_id(handle)}*.out")))
+
+
+def wait_state(handle: str, tmp_path: Path, timeout_s: float = APP_TIMEOUT_S) -> AppState:
+    deadline = time.monotonic() + timeout_s
+    with get_runner() as runner:
+        while time.monotonic() < deadline:
+            status = runner.status(handle)
+            if status is not None and is_terminal(status.state):
+                return status.state
+            time.sleep(1.0)
+    pytest.fail(f"{handle} did not end within {timeout_s:g} s\n{logs(tmp_path, handle)}")
+
+
+def wait_for_text(path: Path, text: str, timeout_s: float = APP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"{path.name} never showed {text!r}")
+
+
+def job_processes(handle: str) -> list[int]:
+    """Processes on this host started for the job: srun hands TORCHX_JOB_ID to every role."""
+    mark = f"TORCHX_JOB_ID={handle}\0".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and mark in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # gone, or not ours to read
+            pass
+    return found
+
+
+def wait_no_processes(handle: str) -> None:
+    deadline = time.monotonic() + PROCESS_EXIT_TIMEOUT_S
+    while job_processes(handle) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert job_processes(handle) == [], f"processes of {handle} outlived it"
+
+
+def test_app_succeeds_and_torchx_status_and_log_show_every_role(tiny_policy, tmp_path):
+    handle = submit(tiny_policy, tmp_path)
+    assert wait_state(handle, tmp_path) == AppState.SUCCEEDED, logs(tmp_path, handle)
+
+    status = torchx("status", handle)
+    assert status.returncode == 0, status.stderr
+    assert "State: SUCCEEDED" in status.stdout
+    for replica in ("trainer[0]", "generator[0]", "generator[1]", "reward[0]"):
+        assert f"{replica}:SUCCEEDED" in status.stdout, status.stdout
+
+    # The run id is the job id, in the runs directory the local schedulers use too.
+    db = sqlite3.connect(tmp_path / "runs" / app_id(handle) / "metrics.db")
+    steps = {s for (s,) in db.execute("SELECT DISTINCT step FROM scalars WHERE role = 'trainer'")}
+    assert steps == set(range(STEPS + 1))
+    assert db.execute("SELECT count(*) FROM meta WHERE key = 'finished_at'").fetchone() == (1,)
+
+    log = torchx("log", handle)
+    assert log.returncode == 0, log.stderr
+    assert f"trainer/0 INFO run finished: finished {STEPS} steps" in log.stdout, log.stdout[-3000:]
+    for role in ("generator/0", "generator/1", "reward/0"):
+        assert f"{role} INFO stopping: finished {STEPS} steps" in log.stdout, log.stdout[-3000:]
+
+
+@pytest.mark.parametrize("cancel", ["torchx cancel", "scancel"])
+def test_cancel_ends_every_role_and_keeps_the_database(tiny_policy, tmp_path, cancel):
+    handle = submit(tiny_policy, tmp_path, steps=500, extra=LONG)
+    wait_for_text(tmp_path / f"slurm-{app_id(handle)}-trainer-0.out", "step 1/500")
+    assert job_processes(handle), "the roles run on this host"
+    if cancel == "scancel":
+        subprocess.run(["scancel", app_id(handle)], check=True)
+    else:
+        proc = torchx("cancel", handle)
+        assert proc.returncode == 0, proc.stderr
+    assert wait_state(handle, tmp_path) == AppState.CANCELLED
+    assert "State: CANCELLED" in torchx("status", handle).stdout
+    wait_no_processes(handle)
+
+    db = sqlite3.connect(tmp_path / "runs" / app_id(handle) / "metrics.db")
+    assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    assert db.execute("SELECT max(step) FROM scalars WHERE role = 'trainer'").fetchone()[0] >= 1
+
+
+def test_a_role_with_a_bad_argument_fails_the_job_naming_it(tiny_policy, tmp_path):
+    handle = submit(tiny_policy, tmp_path, extra=[*SMALL, "--no-such-flag"])
+    assert wait_state(handle, tmp_path) == AppState.FAILED
+    status = torchx("status", handle).stdout
+    assert "State: FAILED" in status and "trainer-0 exited with code" in status, status
+    wait_no_processes(handle)
+    assert "--no-such-flag" in (tmp_path / f"slurm-{app_id(handle)}-trainer-0.out").read_text()
+
+
+def test_a_partition_that_does_not_exist_is_a_message_not_a_traceback(tiny_policy, tmp_path):
+    proc = torchx("run", "-s", "slurm", "-cfg", "partition=no-such-partition", "llamarl.llamarl",
+                  "--image", str(tmp_path), "--policy", str(tiny_policy))
+    assert proc.returncode == 1
+    assert "sbatch refused the job" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not list((tmp_path / ".llamarl" / "secrets").iterdir()), "no secret is left for a job never submitted"
+
+
+@pytest.mark.skip(reason="waits for the scale issue's trainer_nodes: a 2-node trainer on two virtual nodes")
+def test_two_node_trainer():
+    pass
