@@ -110,17 +110,21 @@ class ElasticSender:
                 and (r not in self.roster or was_in >= self.epoch or was_in == 0)]
 
     def start(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
-        """The first epoch, once every generator asked to join."""
+        """The first epoch, once every generator still alive asked to join (one lost
+        while starting is not waited for)."""
         deadline = time.monotonic() + timeout_s
         backoff = Backoff(first_s=0.005, max_s=0.1)
-        while len(self.joiners()) < self.num_generators:
+        while True:
+            alive = [r for r in range(self.num_generators) if self._alive(r)]
+            missing = sorted(set(alive) - set(self.joiners()))
+            if alive and not missing:
+                break
             if self.should_stop():
                 raise Stopped("stopped while waiting for the generators to join the weight plane")
             if time.monotonic() > deadline:
-                missing = sorted(set(range(self.num_generators)) - set(self.joiners()))
                 raise WeightSyncError(f"weight plane: generators {missing} did not join within {timeout_s:g} s")
             time.sleep(backoff.next())
-        self._regroup(list(range(self.num_generators)))
+        self._regroup(alive)
 
     # --- epochs ------------------------------------------------------------------------
     def _regroup(self, roster: list[int]) -> None:
@@ -304,7 +308,8 @@ class ElasticReceiver:
         weights go with it: the next epoch starts by resending the newest version)."""
         if self._current is not None:
             self._stats += self._current.pop_stats()
-            self._retired_version = self._current._staged_version or self._retired_version
+            staged = _staged(self._current)
+            self._retired_version = staged if staged is not None else self._retired_version
             # Kept: an abandoned receive may still write into its staging buffers until
             # the group's timeout, and its backend's destructor would wait for it.
             self._retired.append(self._current)
@@ -336,7 +341,7 @@ class ElasticReceiver:
         self._raise_if_failed()
         with self._lock:
             current = self._current
-        staged = current._staged_version if current is not None else None
+        staged = _staged(current) if current is not None else None
         return staged if staged is not None else self._retired_version
 
     def pop_stats(self) -> list[SyncStats]:
@@ -348,3 +353,11 @@ class ElasticReceiver:
 
     def stop_background(self, timeout_s: float = 10.0) -> None:
         self._thread = stop_thread(self._thread, self._stop, timeout_s, "the weight plane's receiver thread")
+
+
+def _staged(receiver: WeightReceiver) -> int | None:
+    """The newest version ``receiver`` holds complete; a broken epoch's still counts."""
+    try:
+        return receiver.latest_version()
+    except WeightSyncError:
+        return receiver._staged_version

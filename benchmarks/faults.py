@@ -7,7 +7,9 @@
 once step 15 is logged. The run must finish every step, each once, and train exactly
 steps x prompts x G rollouts; reported: the groups lost and regenerated, steps/s before
 the kill and after the regroup, seconds from the kill to the weight plane's new epoch
-(the trainer's log) and to the next training step (the metrics database).
+(the trainer's log) and to the next training step (the metrics database; steps trained from
+groups already queued count), and the longest gap between two steps after the kill (how
+long the loss held training up).
 
 Each case launches ``llamarl.llamarl`` through TorchX's runner on local_cwd (one torch
 thread per process) and injects one fault:
@@ -191,6 +193,8 @@ def run_generator_lost(policy: str, work: Path, timeout_s: float) -> dict:
     before = [t for s, t in steps if t < killed_at]
     after = [t for s, t in steps if t > regrouped_at]
     next_step_at = min(t for _, t in steps if t > killed_at)
+    times = [killed_at] + [t for _, t in steps if t > killed_at]
+    stall = max(b - a for a, b in zip(times, times[1:]))
     rate = lambda ts: (len(ts) - 1) / (ts[-1] - ts[0]) if len(ts) > 1 else float("nan")  # noqa: E731
     result = {
         "app_state": str(status.state),
@@ -203,6 +207,7 @@ def run_generator_lost(policy: str, work: Path, timeout_s: float) -> dict:
         "steps_per_s_before": round(rate(before), 2), "steps_per_s_after": round(rate(after), 2),
         "kill_to_regroup_s": round(regrouped_at - killed_at, 1),
         "kill_to_next_step_s": round(next_step_at - killed_at, 1),
+        "longest_step_gap_after_kill_s": round(stall, 1),
     }
     print(f"generator_lost: {result}", file=sys.stderr)
     return result

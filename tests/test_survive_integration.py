@@ -5,6 +5,8 @@ How fast it regroups is measured by ``benchmarks/faults.py``, not here."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from torchx.specs import AppState
 
@@ -14,7 +16,7 @@ from test_failfast import app_processes, kill
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 24
+STEPS = 60  # the kill (after step 4) always lands long before the last step
 
 
 def test_a_killed_generator_is_survived_and_its_groups_regenerated(tiny_policy, tmp_path):
@@ -43,3 +45,24 @@ def test_a_killed_generator_is_survived_and_its_groups_regenerated(tiny_policy, 
         lost = int(last[names.FAULTS_LOST_GROUPS])
         assert f"{lost} group(s) it held go back to be regenerated" in trainer_log
     assert not app_processes(app)
+
+
+def test_a_killed_reward_executor_is_survived(tiny_policy, tmp_path):
+    """The survivor scores everything from the loss on: a long run, watched until ten
+    steps after the trainer took reward/1 out, then cancelled."""
+    with launch(tiny_policy, tmp_path, steps=10_000, num_generators=1, num_reward=2,
+                extra=[*SMALL, "--eval-every", "100000"]) as app:
+        app.wait_for_log("trainer", "step 4/", timeout_s=APP_TIMEOUT_S)
+        kill(app, f"app.reward .*--app-id {app.app_id} --replica 1")
+        app.wait_for_log("trainer", "reward/1 is gone", timeout_s=APP_TIMEOUT_S)
+        taken_out_at = max(int(n) for n in re.findall(r"step (\d+)/", app.log("trainer")))
+        app.wait_for_log("trainer", f"step {taken_out_at + 10}/", timeout_s=APP_TIMEOUT_S)
+        app.runner.cancel(app.handle)
+        db = app.db()
+        steps = [s for (s,) in rows(db, f"SELECT step FROM scalars WHERE name = '{names.TRAIN_VERSION}' ORDER BY t")]
+        assert steps == list(range(1, len(steps) + 1)) and len(steps) >= taken_out_at + 10
+        trained = rows(db, f"SELECT COUNT(*) FROM staleness WHERE used = 1 AND step <= {len(steps)}")[0][0]
+        assert trained == len(steps) * PROMPTS_PER_STEP * GROUP_SIZE
+        alive = rows(db, f"SELECT value FROM scalars WHERE step = {len(steps)} AND name = "
+                         f"'{names.members_metric('reward')}'")
+        assert alive == [(1.0,)]
