@@ -134,3 +134,21 @@ def test_after_a_resume_the_slots_lost_in_flight_come_first(store):
     assert reserved == range(8, cap(2, 1))
     assert budget.slot_ids(reserved) == [7, *range(9, 16)]
     assert budget.reserve(1, version=2) == range(0)
+
+
+def test_slots_lost_with_an_executor_come_back_outside_the_counter(store):
+    """A synchronous step whose generator died holding two of its slots: the counter is at
+    its cap, yet the survivor gets those two slots back to regenerate, once each."""
+    from app import membership
+
+    budget = SlotBudget(store, groups_per_step=B, max_staleness=0)
+    assert budget.reserve(100, version=0) == range(0, 4)
+    dead = membership.HeldSlots(store, "generator/1")
+    dead.take([2, 3])
+    assert budget.reserve(1, version=0) == range(0), "the step's slots are all reserved"
+    watch = membership.Membership(store, {"generator": 2})  # takes generator/1 out:
+    assert watch._return_held("generator/1") == 2
+    assert membership.lost_slots_waiting(store) == 2
+    assert membership.take_lost_slots(store, 8) == [2, 3]
+    assert membership.take_lost_slots(store, 8) == []
+    assert budget.reserve(1, version=0) == range(0), "the counter did not move"
