@@ -230,7 +230,8 @@ class Trainer:
         return kept
 
     def _on_drop(self, group: RolloutGroup, lag: int) -> None:
-        self._consume([group])
+        if not self._consume([group]):  # a duplicate: counted, its slot freed, once
+            return
         self.dropped += 1
         self.rt.store.add(names.DROPPED_KEY, 1)  # generators may fill the slot again
         self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
