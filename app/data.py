@@ -331,13 +331,19 @@ def check_published(rt: runtime.Runtime, data: RunData, timeout_s: float) -> Non
     rt.store.set(names.data_checked_key(me), data.fingerprint)
 
 
-def wait_for_checks(rt: runtime.Runtime, members: list[str], timeout_s: float) -> None:
+def wait_for_checks(rt: runtime.Runtime, members: list[str], timeout_s: float,
+                    health: Callable[[], None] | None = None) -> None:
     """Trainer replica 0: wait until every one of ``members`` has checked its prompts
     against the published ones (a generator that found a mismatch stops the run, and
-    this raises ``Stopped`` with its reason)."""
+    this raises ``Stopped`` with its reason); ``health()`` is called about every
+    ``transport.HEALTH_CHECK_S``, so a member that dies before its check is named."""
     deadline = time.monotonic() + timeout_s
     missing = list(members)
+    next_check = time.monotonic()
     while missing:
+        if health is not None and time.monotonic() >= next_check:
+            health()
+            next_check = time.monotonic() + transport.HEALTH_CHECK_S
         missing = [m for m in missing if not rt.store.check([names.data_checked_key(m)])]
         if not missing:
             return

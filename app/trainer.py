@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import logging
 import os
@@ -140,10 +141,12 @@ class Trainer:
         if self.reward is not None:
             self.reward.load()
         expected = {"generator": self.num_generators, "reward": self.num_reward, "trainer": self.world}
-        rt.control.wait_for_members(expected, timeout_s=900.0, should_stop=rt.should_stop)
+        # A member that fails or dies while the others start is named at once, not after 900 s.
+        alive = functools.partial(health.check_health, rt.control)
+        rt.control.wait_for_members(expected, timeout_s=900.0, should_stop=rt.should_stop, health=alive)
         if self.rank == 0:
             data.wait_for_checks(rt, [names.member("generator", i) for i in range(self.num_generators)],
-                                 timeout_s=900.0)
+                                 timeout_s=900.0, health=alive)
             # From here a lost generator or reward executor is survivable while others of
             # its role are alive (app.membership); the weight plane regroups without it.
             self.membership = membership.Membership(rt.store, {"generator": self.num_generators,

@@ -36,6 +36,10 @@ OnReject = Callable[[str, str], None]
 """``on_reject(reason, detail)``: told about each frame a queue dropped on receipt."""
 
 
+HEALTH_CHECK_S = 0.5
+"""How often a wait for other members asks ``health()`` whether they are still there."""
+
+
 class Stopped(Exception):
     """A wait was cut short because ``should_stop()`` became true (the run is stopping)."""
 
@@ -215,11 +219,18 @@ class Control:
         return _split_list(raw) if raw is not None else []
 
     def wait_for_members(self, expected: dict[str, int], timeout_s: float,
-                         should_stop: Callable[[], bool] | None = None) -> list[str]:
-        """Wait until replicas ``0..n-1`` of each role in ``expected`` have registered."""
+                         should_stop: Callable[[], bool] | None = None,
+                         health: Callable[[], None] | None = None) -> list[str]:
+        """Wait until replicas ``0..n-1`` of each role in ``expected`` have registered;
+        ``health()`` (which raises when a member failed or went silent) is called about
+        every ``HEALTH_CHECK_S`` meanwhile."""
         deadline = time.monotonic() + timeout_s
         backoff = Backoff(first_s=0.005, max_s=0.1)
+        next_check = time.monotonic()
         while True:
+            if health is not None and time.monotonic() >= next_check:
+                health()
+                next_check = time.monotonic() + HEALTH_CHECK_S
             present = set(self.members())
             missing = [names.member(role, r) for role, n in expected.items() for r in range(n)
                        if names.member(role, r) not in present]

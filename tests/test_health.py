@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from app import health, names, runtime
+from app import data, health, names, runtime
 from app.transport import Control
 from role_processes import loopback_store
 
@@ -35,6 +37,20 @@ def test_check_health_names_members_whose_heartbeat_stood_still(store):
     control.heartbeat("generator", 0)
     with pytest.raises(health.AppFailed, match=r"no heartbeat for 0.2 s from generator/1: the process is gone"):
         health.check_health(control, timeout_s=0.2)
+
+
+def test_waiting_for_members_names_one_that_died_while_the_others_start(store):
+    """The trainer waits for every member to register (and replica 0 for their dataset
+    checks) for up to 900 s; a member that registered and then went silent is named
+    within the heartbeat timeout instead."""
+    control = Control(store)
+    control.register("generator", 0)  # registered, then killed: no heartbeat ever moves
+    check = functools.partial(health.check_health, control, timeout_s=0.3)
+    with pytest.raises(health.AppFailed, match=r"from generator/0: the process is gone"):
+        control.wait_for_members({"generator": 2}, timeout_s=30, health=check)
+    rt = SimpleNamespace(store=store, control=control, should_stop=lambda: False)
+    with pytest.raises(health.AppFailed, match=r"from generator/0: the process is gone"):
+        data.wait_for_checks(rt, [names.member("generator", 0)], timeout_s=30, health=check)
 
 
 def test_blame_peer_names_the_dead_member_behind_a_connection_error(store):
