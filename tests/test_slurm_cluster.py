@@ -62,11 +62,15 @@ def torchx(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
-def submit(policy: Path, tmp_path: Path, *, steps: int = STEPS, extra: list[str] = SMALL) -> str:
+def submit(policy: Path, tmp_path: Path, *, steps: int = STEPS, extra: list[str] = SMALL,
+           store_port: int | None = None) -> str:
     """``torchx run -s slurm llamarl.llamarl``: the app runs in ``tmp_path`` (``--image``),
-    which holds its runs directory and its logs; returns the app handle."""
+    which holds its runs directory and its logs; returns the app handle. Without
+    ``store_port`` a free one; 0 is the component's default (derived from the job id by
+    every role, as the README's command runs it)."""
+    port = free_port() if store_port is None else store_port
     proc = torchx("run", "-s", "slurm", "llamarl.llamarl", "--image", str(tmp_path), "--policy", str(policy),
-                  "--runs_dir", str(tmp_path / "runs"), "--store_port", str(free_port()), "--steps", str(steps),
+                  "--runs_dir", str(tmp_path / "runs"), "--store_port", str(port), "--steps", str(steps),
                   "--num_generators", "2", "--num_reward", "1", "--", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     handle = proc.stdout.strip().splitlines()[-1]
@@ -124,7 +128,7 @@ def wait_no_processes(handle: str) -> None:
 
 
 def test_app_succeeds_and_torchx_status_and_log_show_every_role(tiny_policy, tmp_path):
-    handle = submit(tiny_policy, tmp_path)
+    handle = submit(tiny_policy, tmp_path, store_port=0)
     assert wait_state(handle, tmp_path) == AppState.SUCCEEDED, logs(tmp_path, handle)
 
     status = torchx("status", handle)
