@@ -119,10 +119,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
             slots = budget.reserve(gen_cfg.gen_batch_prompts, version)
             if not slots:
                 with timeline.idle("staleness_bound"):
-                    while receiver.latest_version() == version and not membership.lost_slots_waiting(store):
-                        if rt.should_stop():
-                            raise transport.Stopped("stop requested")
-                        time.sleep(0.005)
+                    _wait_for_weights_or_lost_slots(rt, receiver, version)
                 continue
             slot_ids = budget.slot_ids(slots)
         held.take(slot_ids)
@@ -149,6 +146,23 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
         events += [metrics.weight_sync(s.version, f"generator/{rt.replica}", s.bytes, s.seconds)
                    for s in receiver.pop_stats()]
         rt.emit(events + timeline.drain(), flush=True)
+
+
+LOST_SLOTS_POLL_S = 0.1
+"""How often a generator at its staleness bound asks the store for lost slots (a store
+call; new weights are a local check, made every 5 ms)."""
+
+
+def _wait_for_weights_or_lost_slots(rt: runtime.Runtime, receiver: ElasticReceiver, version: int) -> None:
+    next_poll = time.monotonic()
+    while receiver.latest_version() == version:
+        if rt.should_stop():
+            raise transport.Stopped("stop requested")
+        if time.monotonic() >= next_poll:
+            if membership.lost_slots_waiting(rt.store):
+                return
+            next_poll = time.monotonic() + LOST_SLOTS_POLL_S
+        time.sleep(0.005)
 
 
 def main(argv: list[str] | None = None) -> None:
