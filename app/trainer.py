@@ -485,6 +485,10 @@ def _train(rt: runtime.Runtime, argv: list[str], early: argparse.Namespace, rank
             reason = rt.control.stop_reason() or "stopped"
         else:
             reason = f"{type(peer or e).__name__}: {peer or e}"
+        # Said now, not only at exit: ending the app waits for the others' acknowledgements,
+        # and a scheduler that kills the job when the first role exits non-zero (SLURM's
+        # heterogeneous job) may end this process in that wait.
+        log.error("failed: %s", reason)
         if trainer is not None:
             trainer.close(reason, failed=True)
         elif rank == 0:
