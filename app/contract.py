@@ -33,20 +33,20 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from app import names
+from app.names import BAD_VALUE, MISSING_FIELD, WRONG_LENGTH, WRONG_TYPE
 from app.rewards import RewardResult, Sample
 
 log = logging.getLogger("llamarl")
 
 KIND = "rollout_group"
 
-# Why a message was dropped on receipt (counted under ``names.REJECTED_PREFIX``).
-MISSING_FIELD, WRONG_TYPE, WRONG_LENGTH, BAD_VALUE = (
-    "missing_field", "wrong_type", "wrong_length", "bad_value")
+# Why a message was dropped on receipt (counted under ``names.REJECTED_PREFIX``): the
+# reasons of ``app.names``, imported above.
 
 # A log-prob a hair above 0 is rounding (log_softmax of a near-certain token), not an error.
 _LOGPROB_SLACK = 1e-4
@@ -260,37 +260,81 @@ def from_message(msg: dict[str, Any], *, vocab_size: int | None = None,
     return RolloutGroup(group_id=group_id, version=version, rollouts=rollouts, sent_at=sent_at, slot=slot)
 
 
+FLOOD_FRAMES = 10_000
+"""Messages rejected in a row, with no valid one between, that make a flood: the reader
+then fails the run naming it (``FrameFlood``). A role of the app never sends a bad frame,
+so a few come only from outside (or a role with another secret); 10,000 in a row means
+the queue is someone else's now. At the queues' own pace that is seconds of nothing but
+rejections (a rejection costs one store round trip and an HMAC, ~0.1 ms): long enough
+that a burst never ends a run, short enough that a queue drowned in junk is named within
+seconds rather than found by the 600 s silence timeout. A flood that lets valid messages
+through now and then is only counted: the run goes on."""
+
+
+class FrameFlood(RuntimeError):
+    """A reader saw ``FLOOD_FRAMES`` rejected messages in a row: a sustained flood."""
+
+
+Admit = Callable[[RolloutGroup], "tuple[str, str] | None"]
+"""``admit(group)``: ``None`` to take a valid group, or ``(reason, detail)`` to refuse it
+(``app.seen_groups.Admission``: a replay, a version from the future)."""
+
+
 class Rejections:
     """Counts messages dropped on receipt, by reason, and logs the first of each
-    (reason, field) once: a flood of bad messages costs a counter, not a log line each."""
+    (reason, field) once: a flood of bad messages costs a counter, not a log line each.
+    ``accepted()`` is told of every valid message; ``flood_frames`` rejections in a row
+    without one raise ``FrameFlood``."""
 
-    def __init__(self, where: str) -> None:
-        self.where = where
+    def __init__(self, where: str, flood_frames: int = FLOOD_FRAMES) -> None:
+        self.where, self.flood_frames = where, flood_frames
         self.counts: Counter[str] = Counter()
         self._logged: set[tuple[str, str]] = set()
+        self._in_a_row = 0
 
     def __call__(self, reason: str, detail: str, field_name: str = "") -> None:
         self.counts[reason] += 1
+        self._in_a_row += 1
         if (reason, field_name) not in self._logged:
             self._logged.add((reason, field_name))
             log.warning("%s: dropped a message (%s%s): %s; further ones like it are only counted",
                         self.where, reason, f" in {field_name!r}" if field_name else "", detail)
+        if self._in_a_row >= self.flood_frames:
+            raise FrameFlood(
+                f"{self.where}: {self._in_a_row} messages rejected in a row with no valid one between "
+                f"(so far {dict(self.counts)}): a flood of frames on the control store's queues, from "
+                f"outside the app or from a role with another secret; the store's port must be "
+                f"reachable only by the app's roles (README, Security)")
+
+    def accepted(self, n: int = 1) -> None:
+        """``n`` valid messages arrived: the run of rejections is over."""
+        if n:
+            self._in_a_row = 0
 
     def metrics(self) -> dict[str, float]:
         """The counts so far under their metric names. The pipeline's worker thread adds
         reasons while the trainer reads: one C-level copy of the dict, then iterate."""
         return {names.rejected_metric(k): float(n) for k, n in dict(self.counts).items()}
 
-    def decode(self, msgs: list[dict[str, Any]], **checks: Any) -> list[RolloutGroup]:
-        """The groups of ``msgs`` that keep the contract; the others are counted."""
+    def decode(self, msgs: list[dict[str, Any]], admit: Admit | None = None,
+               **checks: Any) -> list[RolloutGroup]:
+        """The groups of ``msgs`` that keep the contract and that ``admit`` (when given)
+        lets in; the others are counted."""
         groups = []
         for msg in msgs:
             try:
-                groups.append(from_message(msg, **checks))
+                group = from_message(msg, **checks)
             except MalformedMessage as e:
                 self(e.reason, str(e), e.field)
+                continue
+            refused = admit(group) if admit is not None else None
+            if refused is not None:
+                self(*refused)
+                continue
+            self.accepted()
+            groups.append(group)
         return groups
 
 
-__all__ = ["GroupId", "MalformedMessage", "Rejections", "Rollout", "RolloutGroup", "from_message",
+__all__ = ["FLOOD_FRAMES", "FrameFlood", "GroupId", "MalformedMessage", "Rejections", "Rollout", "RolloutGroup", "from_message",
            "to_message"]

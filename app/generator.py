@@ -28,6 +28,7 @@ from app import data, health, membership, metrics, names, rl, runtime, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import to_message
 from app.policy import load_policy
+from app.seen_groups import first_seq
 from app.train_state import SlotLedger
 from app.weight_plane import ElasticReceiver
 from app.weight_sync import WeightSyncError, flatten_parameters_
@@ -104,7 +105,10 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
     rng = torch.Generator().manual_seed(gen_cfg.gen_seed + 1000 * rt.replica)
     held = membership.HeldSlots(store, names.member("generator", rt.replica))
     version: int | None = None
-    sent = 0  # this generator's groups so far: the sequence half of their ids
+    # The sequence half of this generator's group ids; a restarted process continues
+    # after its earlier ones', so no id is ever used twice (readers refuse a second copy).
+    incarnation = int(store.add(names.incarnation_key(names.member("generator", rt.replica)), 1))
+    sent = first_seq(incarnation)
     while True:
         with timeline.idle("wait_weights"):
             while (new := receiver.swap_if_newer()) is None and version is None:

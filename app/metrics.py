@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
+from app import names
+
 SCHEMA_VERSION = 1
 DB_NAME = "metrics.db"
 LAST_CHECKPOINT = "last_checkpoint"
@@ -115,6 +117,52 @@ def reward(component: str, value: float | None, *, step: int | None = None,
            reason: str | None = None) -> dict[str, Any]:
     return {"type": "reward", "t": time.time(), "step": step, "component": component,
             "value": value, "reason": reason}
+
+
+class MalformedEvents(ValueError):
+    """A metrics batch from the queue breaks the event format; ``reason`` is one of the
+    rejection reasons of ``app.names`` (``missing_field``, ``wrong_type``, ``bad_value``)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"malformed metrics batch: {reason}: {detail}")
+        self.reason = reason
+
+
+# What each column of an event may hold: a signed batch is still checked before it
+# reaches SQLite, so one bad event cannot fail the writer (and with it the run).
+_NUMBER, _INT, _TEXT = (int, float), (int,), (str,)
+_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {  # column -> (types, may be None)
+    "t": (_NUMBER, False), "t0": (_NUMBER, False), "t1": (_NUMBER, False), "seconds": (_NUMBER, False),
+    "step": (_INT, True), "replica": (_INT, False), "version": (_INT, False),
+    "staleness": (_INT, False), "used": (_INT, False), "bytes": (_INT, False),
+    "role": (_TEXT, False), "kind": (_TEXT, False), "what": (_TEXT, False), "name": (_TEXT, False),
+    "receiver": (_TEXT, False), "component": (_TEXT, False), "reason": (_TEXT, True),
+}
+_NULLABLE_VALUE = {"scalar": False, "reward": True}
+
+
+def checked_events(msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events of one batch from the ``metrics`` queue (``{"events": [...]}``), every
+    field checked against its column; ``MalformedEvents`` for the first that is not."""
+    events = msg.get("events")
+    if not isinstance(events, list):
+        raise MalformedEvents(names.MISSING_FIELD if events is None else names.WRONG_TYPE,
+                              "'events' must be a list of events")
+    for i, ev in enumerate(events):
+        if not isinstance(ev, dict) or ev.get("type") not in COLUMNS:
+            raise MalformedEvents(names.BAD_VALUE, f"event {i} is not an event of a known type")
+        for column in COLUMNS[ev["type"]]:
+            if column not in ev:
+                raise MalformedEvents(names.MISSING_FIELD, f"event {i} ({ev['type']}) has no {column!r}")
+            value = ev[column]
+            types, nullable = ((_NUMBER, _NULLABLE_VALUE[ev["type"]]) if column == "value"
+                               else _FIELDS[column])
+            if value is None and nullable:
+                continue
+            if not isinstance(value, types) or isinstance(value, bool):
+                raise MalformedEvents(names.WRONG_TYPE, f"event {i} ({ev['type']}): {column!r} is "
+                                      f"{type(value).__name__}")
+    return events
 
 
 def new_run_dir(runs_dir: str | Path, run_id: str, config: dict[str, Any]) -> Path:

@@ -96,6 +96,12 @@ def exited_key(member_id: str) -> str:
     return f"{_ROOT}exited/{member_id}"
 
 
+def incarnation_key(member_id: str) -> str:
+    """Counter: how many processes of ``member_id`` have started in this app (a restarted
+    generator numbers its groups after its earlier processes': ``app.seen_groups``)."""
+    return f"{_ROOT}incarnation/{member_id}"
+
+
 def data_checked_key(member_id: str) -> str:
     """Set by a generator once it has read the same prompts as the trainer."""
     return f"{_ROOT}data_checked/{member_id}"
@@ -235,6 +241,10 @@ QUARANTINED_PREFIX = "quarantined/"
 QUARANTINED_TOTAL = QUARANTINED_PREFIX + "total"
 REJECTED_PREFIX = "security/rejected_frames/"
 """Messages dropped on receipt, counted by reason (see ``app.contract``)."""
+# Reasons a signed message is dropped for breaking its format (a rollout group's:
+# ``app.contract``; a metrics batch's: ``app.metrics.checked_events``).
+MISSING_FIELD, WRONG_TYPE, WRONG_LENGTH, BAD_VALUE = (
+    "missing_field", "wrong_type", "wrong_length", "bad_value")
 
 
 def eval_metric(name: str) -> str:

@@ -18,6 +18,7 @@ import torch
 from app import health, membership, metrics, names, rl, runtime
 from app.contract import Rejections, to_message
 from app.rewards import build_reward
+from app.seen_groups import Admission
 
 MAX_GROUPS_PER_BATCH = 16
 
@@ -30,6 +31,9 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
     reward.load()
     inbox, outbox = rt.queue(names.ROLLOUTS), rt.queue(names.SCORED)
     rejections = Rejections(f"reward/{rt.replica}")
+    # Replays are refused here already (scoring them would be wasted), and versions the
+    # trainer has not published; the trainer checks both again.
+    admit = Admission(current_version=rt.control.version)
     timeline = metrics.Timeline("reward", rt.replica)
     reported: dict[str, float] = {}
     held = membership.HeldSlots(rt.store, names.member("reward", rt.replica))
@@ -40,7 +44,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
                                       on_reject=rejections)
             # The trainer checks token ids against its vocabulary again; here what matters
             # is what scoring reads.
-            groups = rejections.decode(msgs, group_size=cfg.group_size)
+            groups = rejections.decode(msgs, admit, group_size=cfg.group_size)
             held.take([g.slot for g in groups])  # lost with this executor: regenerated
             if not groups:
                 # Only bad messages: their counts still reach the metrics, once per change.

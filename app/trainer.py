@@ -48,6 +48,7 @@ from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
+from app.seen_groups import Admission
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
 from app.weight_plane import ElasticSender
 from app.weight_sync import flatten_parameters_
@@ -165,6 +166,7 @@ class Trainer:
             on_drop=self._on_drop, normalize_std=cfg.normalize_std, should_stop=rt.should_stop,
             timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,
             health=lambda: health.check_health(rt.control),
+            admit=Admission(current_version=lambda: self.version, published_version=rt.control.version),
             vocab_size=self.model.get_input_embeddings().num_embeddings)
 
     def _check_resume(self, resume: train_state.Resume) -> None:
@@ -250,7 +252,15 @@ class Trainer:
         self._record(self.rt.take_metrics() + self.timeline.drain())
         queue = self.rt.queue(names.METRICS)
         while msgs := queue.pop_many(256, timeout_s=0.0, on_reject=self.rejections):
-            self._record([e for m in msgs for e in m["events"]])
+            events = []
+            for m in msgs:
+                try:
+                    events += metrics.checked_events(m)
+                except metrics.MalformedEvents as e:  # signed, yet not ours: dropped, counted
+                    self.rejections(e.reason, f"queue {names.METRICS!r}: {e}", "events")
+                else:
+                    self.rejections.accepted()
+            self._record(events)
 
     def _record(self, events: list[dict]) -> None:
         self.writer.write(events)
@@ -387,6 +397,8 @@ class Trainer:
         if hasattr(self, "writer"):
             try:
                 self._drain_metrics()
+                if counts := self.rejections.metrics():  # with those of the last drain
+                    self._record(metrics.scalars(counts, role="trainer", step=self.version))
             finally:
                 self.writer.close(finished=not failed)
                 if self.tensorboard is not None:

@@ -43,7 +43,7 @@ from typing import Any, Callable
 from torchdata.nodes import BaseNode, Batcher, Mapper, Prefetcher
 
 from app import rl
-from app.contract import Rejections, RolloutGroup
+from app.contract import Admit, Rejections, RolloutGroup
 from app.rewards import CompositeReward
 from app.transport import StoreQueue, Stopped
 
@@ -114,8 +114,10 @@ class Holding:
 class QueueSource(BaseNode[RolloutGroup]):
     """Rollout groups from a store queue, forever, oldest policy version first among those
     waiting (groups from several generators arrive out of order; taking the oldest
-    first keeps them inside the staleness bound). A frame that does not decode or a
-    message that breaks the rollout contract is dropped and counted in ``rejections``.
+    first keeps them inside the staleness bound). A frame that does not decode, a
+    message that breaks the rollout contract, or a group ``admit`` refuses (a replay, a
+    version from the future: ``app.seen_groups.Admission``) is dropped and counted in
+    ``rejections``: it takes no place in a batch and frees no slot.
     With a ``holding``, it takes no more than that has room for (a full holding waits for the
     consumer, not for the producers: the silence deadline starts again after it).
     A silent queue is an error after ``timeout_s``; ``health()`` (which raises when the
@@ -125,9 +127,9 @@ class QueueSource(BaseNode[RolloutGroup]):
     def __init__(self, queue: StoreQueue, *, timeout_s: float, should_stop: Callable[[], bool],
                  rejections: Rejections, what: str = "rollouts", lookahead: int = 64,
                  gate: Gate | None = None, health: Callable[[], None] | None = None,
-                 holding: Holding | None = None, **checks: Any) -> None:
+                 holding: Holding | None = None, admit: Admit | None = None, **checks: Any) -> None:
         super().__init__()
-        self.holding = holding
+        self.holding, self.admit = holding, admit
         self.queue, self.timeout_s, self.what, self.health = queue, timeout_s, what, health
         self.rejections, self.checks = rejections, checks
         self.gate = gate or Gate()
@@ -159,7 +161,7 @@ class QueueSource(BaseNode[RolloutGroup]):
                                            on_reject=self.rejections) if room > 0 else []
                 if not msgs and not self._waiting and self.health is not None:
                     self.health()
-            for group in self.rejections.decode(msgs, **self.checks):
+            for group in self.rejections.decode(msgs, self.admit, **self.checks):
                 if self.holding is not None:
                     self.holding.take(1)
                 heapq.heappush(self._waiting, (group.version, self._arrivals, group))
@@ -238,15 +240,16 @@ class RolloutStream:
     """The graph above; ``next_batch()`` gives a batch: a list of ``groups_per_batch``
     groups; ``ranks``: how many trainer ranks pop the same queue, each with a stream of
     its own. Call ``close()`` before the process exits (see the module docstring).
-    ``rejections`` counts the messages dropped on receipt; ``checks`` bound what a
-    message may hold (``vocab_size``, ``group_size``: see ``app.contract.from_message``)."""
+    ``rejections`` counts the messages dropped on receipt; ``admit`` refuses replays and
+    versions from the future (``QueueSource``); ``checks`` bound what a message may hold
+    (``vocab_size``, ``group_size``: see ``app.contract.from_message``)."""
 
     def __init__(self, queue: StoreQueue, *, reward: CompositeReward | None, reward_timeout_s: float | None,
                  groups_per_batch: int, max_staleness: int, current_version: Callable[[], int],
                  on_drop: Callable[[RolloutGroup, int], None], normalize_std: bool,
                  should_stop: Callable[[], bool], timeout_s: float, rejections: Rejections,
                  prefetch: int = 2, health: Callable[[], None] | None = None, ranks: int = 1,
-                 **checks: Any) -> None:
+                 admit: Admit | None = None, **checks: Any) -> None:
         self.gate = Gate()
         self.close_timeout_s = (reward_timeout_s or 0.0) + 30.0
         # One rank alone takes all it can see: the more it sees, the better its oldest-first
@@ -255,7 +258,7 @@ class RolloutStream:
         self._last_batch = 0
         node: BaseNode = QueueSource(queue, timeout_s=timeout_s, should_stop=should_stop,
                                      rejections=rejections, gate=self.gate, health=health,
-                                     holding=self.holding, **checks)
+                                     holding=self.holding, admit=admit, **checks)
         scored = Scored(reward, rejections, reward_timeout_s, gate=self.gate)
         node = Mapper(node, lambda group: self._released_if_dropped(scored(group)))
         node = Prefetcher(node, prefetch_factor=prefetch)

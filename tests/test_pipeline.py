@@ -11,6 +11,7 @@ from torchdata.nodes import IterableWrapper
 
 from app.contract import GroupId, Rejections, Rollout, RolloutGroup, to_message
 from app.rewards import build_reward
+from app.seen_groups import Admission
 from app.transport import Stopped, StoreQueue, host_store
 from pipelines.rollouts import Gate, Holding, QueueSource, RolloutStream, StalenessFilter
 
@@ -247,6 +248,18 @@ def test_rollout_stream_drops_and_counts_bad_messages_and_goes_on(queue, stream_
     assert [first.group_id.seq, second.group_id.seq] == [0, 4]
     assert dict(rejections.counts) == {"missing_field": 1, "wrong_type": 1, "wrong_length": 1,
                                        "malformed_frame": 1, "bad_tag": 1}
+
+
+def test_rollout_stream_refuses_a_replay_and_a_future_version_before_batching(queue, stream_over):
+    """A second copy of a group and a group from a version the trainer has not published
+    are counted and take no place in a batch: the batch is made of the next good groups."""
+    for msg in (message(0, 0), message(0, 0), message(1, 5), message(2, 0)):
+        queue.push(msg, timeout_s=5)
+    rejections = Rejections("test")
+    stream = stream_over(queue, rejections=rejections, groups_per_batch=2, max_staleness=0,
+                         admit=Admission(current_version=lambda: 0))
+    assert [g.group_id.seq for g in stream.next_batch()] == [0, 2]
+    assert dict(rejections.counts) == {"replay": 1, "future_version": 1}
 
 
 def test_rollout_stream_surfaces_a_silent_queue(queue, stream_over):

@@ -1,0 +1,137 @@
+"""Which rollout groups a reader has already taken: a second copy is a replay.
+
+A group's id is ``(generator replica, seq)`` (``app.contract.GroupId``), inside the frame's
+HMAC, so nobody without the app's secret can make a new id: a captured frame pushed again
+carries the same id, and the reader refuses it (counted as ``replay``). The id stays
+unique when a generator restarts: each generator process takes an *incarnation* number
+from the control store and starts its sequence at ``incarnation << INCARNATION_SHIFT``
+(``first_seq``), so a restarted replica never reuses the ids of its earlier process.
+
+Memory is bounded: per generator process (replica, incarnation), the ids at most
+``window`` below the newest one seen are remembered exactly; an older id counts as seen.
+Groups of one generator process reach a reader in nearly the order they were made (one
+FIFO queue; reordered only by the reward executors' batches of 16, the trainer's
+lookahead of 64 and its ranks), so a genuine group ``window`` behind its generator's
+newest is no longer trainable anyway (far past any staleness bound). 4096 ids are a few
+hundred KiB per generator process.
+
+Not the slot ledger's job and not replaced by it (``app.train_state.SlotLedger``): the
+ledger records *slots* (prompts) consumed, and a regenerated lost slot is a new group
+with a new id filling a slot another group may already have filled (a duplicate, counted
+under ``faults/duplicate_groups``, not a replay). A replay refused here never reaches
+the ledger: it takes no place in a batch and frees no slot. The set lives for one app
+attempt (generators restart their incarnations with a new store); across a resume the
+ledger, restored from the checkpoint, still refuses a second group for a consumed slot.
+
+``Admission`` is what a reader asks of each valid group: not a replay, and not from a
+policy version the trainer has not published yet (a generator only has weights the
+trainer sent, so ``version > trainer version`` never comes from the app; trained, it
+would have a negative staleness). A group too *old* is not refused here: only the app's
+roles can sign a frame, so an old version is ordinary staleness (or a replay, refused
+above); the trainer's staleness filter drops it, counts it (``dropped_stale``) and frees
+its slot, as before.
+
+Pure: no store, no torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Callable
+
+__all__ = ["FUTURE_VERSION", "INCARNATION_SHIFT", "REPLAY", "SEEN_WINDOW", "Admission", "SeenGroups",
+           "first_seq"]
+
+# Why a valid group was refused (counted under ``names.REJECTED_PREFIX`` with the others).
+REPLAY, FUTURE_VERSION = "replay", "future_version"
+
+INCARNATION_SHIFT = 32
+"""A generator process numbers its groups from ``incarnation << 32``: 4 billion groups
+per process before two could collide, far beyond any run."""
+SEEN_WINDOW = 4096
+"""Ids remembered per generator process below its newest (module docstring)."""
+
+
+def first_seq(incarnation: int) -> int:
+    """The first sequence number of a generator's ``incarnation``-th process (1-based):
+    0 for the first, so a run without restarts numbers its groups 0, 1, 2..."""
+    if incarnation < 1:
+        raise ValueError(f"incarnations count from 1, got {incarnation}")
+    return (incarnation - 1) << INCARNATION_SHIFT
+
+
+class _Window:
+    """The seqs seen of one generator process: all below ``floor``, and ``above``."""
+
+    def __init__(self) -> None:
+        self.floor = 0
+        self.above: set[int] = set()
+        self._heap: list[int] = []  # the same seqs as ``above``, for the smallest first
+        self.newest = -1
+
+    def add(self, seq: int, window: int) -> bool:
+        if seq < self.floor or seq in self.above:
+            return False
+        self.above.add(seq)
+        heapq.heappush(self._heap, seq)
+        self.newest = max(self.newest, seq)
+        self.floor = max(self.floor, self.newest - window)
+        while self._heap and self._heap[0] <= self.floor:
+            low = heapq.heappop(self._heap)
+            self.above.discard(low)
+            if low == self.floor:  # a run of consecutive seqs folds into the floor
+                self.floor += 1
+        return True
+
+
+class SeenGroups:
+    """The group ids one reader has taken; ``add`` says whether an id is new."""
+
+    def __init__(self, window: int = SEEN_WINDOW) -> None:
+        if window < 1:
+            raise ValueError(f"the seen-id window must be >= 1, got {window}")
+        self.window = window
+        self._by_process: dict[tuple[int, int], _Window] = {}
+
+    def add(self, generator: int, seq: int) -> bool:
+        """True the first time ``(generator, seq)`` is offered; False for a second copy,
+        or for an id more than ``window`` below the newest of its generator process."""
+        key = (generator, seq >> INCARNATION_SHIFT)
+        window = self._by_process.get(key)
+        if window is None:
+            window = self._by_process[key] = _Window()
+        return window.add(seq, self.window)
+
+    def remembered(self) -> int:
+        """How many ids are held above the floors (for tests: memory stays bounded)."""
+        return sum(len(w.above) for w in self._by_process.values())
+
+
+class Admission:
+    """``admit(group)`` for ``Rejections.decode``: refuses a group whose id this reader
+    has taken already (``REPLAY``), and, given the trainer's ``current_version``, one
+    from a version not published yet (``FUTURE_VERSION``). ``published_version`` (a
+    store read) is asked before refusing a version above this process's own: a trainer
+    rank other than replica 0 may count its step a moment after replica 0 sent it. A
+    refused group is not remembered: only groups taken are."""
+
+    def __init__(self, current_version: Callable[[], int] | None = None,
+                 published_version: Callable[[], int] | None = None,
+                 seen: SeenGroups | None = None) -> None:
+        self.current_version, self.published_version = current_version, published_version
+        self.seen = seen or SeenGroups()
+
+    def _newest(self) -> int:
+        assert self.current_version is not None
+        now = self.current_version()
+        return max(now, self.published_version()) if self.published_version is not None else now
+
+    def __call__(self, group: Any) -> tuple[str, str] | None:
+        gid = group.group_id
+        if (self.current_version is not None and group.version > self.current_version()
+                and group.version > (now := self._newest())):
+            return FUTURE_VERSION, (f"group {tuple(gid)} claims policy version {group.version}; "
+                                    f"the trainer has published {now}")
+        if not self.seen.add(gid.generator, gid.seq):
+            return REPLAY, f"group {tuple(gid)} was taken already (a second copy of its frame)"
+        return None

@@ -1,0 +1,45 @@
+"""A metrics batch from the queue is checked before it reaches SQLite
+(``app.metrics.checked_events``): a signed batch that breaks the event format is
+dropped and counted by the trainer, never written and never fatal."""
+
+from __future__ import annotations
+
+import pytest
+
+from app import metrics
+
+
+def every_kind() -> list[dict]:
+    """One event of each type, as the executors make them."""
+    return [metrics.scalar("loss", 0.5, role="trainer", step=3),
+            metrics.interval("busy", "train", 1.0, 2.0, role="trainer"),
+            metrics.staleness(3, 2, 1, True),
+            metrics.weight_sync(2, "generator/0", 1024, 0.01),
+            metrics.reward("math_verifier", None, step=3, reason="timeout")]
+
+
+def test_the_executors_events_pass_and_are_written(tmp_path):
+    events = every_kind()
+    assert metrics.checked_events({"events": events}) == events
+    writer = metrics.MetricsWriter(tmp_path, run_id="t", config={})
+    assert writer.write(events) == len(events)
+    writer.close()
+
+
+@pytest.mark.parametrize("batch, reason", [
+    ({}, "missing_field"),
+    ({"events": "loss"}, "wrong_type"),
+    ({"events": [{"type": "pickle"}]}, "bad_value"),
+    ({"events": [[1, 2]]}, "bad_value"),
+    ({"events": [{k: v for k, v in metrics.scalar("loss", 1.0, role="trainer").items() if k != "name"}]},
+     "missing_field"),
+    ({"events": [{**metrics.scalar("loss", 1.0, role="trainer"), "value": "1.0"}]}, "wrong_type"),
+    ({"events": [{**metrics.scalar("loss", 1.0, role="trainer"), "value": None}]}, "wrong_type"),
+    ({"events": [{**metrics.staleness(1, 0, 1, True), "used": True}]}, "wrong_type"),
+    ({"events": [{**metrics.interval("idle", "wait", 0.0, 1.0, role="reward"), "what": {"x": 1}}]},
+     "wrong_type"),
+])
+def test_a_batch_that_breaks_the_format_is_refused_with_a_reason(batch, reason):
+    with pytest.raises(metrics.MalformedEvents) as err:
+        metrics.checked_events(batch)
+    assert err.value.reason == reason

@@ -1,0 +1,98 @@
+"""Replays and versions from the future (``app.seen_groups``), and the flood guard of
+``app.contract.Rejections``: pure, in-process."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from app.contract import FrameFlood, GroupId, Rejections, Rollout, RolloutGroup, to_message
+from app.seen_groups import FUTURE_VERSION, INCARNATION_SHIFT, REPLAY, Admission, SeenGroups, first_seq
+
+
+def group(generator: int, seq: int, version: int = 0) -> RolloutGroup:
+    gid = GroupId(generator, seq)
+    return RolloutGroup(group_id=gid, version=version, rollouts=[
+        Rollout(prompt_ids=[1, 2], completion_ids=[3], behaviour_logprobs=[-1.0], version=version,
+                group_id=gid)])
+
+
+def test_an_id_is_new_once_per_generator():
+    seen = SeenGroups()
+    assert seen.add(0, 5) and seen.add(1, 5)  # the same seq of another generator is another group
+    assert not seen.add(0, 5) and not seen.add(1, 5)
+
+
+def test_out_of_order_ids_are_each_taken_once_and_memory_stays_bounded():
+    seen = SeenGroups(window=64)
+    order = list(range(10_000))
+    # Arrival order shuffled within blocks of 32: what reward executors and lookahead do.
+    for start in range(0, len(order), 32):
+        block = order[start:start + 32]
+        random.Random(start).shuffle(block)
+        order[start:start + 32] = block
+    assert all(seen.add(3, s) for s in order)
+    assert not any(seen.add(3, s) for s in order)  # every second copy refused, old or recent
+    assert seen.remembered() <= 65
+
+
+def test_an_id_older_than_the_window_counts_as_seen():
+    seen = SeenGroups(window=10)
+    assert seen.add(0, 100)
+    assert not seen.add(0, 89)  # 11 below the newest: forgotten, so refused
+    assert seen.add(0, 90)  # within the window: a late group, taken
+
+
+def test_a_restarted_generator_numbers_its_groups_apart_from_its_earlier_process():
+    assert first_seq(1) == 0 and first_seq(2) == 1 << INCARNATION_SHIFT
+    with pytest.raises(ValueError):
+        first_seq(0)
+    seen = SeenGroups(window=10)
+    assert all(seen.add(0, s) for s in range(100))
+    # The new process's groups are new; the old process's last groups, still queued, too.
+    assert all(seen.add(0, first_seq(2) + s) for s in range(100))
+    assert seen.add(0, 100)
+
+
+def test_admission_refuses_a_replay_and_a_version_from_the_future():
+    published = {"v": 3}
+    admit = Admission(current_version=lambda: 2, published_version=lambda: published["v"])
+    assert admit(group(0, 1, version=2)) is None
+    reason, detail = admit(group(0, 1, version=2))
+    assert reason == REPLAY and "(0, 1)" in detail
+    # Above this rank's version but published already (another rank counts a step late).
+    assert admit(group(0, 2, version=3)) is None
+    reason, detail = admit(group(0, 3, version=4))
+    assert reason == FUTURE_VERSION and "version 4" in detail and "published 3" in detail
+    # A refused group is not remembered: the same id with a valid version is taken.
+    assert admit(group(0, 3, version=3)) is None
+
+
+def test_rejections_decode_counts_what_admission_refuses():
+    rejections = Rejections("trainer/0")
+    msgs = [to_message(group(0, s, version=v)) for s, v in [(0, 0), (0, 0), (1, 9), (2, 1)]]
+    got = rejections.decode(msgs, Admission(current_version=lambda: 1))
+    assert [g.group_id.seq for g in got] == [0, 2]
+    assert rejections.metrics() == {"security/rejected_frames/replay": 1.0,
+                                    "security/rejected_frames/future_version": 1.0}
+
+
+def test_a_flood_of_rejections_in_a_row_is_an_error_naming_it():
+    rejections = Rejections("reward/0", flood_frames=5)
+    for _ in range(4):
+        rejections("bad_tag", "queue 'rollouts': bad tag")
+    rejections.accepted()  # a valid message between: no flood
+    for _ in range(4):
+        rejections("bad_tag", "queue 'rollouts': bad tag")
+    with pytest.raises(FrameFlood, match=r"reward/0: 5 messages rejected in a row .*'bad_tag': 8, 'malformed_frame': 1"):
+        rejections("malformed_frame", "queue 'rollouts': garbage")
+
+
+def test_replays_of_one_valid_frame_are_a_flood_too():
+    rejections = Rejections("trainer/0", flood_frames=3)
+    msg = to_message(group(0, 0))
+    admit = Admission()
+    rejections.decode([msg, msg, msg], admit)
+    with pytest.raises(FrameFlood):
+        rejections.decode([msg], admit)
