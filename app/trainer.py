@@ -151,7 +151,7 @@ class Trainer:
             # From here a lost generator or reward executor is survivable while others of
             # its role are alive (app.membership); the weight plane regroups without it.
             self.membership = membership.Membership(rt.store, {"generator": self.num_generators,
-                                                               "reward": self.num_reward})
+                                                               "reward": self.num_reward}, rt.secret)
             self.membership.start()
             self.sender = ElasticSender(rt.store, list(self.model.named_parameters()),
                                         num_generators=self.num_generators, timeout_s=cfg.weight_sync_timeout_s,
