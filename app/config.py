@@ -59,6 +59,11 @@ class TrainerConfig:
     weight_sync_timeout_s: float = 30.0
     """Deadline of one weight sync and of the weight group's rendezvous: how long a
     generator that vanished mid-sync can hold the trainer before the survivors regroup."""
+    weight_digest: bool = True
+    """Publish a signed SHA-256 digest of every weight version; generators refuse weights
+    that do not match it (altered on the unauthenticated weight plane). Costs about a
+    sync's time on a CPU host at 100M parameters (benchmarks/security.py):
+    --no-weight-digest when the weight plane's network is private."""
     levels: str = "1,2,3"
     """Difficulty levels of the built-in task's training and evaluation problems."""
     dataset: str = ""

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from app import data, health, membership, metrics, names, rl, runtime, transport
+from app import data, health, membership, metrics, names, rl, runtime, transport, weight_digest
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, to_message
 from app.policy import load_policy
@@ -79,11 +79,13 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
     flatten_parameters_(model)  # WeightReceiver needs it: a swap is then one copy per dtype
     # Joins the weight plane's current epoch; after a break (another generator lost) or a
     # restart of this replica it joins the next one.
+    check = (weight_digest.DigestCheck(store, rt.secret, names.member("generator", rt.replica))
+             if trainer_cfg.weight_digest else None)  # weights altered in flight are refused
     receiver = ElasticReceiver(store, rt.replica, list(model.named_parameters()),
-                               timeout_s=trainer_cfg.weight_sync_timeout_s)
+                               timeout_s=trainer_cfg.weight_sync_timeout_s, verify=check)
     receiver.start_background(should_stop=rt.should_stop)
     try:
-        _generate_forever(rt, model, tokenizer, receiver, prompts, trainer_cfg, gen_cfg)
+        _generate_forever(rt, model, tokenizer, receiver, prompts, trainer_cfg, gen_cfg, check)
     finally:
         # The receiver thread must leave gloo before the interpreter exits, or the process
         # aborts; it can only be stuck in a sync when the run is failing anyway.
@@ -94,7 +96,8 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
 
 
 def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticReceiver,
-                      prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig) -> None:
+                      prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig,
+                      check: weight_digest.DigestCheck | None) -> None:
     store = rt.store
     timeline = metrics.Timeline("generator", rt.replica)
     ledger = SlotLedger.from_state(json.loads(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger")))
@@ -147,7 +150,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
                                   names.GEN_SEQS_PER_S: len(rollouts) / dt,
                                   names.GEN_VERSION: version,
                                   names.IDLE_FRACTION: timeline.idle_fraction(),
-                                  **rejections.metrics()},
+                                  **rejections.metrics(), **(check.metrics() if check else {})},
                                  role="generator", replica=rt.replica)
         events += [metrics.weight_sync(s.version, f"generator/{rt.replica}", s.bytes, s.seconds)
                    for s in receiver.pop_stats()]

@@ -141,6 +141,11 @@ def weight_joins_key(replica: int) -> str:
     return f"joins/{int(replica)}"
 
 
+def weight_digest_key(version: int) -> str:
+    """The trainer's signed digest of weight version ``version`` (``app.weight_digest``)."""
+    return f"{_ROOT}weight_digest/{int(version)}"
+
+
 def weight_sync_announce_key(sync: int) -> str:
     """Inside the weight plane's prefix: set by the sender before sync ``sync`` (1-based)
     starts, so receivers wait on a key rather than inside a collective."""
@@ -265,3 +270,13 @@ def quarantined_metric(reason: str) -> str:
 
 def rejected_metric(reason: str) -> str:
     return REJECTED_PREFIX + reason
+
+
+WEIGHT_DIGEST_PREFIX = "security/weight_digest/"
+"""Weight versions a generator refused, by reason (``app.weight_digest``)."""
+WEIGHT_DIGEST_S = "weights/digest_s"
+"""Seconds trainer replica 0 spent hashing one weight version before sending it."""
+
+
+def weight_digest_metric(reason: str) -> str:
+    return WEIGHT_DIGEST_PREFIX + reason

@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, cli, data, health, membership, metrics, names, rl, runtime, steps, train_state, transport
+from app import (checkpoint, cli, data, health, membership, metrics, names, rl, runtime, steps, train_state,
+                 transport, weight_digest)
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
@@ -51,6 +52,7 @@ from app.rewards import build_reward, parse_spec
 from app.seen_groups import Admission
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
 from app.weight_plane import ElasticSender
+from app.weight_layout import DEFAULT_BUCKET_MB, Layout
 from app.weight_sync import flatten_parameters_
 from pipelines.rollouts import RolloutStream
 
@@ -153,7 +155,9 @@ class Trainer:
             self.membership = membership.Membership(rt.store, {"generator": self.num_generators,
                                                                "reward": self.num_reward}, rt.secret)
             self.membership.start()
-            self.sender = ElasticSender(rt.store, list(self.model.named_parameters()),
+            self.params = list(self.model.named_parameters())
+            self.digest_layout = Layout(self.params, int(DEFAULT_BUCKET_MB * 2**20))
+            self.sender = ElasticSender(rt.store, self.params,
                                         num_generators=self.num_generators, timeout_s=cfg.weight_sync_timeout_s,
                                         gone=self.membership.gone, should_stop=rt.should_stop)
             self.sender.start()
@@ -242,6 +246,13 @@ class Trainer:
         self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
 
     def _sync(self) -> None:
+        if self.cfg.weight_digest:  # before the send: a generator checks what it received
+            with self.timeline.busy("weight_digest"):
+                t0 = time.perf_counter()
+                weight_digest.publish(self.rt.store, self.rt.secret, self.version, weight_digest.digest(
+                    weight_digest.sent_runs(self.params, self.digest_layout)))
+            self.rt.emit(metrics.scalars({names.WEIGHT_DIGEST_S: time.perf_counter() - t0}, role="trainer",
+                                         step=self.version))
         with self.timeline.busy("weight_sync"):
             stats = self.sender.send(self.version)
         self.rt.control.set_version(self.version)

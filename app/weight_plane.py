@@ -209,12 +209,15 @@ class ElasticReceiver:
 
     def __init__(self, store: dist.Store, replica: int, params: Sequence[tuple[str, torch.Tensor]], *,
                  timeout_s: float, device: torch.device = torch.device("cpu"),
-                 join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+                 join_timeout_s: float = JOIN_TIMEOUT_S,
+                 verify: Callable[[int, list[torch.Tensor]], bool] | None = None) -> None:
         # Its own connection: the epoch polls never queue behind the generator's other calls.
         plane_conn = store.clone() if isinstance(store, dist.TCPStore) else store
         self.store, self.plane, self.replica = store, _plane_store(plane_conn), replica
         self.params, self.timeout_s, self.device = list(params), timeout_s, device
         self.join_timeout_s = join_timeout_s
+        self.verify = verify
+        """Asked of each received version before it may be applied (``WeightReceiver``)."""
         self.epoch = 0
         """The newest epoch this generator was in (0: none yet)."""
         self._current: WeightReceiver | None = None
@@ -261,7 +264,7 @@ class ElasticReceiver:
                                               timeout_s=self.timeout_s, prefix=names.weight_epoch_prefix(epoch),
                                               should_stop=lambda: stop() or newer())
                     group.abandoned = threading.Event()
-                    receiver = WeightReceiver(group, self.params)
+                    receiver = WeightReceiver(group, self.params, verify=self.verify)
                 except WeightLayoutError:
                     raise
                 except (WeightSyncError, Stopped) as e:

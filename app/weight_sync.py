@@ -294,11 +294,14 @@ class WeightReceiver:
     returns ``None`` at once and the next call picks the version up.
 
     ``params`` must be laid out by ``flatten_parameters_`` (as the generator's model is),
-    so applying a version is one copy per run.
+    so applying a version is one copy per run. ``verify(version, staging)``, when given,
+    is asked after each receive whether to take it (``app.weight_digest.DigestCheck``); a
+    version it refuses is never applied: the model keeps the version it has.
     """
 
     def __init__(self, group: WeightGroup, params: Sequence[tuple[str, torch.Tensor]],
-                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+                 bucket_mb: float = DEFAULT_BUCKET_MB,
+                 verify: Callable[[int, list[torch.Tensor]], bool] | None = None) -> None:
         if group.rank == 0:
             raise ValueError("rank 0 of the weight group is the sender, not a receiver")
         self.group = group
@@ -308,6 +311,7 @@ class WeightReceiver:
         _handshake(group, self.layout)
         self._staging = [torch.empty(run.numel, dtype=run.dtype, device=group.device)
                          for run in self.layout.runs]
+        self.verify = verify
         self._staged_version: int | None = None
         self._applied_version: int | None = None
         self._lock = threading.Lock()  # guards _staging, _staged_version and the copy into params
@@ -388,7 +392,9 @@ class WeightReceiver:
             while self._wait_announced(should_stop):
                 with self._lock:
                     stats = self._receive()
-                    self._staged_version = stats.version
+                    # Refused: staging holds bytes not to apply, whatever it held before.
+                    taken = self.verify is None or self.verify(stats.version, self._staging)
+                    self._staged_version = stats.version if taken else self._applied_version
                 with self._stats_lock:
                     self._stats.append(stats)
         except BaseException as e:  # surfaced to the generator by swap_if_newer()
