@@ -244,7 +244,9 @@ REWARD_PREFIX = "reward/"
 REWARD_TOTAL = REWARD_PREFIX + "total"
 QUARANTINED_PREFIX = "quarantined/"
 QUARANTINED_TOTAL = QUARANTINED_PREFIX + "total"
-REJECTED_PREFIX = "security/rejected_frames/"
+SECURITY_PREFIX = "security/"
+"""Every counter of something refused for security (the dashboard's Security tab)."""
+REJECTED_PREFIX = SECURITY_PREFIX + "rejected_frames/"
 """Messages dropped on receipt, counted by reason (see ``app.contract``)."""
 # Reasons a signed message is dropped for breaking its format (a rollout group's:
 # ``app.contract``; a metrics batch's: ``app.metrics.checked_events``).
@@ -272,7 +274,7 @@ def rejected_metric(reason: str) -> str:
     return REJECTED_PREFIX + reason
 
 
-WEIGHT_DIGEST_PREFIX = "security/weight_digest/"
+WEIGHT_DIGEST_PREFIX = SECURITY_PREFIX + "weight_digest/"
 """Weight versions a generator refused, by reason (``app.weight_digest``)."""
 WEIGHT_DIGEST_S = "weights/digest_s"
 """Seconds trainer replica 0 spent hashing one weight version before sending it."""

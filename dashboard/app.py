@@ -44,8 +44,8 @@ LOSSES = [names.FAULTS_LOST_GROUPS, names.FAULTS_DUPLICATE_GROUPS, names.WEIGHT_
 SHOWN = {*THROUGHPUT, *LEARNING, *AIPO, *COUNTS, *LOSSES, names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S,
          names.TRAIN_STEPS_PER_MIN, names.TRAIN_STEP_S, names.IDLE_FRACTION, names.STALENESS_MEAN,
          names.STALENESS_MAX}
-# Prefixes of counters drawn in the Queues tab.
-DROP_PREFIXES = (names.QUARANTINED_PREFIX, names.REJECTED_PREFIX)
+# Prefixes of counters drawn in the Queues tab (what security refused: the Security tab).
+DROP_PREFIXES = (names.QUARANTINED_PREFIX,)
 
 
 def runs_dir_from_args(argv: list[str]) -> Path:
@@ -187,13 +187,32 @@ def learning_tab(run: data.Run) -> None:
 def queues_tab(run: data.Run) -> None:
     drops = pd.concat([run.scalar_series(COUNTS)] + [run.scalar_series(prefix=p) for p in DROP_PREFIXES])
     chart_pair((charts.queues_figure(run.queue_depths()), "queues-depth"),
-               (charts.line_figure(drops, "Dropped, quarantined and rejected (counts so far)",
+               (charts.line_figure(drops, "Dropped and quarantined (counts so far)",
                                    y_title="count"), "queues-dropped"))
+
+
+def security_tab(run: data.Run) -> None:
+    counts = run.security_counts()
+    st.caption("Frames dropped on receipt by reason (security/rejected_frames/: bad tag, malformed, "
+               "replay, version from the future, a signed message that breaks its format) and "
+               "anything else refused for security (security/...): each is counted and the run "
+               "goes on. Rollouts too old for max_staleness are ordinary staleness "
+               f"({names.DROPPED_STALE}, Queues tab).")
+    if counts.empty:
+        st.success("Nothing refused: no bad frame, replay or altered weight version was seen.")
+        return
+    totals = counts.groupby("name", as_index=False).agg(count=("count", "sum"), processes=("role", "size"))
+    st.dataframe(totals.sort_values(["count", "name"], ascending=[False, True]), hide_index=True)
+    chart(charts.line_figure(run.scalar_series(prefix=names.SECURITY_PREFIX), "Refused so far, by reason "
+                             "and process", y_title="count"), "security-counts")
+    with st.expander("By process"):
+        st.dataframe(counts, hide_index=True)
 
 
 def other_scalars_tab(run: data.Run) -> None:
     others = [s for s in run.scalar_names()
-              if s not in SHOWN and not s.startswith((names.QUEUE_PREFIX, names.MEMBERS_PREFIX, *DROP_PREFIXES))]
+              if s not in SHOWN and not s.startswith((names.QUEUE_PREFIX, names.MEMBERS_PREFIX, *DROP_PREFIXES,
+                                                      names.SECURITY_PREFIX))]
     if not others:
         st.info("Every scalar this run records is drawn in the other tabs.")
         return
@@ -209,6 +228,7 @@ TABS: dict[str, Callable[[data.Run], None]] = {
     "Weight sync": weight_sync_tab,
     "Learning": learning_tab,
     "Queues": queues_tab,
+    "Security": security_tab,
     "All scalars": other_scalars_tab,
 }
 
@@ -229,7 +249,7 @@ def run_page(path: Path) -> None:
                     "This page refreshes itself while the run is live.")
             return
         headline(run)
-        # Only the open tab runs its queries: a refresh of a long run costs one view, not seven.
+        # Only the open tab runs its queries: a refresh of a long run costs one view, not eight.
         for tab, (name, body) in zip(st.tabs(list(TABS), key="tab", on_change="rerun"), TABS.items()):
             if tab.open is False:
                 continue

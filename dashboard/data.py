@@ -626,6 +626,17 @@ class Run:
         return self._frame("SELECT component, COALESCE(reason, 'unknown') AS reason, COUNT(*) AS n "
                            "FROM rewards WHERE value IS NULL GROUP BY component, reason ORDER BY n DESC")
 
+    # ---- security
+
+    def security_counts(self) -> pd.DataFrame:
+        """Every counter under ``security/`` (frames rejected by reason, weight versions
+        refused...), whoever records it: ``name, role, replica, count``, the highest count
+        each process reported (the counters only grow), largest first."""
+        lo, hi = names.SECURITY_PREFIX, names.SECURITY_PREFIX[:-1] + chr(ord(names.SECURITY_PREFIX[-1]) + 1)
+        return self._frame("SELECT name, role, replica, MAX(value) AS count FROM scalars "
+                           "WHERE name >= ? AND name < ? GROUP BY name, role, replica "
+                           "ORDER BY count DESC, name, role, replica", [lo, hi])
+
     # ---- queues
 
     def queue_depths(self, *, max_points: int = MAX_POINTS) -> pd.DataFrame:

@@ -257,6 +257,10 @@ def simulate(mode: Mode, *, steps: int, n_generators: int, t_start: float, seed:
         }
         if step % 5 == 0:
             values["eval/accuracy"] = accuracy - 0.05
+        if mode == "async":  # someone on the network: a few forged frames, then one replayed
+            values.update({k: v for k, v, since in [("security/rejected_frames/bad_tag", 3.0, 10),
+                                                    ("security/rejected_frames/replay", 1.0, 25)]
+                           if step >= since})
         events += [m.scalar(k, v, role="trainer", step=step, t=end) for k, v in values.items()]
         events.append(m.scalar("idle_fraction", trainer.idle_fraction(), role="trainer", step=step, t=end))
         events.append(m.scalar("idle_fraction", reward_tl.idle_fraction(), role="reward", step=step, t=end))
@@ -271,6 +275,9 @@ def simulate(mode: Mode, *, steps: int, n_generators: int, t_start: float, seed:
                                    role="generator", replica=g.replica, step=step, t=end))
             events.append(m.scalar("idle_fraction", idle, role="generator", replica=g.replica,
                                    step=step, t=end))
+            if mode == "async" and g.replica == 1 and step >= 30:  # one weight version altered in flight
+                events.append(m.scalar("security/weight_digest/mismatch", 1.0, role="generator",
+                                       replica=1, step=step, t=end))
             events += spans
         events += trainer.drain() + reward_tl.drain()
         yield events

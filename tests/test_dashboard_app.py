@@ -44,7 +44,8 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
     assert float(metrics["mean staleness"]) > 0
     assert metrics["last checkpoint"] == "step 40"
     tabs = [t.label for t in at.tabs]
-    assert tabs == ["Throughput", "Executors", "Off-policy", "Weight sync", "Learning", "Queues", "All scalars"]
+    assert tabs == ["Throughput", "Executors", "Off-policy", "Weight sync", "Learning", "Queues", "Security",
+                    "All scalars"]
     drawn = {}
     for tab in tabs:  # only the open tab runs its queries, so open each in turn
         at.session_state["tab"] = tab
@@ -53,7 +54,27 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
         assert not at.error
         drawn[tab] = charts(at)
     assert drawn == {"Throughput": 4, "Executors": 3, "Off-policy": 2, "Weight sync": 1, "Learning": 6,
-                     "Queues": 2, "All scalars": 0}
+                     "Queues": 2, "Security": 1, "All scalars": 0}
+
+
+def test_security_tab_totals_every_security_counter(monkeypatch, runs_root):
+    """Whatever is counted under security/ (frames rejected by reason, weight versions
+    refused, and any counter added later) is in the table, summed over the processes."""
+    at = start(monkeypatch, runs_root, run="async-run")
+    at.session_state["tab"] = "Security"
+    at.run()
+    assert_no_exception(at)
+    totals = at.dataframe[0].value
+    assert dict(zip(totals["name"], totals["count"])) == {
+        "security/rejected_frames/bad_tag": 3.0, "security/rejected_frames/replay": 1.0,
+        "security/weight_digest/mismatch": 1.0}
+    assert charts(at) == 1
+    # A run where nothing was refused says so instead of drawing empty charts.
+    at = start(monkeypatch, runs_root, run="sync-run")
+    at.session_state["tab"] = "Security"
+    at.run()
+    assert_no_exception(at)
+    assert charts(at) == 0 and any("Nothing refused" in s.value for s in at.success)
 
 
 def test_timeline_window_can_be_changed(monkeypatch, runs_root):

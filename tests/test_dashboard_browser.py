@@ -41,6 +41,11 @@ def test_dashboard_renders_in_chromium(tmp_path):
         assert not page.exceptions, page.exceptions
         assert "Executor timeline" in page.text
 
+        page = screenshot.capture(f"{url}/?run=async-run", ARTIFACTS / "dashboard-security.png",
+                                  tab="Security", min_charts=1, driver=driver)
+        assert not page.exceptions, page.exceptions
+        assert "security/rejected_frames/bad_tag" in page.text and "Refused so far" in page.text
+
         page = screenshot.capture(f"{url}/?compare=sync-run,async-run", ARTIFACTS / "dashboard-compare.png",
                                   min_charts=8, driver=driver)
         assert not page.exceptions, page.exceptions

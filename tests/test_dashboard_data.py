@@ -197,6 +197,17 @@ def test_weight_sync_rewards_and_queues(runs_root):
     assert {"gen/tokens_per_s", "train/tokens_per_s", "loss", "kl", "eval/accuracy"} <= set(names)
 
 
+def test_security_counts_are_the_highest_count_of_each_process(runs_root):
+    with data.open_run(runs_root / "async-run") as run:
+        counts = run.security_counts()
+    assert [tuple(r) for r in counts.itertuples(index=False)] == [
+        ("security/rejected_frames/bad_tag", "trainer", 0, 3.0),
+        ("security/rejected_frames/replay", "trainer", 0, 1.0),
+        ("security/weight_digest/mismatch", "generator", 1, 1.0)]
+    with data.open_run(runs_root / "sync-run") as run:
+        assert run.security_counts().empty
+
+
 def test_live_run_is_read_while_it_is_written(tmp_path):
     run_dir = tmp_path / "live"
     with LiveRun(run_dir) as live:
