@@ -79,7 +79,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
     flatten_parameters_(model)  # WeightReceiver needs it: a swap is then one copy per dtype
     # Joins the weight plane's current epoch; after a break (another generator lost) or a
     # restart of this replica it joins the next one.
-    check = (weight_digest.DigestCheck(store, rt.secret, names.member("generator", rt.replica))
+    check = (weight_digest.DigestCheck(store, rt.secret, rt.replica)
              if trainer_cfg.weight_digest else None)  # weights altered in flight are refused
     receiver = ElasticReceiver(store, rt.replica, list(model.named_parameters()),
                                timeout_s=trainer_cfg.weight_sync_timeout_s, verify=check)

@@ -242,7 +242,8 @@ class Trainer:
         if not self._consume([group]):  # a duplicate: counted, its slot freed, once
             return
         self.dropped += 1
-        self.rt.store.add(names.DROPPED_KEY, 1)  # generators may fill the slot again
+        if group.slot is not None:  # a group that filled no slot frees none
+            self.rt.store.add(names.DROPPED_KEY, 1)  # generators may fill the slot again
         self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
 
     def _sync(self) -> None:

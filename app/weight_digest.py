@@ -17,9 +17,9 @@ here chooses the bytes. Its cost is measured in ``benchmarks/security.py``; it i
 optional (``--no-weight-digest``) because at ~100M parameters it is not a few percent of
 a sync on a CPU host.
 
-``LLAMARL_TEST_CORRUPT_WEIGHTS`` (a comma-separated list of versions) is a test hook: a
-generator flips one received byte of those versions before checking them, as an
-attacker on the weight plane would.
+``LLAMARL_TEST_CORRUPT_WEIGHTS`` is a test hook: a comma-separated list of
+``<generator replica>:<version>``; that generator flips the bytes of one received value
+of that version before checking it, as an attacker on the weight plane would.
 """
 
 from __future__ import annotations
@@ -101,20 +101,21 @@ def publish(store: dist.Store, secret: bytes, version: int, hexdigest: str) -> N
         store.delete_key(names.weight_digest_key(version - KEEP_VERSIONS))
 
 
-def _corrupt_versions() -> set[int]:
-    raw = os.environ.get(TEST_CORRUPT_ENV, "")
-    return {int(v) for v in raw.split(",") if v.strip()}
+def _corrupt_versions(replica: int) -> set[int]:
+    """The versions the test hook alters on generator ``replica``."""
+    pairs = [item.split(":") for item in os.environ.get(TEST_CORRUPT_ENV, "").split(",") if item.strip()]
+    return {int(version) for who, version in pairs if int(who) == replica}
 
 
 class DigestCheck:
     """A generator's check of each received version against the trainer's signed record;
     counts refusals by reason and logs the first of each."""
 
-    def __init__(self, store: dist.Store, secret: bytes, where: str) -> None:
+    def __init__(self, store: dist.Store, secret: bytes, replica: int) -> None:
         frames.check_secret(secret)
-        self.store, self.secret, self.where = store, secret, where
+        self.store, self.secret, self.where = store, secret, names.member("generator", replica)
         self.counts: Counter[str] = Counter()
-        self._corrupt = _corrupt_versions()
+        self._corrupt = _corrupt_versions(replica)
 
     def __call__(self, version: int, runs: Sequence[torch.Tensor]) -> bool:
         """Whether ``runs`` (just received, for ``version``) are the weights the trainer sent."""

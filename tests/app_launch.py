@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 import socket
+import subprocess
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import pytest
 from torchx.runner import Runner, get_runner
 from torchx.specs import AppState, is_terminal, parse_app_handle
 
+from app.frames import SECRET_ENV
 from venv_bin import component_env
 
 STEPS = 4
@@ -50,6 +52,15 @@ class App:
     def log(self, role: str, replica: int = 0) -> str:
         (path,) = self.log_dir.glob(f"*/{self.app_id}/{role}/{replica}/combined.log")
         return path.read_text(errors="replace")
+
+    def secret(self) -> bytes:
+        """The app's secret, as its generator 0 received it (to forge what only the app's
+        roles can sign: a replay, a malformed but signed message)."""
+        pattern = f"app.generator .*--app-id {self.app_id} --replica 0 "
+        (pid,) = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        environ = dict(kv.split("=", 1) for kv in
+                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        return bytes.fromhex(environ[SECRET_ENV])
 
     def db(self) -> sqlite3.Connection:
         return sqlite3.connect(self.runs_dir / self.app_id / "metrics.db")

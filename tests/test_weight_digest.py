@@ -51,7 +51,7 @@ def store():
 
 def test_a_generator_takes_only_weights_that_match_the_signed_record(store, caplog):
     runs = runs_of(flattened(model_params(1)))
-    check = DigestCheck(store, SECRET, "generator/0")
+    check = DigestCheck(store, SECRET, 0)
     with caplog.at_level(logging.ERROR, logger="llamarl"):
         assert not check(1, runs)  # nothing published yet
         publish(store, SECRET, 1, digest(runs))
@@ -94,9 +94,9 @@ def _refuse_an_altered_version(store, rank: int, world_size: int) -> str:
                 assert time.monotonic() < deadline, f"generator never checked version {version}"
                 time.sleep(0.005)
         return "sent"
-    os.environ[weight_digest.TEST_CORRUPT_ENV] = "2"
+    os.environ[weight_digest.TEST_CORRUPT_ENV] = "0:2,5:3"  # generator 0, version 2 (and another's)
     live = flattened(model_params(0, seed=7))
-    check = DigestCheck(store, SECRET, "generator/0")
+    check = DigestCheck(store, SECRET, 0)
     receiver = WeightReceiver(group, live, bucket_mb=BUCKET_MB, verify=check)
     receiver.start_background()
     outcome = []

@@ -1,0 +1,127 @@
+"""Bad frames on a running app are dropped and counted, never fatal; a weight version
+altered in flight is refused; only a sustained flood ends a run, naming it.
+``llamarl.llamarl`` through TorchX's runner on local_cwd (``app_launch``).
+
+Someone on the network without the secret can push garbage or frames signed with another
+secret, and can replay frames they captured. The malformed-but-signed messages and the
+versions outside the trainer's window are forged here with the app's secret: what a buggy
+or compromised role could send.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from torchx.specs import AppState
+
+from app import frames, metrics, names
+from app.contract import FLOOD_FRAMES, GroupId, Rollout, RolloutGroup, to_message
+from app.rewards import RewardResult
+from app.transport import StoreQueue, connect_store
+from app.weight_digest import TEST_CORRUPT_ENV
+from app_launch import APP_TIMEOUT_S, GROUP_SIZE, PROMPTS_PER_STEP, launch, rows
+from test_failfast import assert_fails_naming
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+STEPS = 6
+QUEUES = (names.ROLLOUTS, names.SCORED, names.METRICS, names.LOST_SLOTS)
+
+
+def forged_group(seq: int, version: int) -> dict:
+    """A scored group of a generator that does not exist (replica 99), signed later."""
+    gid = GroupId(99, seq)
+    group = RolloutGroup(group_id=gid, version=version, rollouts=[
+        Rollout(prompt_ids=[5, 6], completion_ids=[7, 8], behaviour_logprobs=[-1.0, -1.0], version=version,
+                group_id=gid, task={"answer": 1.0}, result=RewardResult(1.0, {"math_verifier": 1.0}))
+        for _ in range(GROUP_SIZE)])
+    return to_message(group)
+
+
+def replay_one(store, queue: str, secret: bytes, timeout_s: float = APP_TIMEOUT_S) -> None:
+    """Capture one real frame from ``queue`` (racing its reader) and push it back twice:
+    the original goes on its way, the copy is a replay."""
+    key = names.queue_key(queue)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            frame = store.queue_pop(key, block=False)
+            break
+        except Exception:  # empty: the reader was quicker this time
+            assert time.monotonic() < deadline, f"no frame to capture on {queue!r}"
+            time.sleep(0.0005)
+    assert frames.decode(frame, secret)["kind"] == "rollout_group"  # a real group of the app
+    store.queue_push(key, frame)
+    store.queue_push(key, frame)
+
+
+def counts(db, role: str) -> dict[str, float]:
+    """Rejections by reason for ``role``: each process's highest count, summed."""
+    return dict(rows(db, f"SELECT name, SUM(c) FROM (SELECT name, replica, MAX(value) AS c FROM scalars "
+                         f"WHERE role = '{role}' AND name LIKE 'security/%' GROUP BY name, replica) "
+                         f"GROUP BY name"))
+
+
+def test_bad_frames_on_every_queue_are_dropped_and_counted_and_the_run_finishes(tiny_policy, tmp_path):
+    """Synchronous (so nothing is stale but the forged group), a reward executor reading
+    ``rollouts``, the trainer ``scored`` and ``metrics``, the generators ``lost_slots``;
+    generator 1 receives weight version 2 altered in flight (the test hook)."""
+    with launch(tiny_policy, tmp_path, steps=STEPS, num_generators=2, num_reward=1, max_staleness=0,
+                env={TEST_CORRUPT_ENV: "1:2"}) as app:
+        app.wait_for_log("trainer", "step 1/", timeout_s=APP_TIMEOUT_S)
+        secret = app.secret()
+        store = connect_store(f"127.0.0.1:{app.store_port}", timeout_s=30)
+        # Captured and pushed again (first: the queues then hold only the app's own frames).
+        replay_one(store, names.ROLLOUTS, secret)
+        replay_one(store, names.SCORED, secret)
+        for queue in QUEUES:  # from anyone: garbage, and a frame under another secret
+            store.queue_push(names.queue_key(queue), b"\x00garbage")
+            StoreQueue(store, queue, bytes(32), maxlen=10**6).push({"slot": 3, "events": []}, timeout_s=10)
+        signed = {q: StoreQueue(store, q, secret, maxlen=10**6) for q in QUEUES}
+        # Signed, yet malformed: a group with a wrong type, a metrics event with a text value,
+        # a lost slot that is no slot id.
+        signed[names.ROLLOUTS].push({**forged_group(0, 0), "version": "0"}, timeout_s=10)
+        signed[names.METRICS].push({"events": [{**metrics.scalar("loss", 0.0, role="trainer"), "value": "x"}]},
+                                   timeout_s=10)
+        signed[names.LOST_SLOTS].push({"slot": "all of them"}, timeout_s=10)
+        # Signed, well formed, outside [trainer version - max_staleness, trainer version].
+        signed[names.SCORED].push(forged_group(1, 10**6), timeout_s=10)  # from the future
+        signed[names.SCORED].push(forged_group(2, 0), timeout_s=10)  # too old by now
+
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        db = app.db()
+        assert f"run finished: finished {STEPS} steps" in app.log("trainer")
+        rejected = lambda *reasons: {names.rejected_metric(r): 1.0 for r in reasons}  # noqa: E731
+        assert counts(db, "reward") == rejected("malformed_frame", "bad_tag", "wrong_type", "replay")
+        assert counts(db, "trainer") == {names.rejected_metric("malformed_frame"): 2.0,
+                                         names.rejected_metric("bad_tag"): 2.0,
+                                         **rejected("wrong_type", "future_version", "replay")}
+        assert counts(db, "generator") == {**rejected("malformed_frame", "bad_tag", "bad_value"),
+                                           names.weight_digest_metric("mismatch"): 1.0}
+        # Every step trained its own groups once: the replays and the forged groups never.
+        used = rows(db, "SELECT step, version, staleness FROM staleness WHERE used = 1")
+        assert len(used) == STEPS * PROMPTS_PER_STEP * GROUP_SIZE
+        assert all(lag == 0 and version == step - 1 for step, version, lag in used)
+        # The too-old group is ordinary staleness: dropped, counted, its rows unused.
+        assert rows(db, "SELECT COUNT(*), MIN(version) FROM staleness WHERE used = 0") == [(GROUP_SIZE, 0)]
+        assert rows(db, f"SELECT MAX(value) FROM scalars WHERE name = '{names.DROPPED_STALE}'") == [(1.0,)]
+        # Generator 1 refused version 2 (and went on with version 1); its log says so once.
+        gen1 = app.log("generator", 1)
+        assert gen1.count("refused weights of version") == 1
+        assert "refused weights of version 2 (mismatch)" in gen1
+        # Each kind of rejection is logged once per reader, not once per frame.
+        assert app.log("trainer").count("dropped a message (bad_tag)") == 1
+
+
+def test_a_sustained_flood_ends_the_run_naming_it(tiny_policy, tmp_path):
+    """More junk in a row than FLOOD_FRAMES on the rollouts queue, pushed before the
+    generators have any weights (and then held back by the queue's bound), so no valid
+    group comes between: the run fails with an error that says what happened."""
+    with launch(tiny_policy, tmp_path, steps=STEPS, num_generators=1, max_staleness=0) as app:
+        app.wait_for_log("trainer", "run directory", timeout_s=APP_TIMEOUT_S)
+        store = connect_store(f"127.0.0.1:{app.store_port}", timeout_s=30)
+        key = names.queue_key(names.ROLLOUTS)
+        for _ in range(FLOOD_FRAMES + 100):
+            store.queue_push(key, b"junk")
+        assert_fails_naming(app, f"FrameFlood: trainer/0: {FLOOD_FRAMES} messages rejected in a row")
