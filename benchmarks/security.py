@@ -37,7 +37,7 @@ from app.seen_groups import Admission
 from app.transport import connect_store, host_store
 from app.weight_layout import DEFAULT_BUCKET_MB, Layout
 from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
-from weight_sync import llama_like_params
+from weight_sync import _Steps, llama_like_params
 
 SECRET = bytes(range(32))
 
@@ -106,12 +106,7 @@ def bench_messages(args: argparse.Namespace) -> dict:
 # --------------------------------------------------------------------------- weights
 
 
-def _wait(condition, what: str, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"benchmark: waited {timeout_s} s for {what}")
-        time.sleep(0.0005)
+_wait = _Steps.wait_until  # weight_sync.py's poll with a deadline
 
 
 def weight_role(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:

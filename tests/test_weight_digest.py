@@ -119,3 +119,12 @@ def test_a_generator_refuses_a_version_altered_in_flight_and_keeps_its_own(store
     assert results[0] == "sent", results
     # Version 2 (altered) is never staged nor applied; version 3 is.
     assert results[1] == repr([(1, 1), (1, None), (3, 3)]), results
+
+
+@pytest.mark.gpu
+def test_a_cuda_run_has_the_digest_of_its_host_copy(monkeypatch):
+    """On CUDA each chunk is copied to the host to be hashed: the digest is the bytes',
+    wherever they live (a generator on GPU checks a trainer on GPU, or on CPU)."""
+    monkeypatch.setattr(weight_digest, "CHUNK_BYTES", 1 << 20)
+    runs = [torch.randn(3_000_000, device="cuda"), torch.randn(70_000, device="cuda").bfloat16()]
+    assert digest(runs) == digest([r.cpu() for r in runs])
