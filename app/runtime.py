@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import secrets
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from app import cli, frames, health, names, transport
+from app import cli, frames, health, metrics, names, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.transport import Control, StoreQueue
 
@@ -125,6 +126,8 @@ class Runtime:
     secret: bytes
     _beating: threading.Event = field(default_factory=threading.Event)
     _pending_metrics: list[dict[str, Any]] = field(default_factory=list)
+    _batch_stream: int = field(default_factory=lambda: secrets.randbits(62))  # this process's batches
+    _batches_sent: int = 0
     _heart: threading.Thread | None = None
     _stop_seen: tuple[float, bool] = (float("-inf"), False)  # (monotonic time, stopped)
 
@@ -185,7 +188,10 @@ class Runtime:
     def flush_metrics(self) -> None:
         if self._pending_metrics:
             batch, self._pending_metrics = self._pending_metrics, []
-            self.queue(names.METRICS).push({"events": batch}, timeout_s=30.0, should_stop=None)
+            msg = metrics.batch_message(batch, sender=names.member(self.role, self.replica),
+                                        stream=self._batch_stream, seq=self._batches_sent)
+            self._batches_sent += 1
+            self.queue(names.METRICS).push(msg, timeout_s=30.0, should_stop=None)
 
     def __enter__(self) -> "Runtime":
         return self

@@ -7,7 +7,9 @@ unique when a generator restarts: each generator process takes an *incarnation* 
 from the control store and starts its sequence at ``incarnation << INCARNATION_SHIFT``
 (``first_seq``), so a restarted replica never reuses the ids of its earlier process.
 
-Memory is bounded: per generator process (replica, incarnation), the ids at most
+``SeenIds`` is the set, keyed by the source of the ids (a generator replica; for the
+metrics batches every role sends, the role and a random stream per process). Memory is
+bounded: per source process (source, ``seq >> INCARNATION_SHIFT``), the ids at most
 ``window`` below the newest one seen are remembered exactly; an older id counts as seen.
 Groups of one generator process reach a reader in nearly the order they were made (one
 FIFO queue; reordered only by the reward executors' batches of 16, the trainer's
@@ -37,9 +39,9 @@ Pure: no store, no torch.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
-__all__ = ["FUTURE_VERSION", "INCARNATION_SHIFT", "REPLAY", "SEEN_WINDOW", "Admission", "SeenGroups",
+__all__ = ["FUTURE_VERSION", "INCARNATION_SHIFT", "REPLAY", "SEEN_WINDOW", "Admission", "SeenIds",
            "first_seq"]
 
 # Why a valid group was refused (counted under ``names.REJECTED_PREFIX`` with the others).
@@ -84,19 +86,19 @@ class _Window:
         return True
 
 
-class SeenGroups:
-    """The group ids one reader has taken; ``add`` says whether an id is new."""
+class SeenIds:
+    """The ids one reader has taken; ``add`` says whether an id is new."""
 
     def __init__(self, window: int = SEEN_WINDOW) -> None:
         if window < 1:
             raise ValueError(f"the seen-id window must be >= 1, got {window}")
         self.window = window
-        self._by_process: dict[tuple[int, int], _Window] = {}
+        self._by_process: dict[tuple[Hashable, int], _Window] = {}
 
-    def add(self, generator: int, seq: int) -> bool:
-        """True the first time ``(generator, seq)`` is offered; False for a second copy,
-        or for an id more than ``window`` below the newest of its generator process."""
-        key = (generator, seq >> INCARNATION_SHIFT)
+    def add(self, source: Hashable, seq: int) -> bool:
+        """True the first time ``(source, seq)`` is offered; False for a second copy,
+        or for an id more than ``window`` below the newest of its source process."""
+        key = (source, seq >> INCARNATION_SHIFT)
         window = self._by_process.get(key)
         if window is None:
             window = self._by_process[key] = _Window()
@@ -117,9 +119,9 @@ class Admission:
 
     def __init__(self, current_version: Callable[[], int] | None = None,
                  published_version: Callable[[], int] | None = None,
-                 seen: SeenGroups | None = None) -> None:
+                 seen: SeenIds | None = None) -> None:
         self.current_version, self.published_version = current_version, published_version
-        self.seen = seen or SeenGroups()
+        self.seen = seen or SeenIds()
 
     def _newest(self) -> int:
         assert self.current_version is not None

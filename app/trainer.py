@@ -49,7 +49,7 @@ from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
-from app.seen_groups import Admission
+from app.seen_groups import REPLAY, Admission, SeenIds
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
 from app.weight_plane import ElasticSender
 from app.weight_layout import DEFAULT_BUCKET_MB, Layout
@@ -86,6 +86,7 @@ class Trainer:
         self.dropped = 0
         self.guard = steps.SkipGuard()
         self.rejections = Rejections(f"trainer/{rank}")
+        self.seen_batches = SeenIds()  # the metrics batches written (replica 0)
         self.tensorboard: TensorBoardMirror | None = None  # replica 0 with --tensorboard
         self.ledger = train_state.SlotLedger()  # the slots this rank consumed
         self.start_step = 0  # the checkpoint's step after a resume
@@ -267,11 +268,15 @@ class Trainer:
             events = []
             for m in msgs:
                 try:
-                    events += metrics.checked_events(m)
+                    source, seq, batch = metrics.checked_batch(m)
                 except metrics.MalformedEvents as e:  # signed, yet not ours: dropped, counted
                     self.rejections(e.reason, f"queue {names.METRICS!r}: {e}", "events")
-                else:
-                    self.rejections.accepted()
+                    continue
+                if not self.seen_batches.add(source, seq):
+                    self.rejections(REPLAY, f"queue {names.METRICS!r}: batch {seq} of {source[0]} again")
+                    continue
+                self.rejections.accepted()
+                events += batch
             self._record(events)
 
     def _record(self, events: list[dict]) -> None:

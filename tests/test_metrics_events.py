@@ -1,6 +1,6 @@
 """A metrics batch from the queue is checked before it reaches SQLite
-(``app.metrics.checked_events``): a signed batch that breaks the event format is
-dropped and counted by the trainer, never written and never fatal."""
+(``app.metrics.checked_batch``): a signed batch that breaks the format is dropped and
+counted by the trainer, never written and never fatal."""
 
 from __future__ import annotations
 
@@ -18,28 +18,36 @@ def every_kind() -> list[dict]:
             metrics.reward("math_verifier", None, step=3, reason="timeout")]
 
 
+def batch(events) -> dict:
+    return metrics.batch_message(events, sender="generator/1", stream=77, seq=3)
+
+
 def test_the_executors_events_pass_and_are_written(tmp_path):
     events = every_kind()
-    assert metrics.checked_events({"events": events}) == events
+    assert metrics.checked_batch(batch(events)) == (("generator/1", 77), 3, events)
     writer = metrics.MetricsWriter(tmp_path, run_id="t", config={})
     assert writer.write(events) == len(events)
     writer.close()
 
 
-@pytest.mark.parametrize("batch, reason", [
-    ({}, "missing_field"),
-    ({"events": "loss"}, "wrong_type"),
-    ({"events": [{"type": "pickle"}]}, "bad_value"),
-    ({"events": [[1, 2]]}, "bad_value"),
-    ({"events": [{k: v for k, v in metrics.scalar("loss", 1.0, role="trainer").items() if k != "name"}]},
+@pytest.mark.parametrize("msg, reason", [
+    ({"events": []}, "missing_field"),  # no id
+    ({**batch([]), "seq": "3"}, "wrong_type"),
+    ({**batch([]), "stream": True}, "wrong_type"),
+    ({**batch([]), "seq": -1}, "bad_value"),
+    ({k: v for k, v in batch([]).items() if k != "events"}, "missing_field"),
+    ({**batch([]), "events": "loss"}, "wrong_type"),
+    (batch([{"type": "pickle"}]), "bad_value"),
+    (batch([[1, 2]]), "bad_value"),
+    (batch([{k: v for k, v in metrics.scalar("loss", 1.0, role="trainer").items() if k != "name"}]),
      "missing_field"),
-    ({"events": [{**metrics.scalar("loss", 1.0, role="trainer"), "value": "1.0"}]}, "wrong_type"),
-    ({"events": [{**metrics.scalar("loss", 1.0, role="trainer"), "value": None}]}, "wrong_type"),
-    ({"events": [{**metrics.staleness(1, 0, 1, True), "used": True}]}, "wrong_type"),
-    ({"events": [{**metrics.interval("idle", "wait", 0.0, 1.0, role="reward"), "what": {"x": 1}}]},
+    (batch([{**metrics.scalar("loss", 1.0, role="trainer"), "value": "1.0"}]), "wrong_type"),
+    (batch([{**metrics.scalar("loss", 1.0, role="trainer"), "value": None}]), "wrong_type"),
+    (batch([{**metrics.staleness(1, 0, 1, True), "used": True}]), "wrong_type"),
+    (batch([{**metrics.interval("idle", "wait", 0.0, 1.0, role="reward"), "what": {"x": 1}}]),
      "wrong_type"),
 ])
-def test_a_batch_that_breaks_the_format_is_refused_with_a_reason(batch, reason):
+def test_a_batch_that_breaks_the_format_is_refused_with_a_reason(msg, reason):
     with pytest.raises(metrics.MalformedEvents) as err:
-        metrics.checked_events(batch)
+        metrics.checked_batch(msg)
     assert err.value.reason == reason

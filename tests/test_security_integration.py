@@ -41,7 +41,8 @@ def forged_group(seq: int, version: int) -> dict:
 
 def replay_one(store, queue: str, secret: bytes, timeout_s: float = APP_TIMEOUT_S) -> None:
     """Capture one real frame from ``queue`` (racing its reader) and push it back twice:
-    the original goes on its way, the copy is a replay."""
+    the original goes on its way, the copy is a replay (refused by the trainer's reader:
+    a group trained twice, a metrics batch written twice)."""
     key = names.queue_key(queue)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -51,7 +52,8 @@ def replay_one(store, queue: str, secret: bytes, timeout_s: float = APP_TIMEOUT_
         except Exception:  # empty: the reader was quicker this time
             assert time.monotonic() < deadline, f"no frame to capture on {queue!r}"
             time.sleep(0.0005)
-    assert frames.decode(frame, secret)["kind"] == "rollout_group"  # a real group of the app
+    real = frames.decode(frame, secret)  # a real group, or metrics batch, of the app
+    assert real.get("kind") == "rollout_group" or "events" in real, real
     store.queue_push(key, frame)
     store.queue_push(key, frame)
 
@@ -75,6 +77,7 @@ def test_bad_frames_on_every_queue_are_dropped_and_counted_and_the_run_finishes(
         # Captured and pushed again (first: the queues then hold only the app's own frames).
         replay_one(store, names.ROLLOUTS, secret)
         replay_one(store, names.SCORED, secret)
+        replay_one(store, names.METRICS, secret)
         for queue in QUEUES:  # from anyone: garbage, and a frame under another secret
             store.queue_push(names.queue_key(queue), b"\x00garbage")
             StoreQueue(store, queue, bytes(32), maxlen=10**6).push({"slot": 3, "events": []}, timeout_s=10)
@@ -82,7 +85,8 @@ def test_bad_frames_on_every_queue_are_dropped_and_counted_and_the_run_finishes(
         # Signed, yet malformed: a group with a wrong type, a metrics event with a text value,
         # a lost slot that is no slot id.
         signed[names.ROLLOUTS].push({**forged_group(0, 0), "version": "0"}, timeout_s=10)
-        signed[names.METRICS].push({"events": [{**metrics.scalar("loss", 0.0, role="trainer"), "value": "x"}]},
+        signed[names.METRICS].push(metrics.batch_message([{**metrics.scalar("loss", 0.0, role="trainer"),
+                                                           "value": "x"}], sender="trainer/0", stream=1, seq=0),
                                    timeout_s=10)
         signed[names.LOST_SLOTS].push({"slot": "all of them"}, timeout_s=10)
         # Signed, well formed, outside [trainer version - max_staleness, trainer version].
@@ -96,7 +100,8 @@ def test_bad_frames_on_every_queue_are_dropped_and_counted_and_the_run_finishes(
         assert counts(db, "reward") == rejected("malformed_frame", "bad_tag", "wrong_type", "replay")
         assert counts(db, "trainer") == {names.rejected_metric("malformed_frame"): 2.0,
                                          names.rejected_metric("bad_tag"): 2.0,
-                                         **rejected("wrong_type", "future_version", "replay")}
+                                         names.rejected_metric("replay"): 2.0,  # a group, a metrics batch
+                                         **rejected("wrong_type", "future_version")}
         assert counts(db, "generator") == {**rejected("malformed_frame", "bad_tag", "bad_value"),
                                            names.weight_digest_metric("mismatch"): 1.0}
         # Every step trained its own groups once: the replays and the forged groups never.

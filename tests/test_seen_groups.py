@@ -8,7 +8,7 @@ import random
 import pytest
 
 from app.contract import FrameFlood, GroupId, Rejections, Rollout, RolloutGroup, to_message
-from app.seen_groups import FUTURE_VERSION, INCARNATION_SHIFT, REPLAY, Admission, SeenGroups, first_seq
+from app.seen_groups import FUTURE_VERSION, INCARNATION_SHIFT, REPLAY, Admission, SeenIds, first_seq
 
 
 def group(generator: int, seq: int, version: int = 0) -> RolloutGroup:
@@ -19,13 +19,13 @@ def group(generator: int, seq: int, version: int = 0) -> RolloutGroup:
 
 
 def test_an_id_is_new_once_per_generator():
-    seen = SeenGroups()
+    seen = SeenIds()
     assert seen.add(0, 5) and seen.add(1, 5)  # the same seq of another generator is another group
     assert not seen.add(0, 5) and not seen.add(1, 5)
 
 
 def test_out_of_order_ids_are_each_taken_once_and_memory_stays_bounded():
-    seen = SeenGroups(window=64)
+    seen = SeenIds(window=64)
     order = list(range(10_000))
     # Arrival order shuffled within blocks of 32: what reward executors and lookahead do.
     for start in range(0, len(order), 32):
@@ -38,7 +38,7 @@ def test_out_of_order_ids_are_each_taken_once_and_memory_stays_bounded():
 
 
 def test_an_id_older_than_the_window_counts_as_seen():
-    seen = SeenGroups(window=10)
+    seen = SeenIds(window=10)
     assert seen.add(0, 100)
     assert not seen.add(0, 89)  # 11 below the newest: forgotten, so refused
     assert seen.add(0, 90)  # within the window: a late group, taken
@@ -48,7 +48,7 @@ def test_a_restarted_generator_numbers_its_groups_apart_from_its_earlier_process
     assert first_seq(1) == 0 and first_seq(2) == 1 << INCARNATION_SHIFT
     with pytest.raises(ValueError):
         first_seq(0)
-    seen = SeenGroups(window=10)
+    seen = SeenIds(window=10)
     assert all(seen.add(0, s) for s in range(100))
     # The new process's groups are new; the old process's last groups, still queued, too.
     assert all(seen.add(0, first_seq(2) + s) for s in range(100))
