@@ -33,7 +33,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
     rejections = Rejections(f"reward/{rt.replica}")
     # Replays are refused here already (scoring them would be wasted), and versions the
     # trainer has not published; the trainer checks both again.
-    admit = Admission(current_version=rt.control.version)
+    admit = Admission(published_version=rt.control.version)
     timeline = metrics.Timeline("reward", rt.replica)
     reported: dict[str, float] = {}
     held = membership.HeldSlots(rt.store, names.member("reward", rt.replica))

@@ -111,29 +111,37 @@ class SeenIds:
 
 class Admission:
     """``admit(group)`` for ``Rejections.decode``: refuses a group whose id this reader
-    has taken already (``REPLAY``), and, given the trainer's ``current_version``, one
-    from a version not published yet (``FUTURE_VERSION``). ``published_version`` (a
-    store read) is asked before refusing a version above this process's own: a trainer
-    rank other than replica 0 may count its step a moment after replica 0 sent it. A
-    refused group is not remembered: only groups taken are."""
+    has taken already (``REPLAY``), and one from a version the trainer has not published
+    yet (``FUTURE_VERSION``). ``current_version`` is this process's own count (a trainer
+    rank's), asked first; ``published_version`` reads the control store, asked only for
+    a version above every one seen published so far (once per new version, not per
+    group): a trainer rank other than replica 0 may count its step a moment after
+    replica 0 sent it, and a reward executor has no count of its own. Neither given: no
+    version check. A refused group is not remembered: only groups taken are."""
 
     def __init__(self, current_version: Callable[[], int] | None = None,
                  published_version: Callable[[], int] | None = None,
                  seen: SeenIds | None = None) -> None:
         self.current_version, self.published_version = current_version, published_version
         self.seen = seen or SeenIds()
+        self._published = -1  # the newest version seen published (versions only grow)
 
-    def _newest(self) -> int:
-        assert self.current_version is not None
-        now = self.current_version()
-        return max(now, self.published_version()) if self.published_version is not None else now
+    def _from_the_future(self, version: int) -> int | None:
+        """The newest version known published when ``version`` is above it, else None."""
+        now = self.current_version() if self.current_version is not None else -1
+        if version <= max(now, self._published):
+            return None
+        if self.published_version is not None:
+            self._published = max(self._published, self.published_version())
+        now = max(now, self._published)
+        return now if version > now else None
 
     def __call__(self, group: Any) -> tuple[str, str] | None:
         gid = group.group_id
-        if (self.current_version is not None and group.version > self.current_version()
-                and group.version > (now := self._newest())):
-            return FUTURE_VERSION, (f"group {tuple(gid)} claims policy version {group.version}; "
-                                    f"the trainer has published {now}")
+        if self.current_version is not None or self.published_version is not None:
+            if (now := self._from_the_future(group.version)) is not None:
+                return FUTURE_VERSION, (f"group {tuple(gid)} claims policy version {group.version}; "
+                                        f"the trainer has published {now}")
         if not self.seen.add(gid.generator, gid.seq):
             return REPLAY, f"group {tuple(gid)} was taken already (a second copy of its frame)"
         return None

@@ -69,6 +69,22 @@ def test_admission_refuses_a_replay_and_a_version_from_the_future():
     assert admit(group(0, 3, version=3)) is None
 
 
+def test_admission_reads_the_store_once_per_new_version():
+    reads, published = [], {"v": 2}
+
+    def read() -> int:
+        reads.append(published["v"])
+        return published["v"]
+
+    admit = Admission(published_version=read)  # a reward executor: no version of its own
+    assert [admit(group(0, s, version=2)) for s in range(5)] == [None] * 5
+    assert reads == [2]
+    assert admit(group(0, 5, version=3))[0] == FUTURE_VERSION and reads == [2, 2]
+    published["v"] = 3
+    assert admit(group(0, 6, version=3)) is None and admit(group(0, 7, version=1)) is None
+    assert reads == [2, 2, 3]
+
+
 def test_rejections_decode_counts_what_admission_refuses():
     rejections = Rejections("trainer/0")
     msgs = [to_message(group(0, s, version=v)) for s, v in [(0, 0), (0, 0), (1, 9), (2, 1)]]
