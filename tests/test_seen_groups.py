@@ -112,3 +112,23 @@ def test_replays_of_one_valid_frame_are_a_flood_too():
     rejections.decode([msg, msg, msg], admit)
     with pytest.raises(FrameFlood):
         rejections.decode([msg], admit)
+
+
+def test_a_regenerated_lost_slot_is_not_a_replay_and_a_replay_never_reaches_the_ledger():
+    """Slot 17's group got out just before its reward executor died, and generator 1
+    regenerated the slot: a new group (new id) for the same slot. Admission takes both; the
+    slot ledger keeps the first and calls the second a duplicate. A replayed copy of the
+    first is refused by admission, so the ledger never counts it."""
+    from app.train_state import SlotLedger
+
+    original, regenerated = group(0, 5), group(1, 30)
+    original.slot = regenerated.slot = 17
+    admit, ledger, duplicates = Admission(current_version=lambda: 0), SlotLedger(), []
+    for g in (original, original, regenerated):
+        if admit(g) is not None:
+            continue
+        try:
+            ledger.consume(g.slot)
+        except ValueError:
+            duplicates.append(g.group_id)
+    assert duplicates == [GroupId(1, 30)] and ledger.count == 1
