@@ -1,4 +1,4 @@
-"""Which rollout groups a reader has already taken: a second copy is a replay.
+"""Which rollout groups (and metrics batches) a reader has taken: a second copy is a replay.
 
 A group's id is ``(generator replica, seq)`` (``app.contract.GroupId``), inside the frame's
 HMAC, so nobody without the app's secret can make a new id: a captured frame pushed again
