@@ -42,7 +42,7 @@ import heapq
 from typing import Any, Callable, Hashable
 
 __all__ = ["FUTURE_VERSION", "INCARNATION_SHIFT", "REPLAY", "SEEN_WINDOW", "Admission", "SeenIds",
-           "first_seq"]
+           "first_seq", "taken_by_other_ranks"]
 
 # Why a valid group was refused (counted under ``names.REJECTED_PREFIX`` with the others).
 REPLAY, FUTURE_VERSION = "replay", "future_version"
@@ -104,6 +104,12 @@ class SeenIds:
             window = self._by_process[key] = _Window()
         return window.add(seq, self.window)
 
+    def __contains__(self, source_seq: tuple[Hashable, int]) -> bool:
+        """Whether ``(source, seq)`` counts as seen, without adding it."""
+        source, seq = source_seq
+        window = self._by_process.get((source, seq >> INCARNATION_SHIFT))
+        return window is not None and (seq < window.floor or seq in window.above)
+
     def remembered(self) -> int:
         """How many ids are held above the floors (for tests: memory stays bounded)."""
         return sum(len(w.above) for w in self._by_process.values())
@@ -145,3 +151,20 @@ class Admission:
         if not self.seen.add(gid.generator, gid.seq):
             return REPLAY, f"group {tuple(gid)} was taken already (a second copy of its frame)"
         return None
+
+
+def taken_by_other_ranks(batches: list[list[tuple[int, int]]], rank: int,
+                         trained_elsewhere: SeenIds) -> set[tuple[int, int]]:
+    """Several trainer ranks pop one queue, each refusing the copies it sees twice; a copy
+    that reached another rank is found by exchanging every rank's batch ids before each
+    step (``batches``, by rank). Of this ``rank``'s batch: the ids another rank trained at
+    an earlier step (``trained_elsewhere``) or has in this step's batch too, when that
+    rank is lower (it keeps the group). The other ranks' ids are then recorded in
+    ``trained_elsewhere``."""
+    earlier_ranks = {tuple(i) for r in range(rank) for i in batches[r]}
+    refused = {gid for gid in map(tuple, batches[rank]) if gid in trained_elsewhere or gid in earlier_ranks}
+    for r, batch in enumerate(batches):
+        if r != rank:
+            for generator, seq in batch:
+                trained_elsewhere.add(generator, seq)
+    return refused  # type: ignore[return-value]

@@ -117,14 +117,8 @@ class SlotLedger:
         Slot ids travel as int64 tensors, never pickled."""
         if not _distributed() or dist.get_world_size() == 1:
             return self
-        ids = torch.tensor([self.frontier, *sorted(self.done)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-        dist.all_gather(sizes, torch.tensor([len(ids)]))
-        longest = int(max(s.item() for s in sizes))
-        parts = [torch.zeros(longest, dtype=torch.int64) for _ in sizes]
-        dist.all_gather(parts, torch.cat([ids, torch.zeros(longest - len(ids), dtype=torch.int64)]))
-        others = [SlotLedger(int(p[0]), set(p[1: int(n.item())].tolist())) for p, n in zip(parts, sizes)]
-        return self.merged(others)
+        parts = all_gather_ids(torch.tensor([self.frontier, *sorted(self.done)], dtype=torch.int64))
+        return self.merged([SlotLedger(int(p[0]), set(p[1:].tolist())) for p in parts])
 
     def state_dict(self) -> dict[str, Any]:
         return {"frontier": self.frontier, "done": sorted(self.done)}
@@ -176,6 +170,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- save and load
+
+def all_gather_ids(ids: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's 1-d int64 ``ids`` (of any length), by rank: a collective over the
+    default group. Ids travel as tensors, never pickled."""
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(ids)]))
+    longest = int(max(s.item() for s in sizes))
+    parts = [torch.zeros(longest, dtype=torch.int64) for _ in sizes]
+    dist.all_gather(parts, torch.cat([ids, torch.zeros(longest - len(ids), dtype=torch.int64)]))
+    return [p[:int(n.item())] for p, n in zip(parts, sizes)]
+
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()

@@ -49,7 +49,7 @@ from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
-from app.seen_groups import REPLAY, Admission, SeenIds
+from app.seen_groups import REPLAY, Admission, SeenIds, taken_by_other_ranks
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
 from app.weight_plane import ElasticSender
 from app.weight_layout import DEFAULT_BUCKET_MB, Layout
@@ -87,6 +87,7 @@ class Trainer:
         self.guard = steps.SkipGuard()
         self.rejections = Rejections(f"trainer/{rank}")
         self.seen_batches = SeenIds()  # the metrics batches written (replica 0)
+        self.trained_elsewhere = SeenIds()  # groups the other trainer ranks trained
         self.tensorboard: TensorBoardMirror | None = None  # replica 0 with --tensorboard
         self.ledger = train_state.SlotLedger()  # the slots this rank consumed
         self.start_step = 0  # the checkpoint's step after a resume
@@ -239,6 +240,19 @@ class Trainer:
             kept.append(g)
         return kept
 
+    def _without_replays_across_ranks(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
+        """Several trainer ranks: a group another rank trained, or has in this step's batch
+        too, is a replay here (``seen_groups.taken_by_other_ranks``; every rank's batch
+        ids are exchanged before each step): dropped, counted, and its place in the batch
+        given back like a duplicate's."""
+        mine = torch.tensor([[g.group_id.generator, g.group_id.seq] for g in groups], dtype=torch.int64)
+        batches = [ids.view(-1, 2).tolist() for ids in train_state.all_gather_ids(mine.view(-1))]
+        refused = taken_by_other_ranks(batches, self.rank, self.trained_elsewhere)
+        for gid in refused:
+            self.rejections(REPLAY, f"group {gid} was also taken by another trainer rank")
+            self.rt.store.add(names.DROPPED_KEY, 1)
+        return [g for g in groups if (g.group_id.generator, g.group_id.seq) not in refused]
+
     def _on_drop(self, group: RolloutGroup, lag: int) -> None:
         if not self._consume([group]):  # a duplicate: counted, its slot freed, once
             return
@@ -346,6 +360,8 @@ class Trainer:
         for step in range(self.start_step + 1, cfg.steps + 1):
             with self.timeline.idle("wait_rollouts"):
                 groups = self.stream.next_batch()
+            if self.world > 1:
+                groups = self._without_replays_across_ranks(groups)
             groups = self._consume(groups)
             t0 = time.time()
             train = None

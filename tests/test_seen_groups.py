@@ -8,7 +8,8 @@ import random
 import pytest
 
 from app.contract import FrameFlood, GroupId, Rejections, Rollout, RolloutGroup, to_message
-from app.seen_groups import FUTURE_VERSION, INCARNATION_SHIFT, REPLAY, Admission, SeenIds, first_seq
+from app.seen_groups import (FUTURE_VERSION, INCARNATION_SHIFT, REPLAY, Admission, SeenIds, first_seq,
+                              taken_by_other_ranks)
 
 
 def group(generator: int, seq: int, version: int = 0) -> RolloutGroup:
@@ -132,3 +133,14 @@ def test_a_regenerated_lost_slot_is_not_a_replay_and_a_replay_never_reaches_the_
         except ValueError:
             duplicates.append(g.group_id)
     assert duplicates == [GroupId(1, 30)] and ledger.count == 1
+
+
+def test_a_copy_that_reached_another_trainer_rank_is_found_at_the_exchange():
+    """Rank 0 and rank 1 each admitted one copy of (0, 7): the lower rank keeps it. Rank 0
+    trained (0, 1) at step 1; a copy rank 1 admitted before it knew is refused at step 2."""
+    seen = [SeenIds(), SeenIds()]
+    step1 = [[(0, 1), (0, 7)], [(1, 4), (0, 7)]]
+    assert [taken_by_other_ranks(step1, r, seen[r]) for r in (0, 1)] == [set(), {(0, 7)}]
+    step2 = [[(0, 2)], [(1, 5), (0, 1)]]
+    assert [taken_by_other_ranks(step2, r, seen[r]) for r in (0, 1)] == [set(), {(0, 1)}]
+    assert (1, 4) in seen[0] and (1, 5) in seen[0] and (0, 2) in seen[1] and (9, 9) not in seen[1]
