@@ -26,7 +26,7 @@ import torch
 
 from app import data, health, membership, metrics, names, rl, runtime, transport, weight_digest
 from app.config import GeneratorConfig, TrainerConfig
-from app.contract import Rejections, to_message
+from app.contract import to_message
 from app.policy import load_policy
 from app.seen_groups import first_seq
 from app.train_state import SlotLedger
@@ -107,7 +107,6 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
     sampling = gen_cfg.sampling()
     rng = torch.Generator().manual_seed(gen_cfg.gen_seed + 1000 * rt.replica)
     held = membership.HeldSlots(store, names.member("generator", rt.replica))
-    rejections = Rejections(f"generator/{rt.replica}")  # frames on the lost-slots queue
     version: int | None = None
     # The sequence half of this generator's group ids; a restarted process continues
     # after its earlier ones', so no id is ever used twice (readers refuse a second copy).
@@ -122,7 +121,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
         version = new if new is not None else version
         # Slots lost with a dead executor first (outside the counter: it counted them
         # already), then new ones within the staleness bound.
-        slot_ids = membership.take_lost_slots(store, gen_cfg.gen_batch_prompts, rt.secret, rejections)
+        slot_ids = membership.take_lost_slots(store, gen_cfg.gen_batch_prompts)
         if not slot_ids:
             slots = budget.reserve(gen_cfg.gen_batch_prompts, version)
             if not slots:
@@ -150,7 +149,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
                                   names.GEN_SEQS_PER_S: len(rollouts) / dt,
                                   names.GEN_VERSION: version,
                                   names.IDLE_FRACTION: timeline.idle_fraction(),
-                                  **rejections.metrics(), **(check.metrics() if check else {})},
+                                  **(check.metrics() if check else {})},
                                  role="generator", replica=rt.replica)
         events += [metrics.weight_sync(s.version, f"generator/{rt.replica}", s.bytes, s.seconds)
                    for s in receiver.pop_stats()]

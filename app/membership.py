@@ -10,9 +10,8 @@ not tolerated: it is marked failed with a line that says so, which stops the run
 What an executor holds is in the store: the slots it reserved (a generator) or the
 groups it popped (a reward executor) and has not yet passed on, under
 ``names.held_key(member)``; it rewrites that list as it takes and passes groups. On a
-loss the watcher pushes those slot ids to the ``LOST_SLOTS`` queue (signed frames, like
-every queue's: a slot id pushed by anyone else is dropped and counted), where generators
-take them before reserving new slots: the prompts are regenerated, none is skipped. A group
+loss the watcher pushes those slot ids to the ``LOST_SLOTS`` queue, where generators take
+them before reserving new slots: the prompts are regenerated, none is skipped. A group
 that did get out just before its executor died arrives twice (the original and the
 regenerated one); the trainer's slot ledger drops the second (``faults/duplicate_groups``):
 nothing is trained twice.
@@ -33,8 +32,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from app import names
-from app.contract import Rejections
-from app.transport import Control, StoreQueue
+from app.transport import Control
 
 log = logging.getLogger("llamarl")
 
@@ -44,12 +42,6 @@ half the app's fatal ``health.HEARTBEAT_TIMEOUT_S``, so a tolerated loss is take
 before the health check would call it a failure."""
 WATCH_EVERY_S = 0.5
 TOLERABLE_ROLES = ("generator", "reward")
-LOST_SLOTS_MAXLEN = 1 << 20
-"""Never reached: lost slots are at most what the lost executors held."""
-
-
-def lost_slots_queue(store: dist.Store, secret: bytes) -> StoreQueue:
-    return StoreQueue(store, names.LOST_SLOTS, secret, LOST_SLOTS_MAXLEN)
 
 
 @dataclass
@@ -68,8 +60,6 @@ class Membership:
     store: dist.Store
     expected: dict[str, int]
     """Replicas of each tolerable role the app was launched with (``{"generator": 2}``)."""
-    secret: bytes = field(repr=False)
-    """The app's secret: the lost slots go out as signed frames."""
     gone_after_s: float = GONE_AFTER_S
     losses: list[Loss] = field(default_factory=list)
     rejoined: list[str] = field(default_factory=list)
@@ -155,9 +145,8 @@ class Membership:
         except (ValueError, TypeError):
             log.error("%s held an unreadable slot list; nothing regenerated for it", member)
             slots = []
-        lost = lost_slots_queue(self.store, self.secret)
         for slot in slots:
-            lost.push({"slot": slot}, timeout_s=10.0)
+            self.store.queue_push(names.queue_key(names.LOST_SLOTS), str(slot))
         self.store.delete_key(key)
         if slots:
             self.store.add(names.LOST_KEY, len(slots))
@@ -204,17 +193,20 @@ class HeldSlots:
         self.store.set(self.key, json.dumps(self.slots))
 
 
-def take_lost_slots(store: dist.Store, max_n: int, secret: bytes, rejections: Rejections) -> list[int]:
-    """Up to ``max_n`` slot ids lost with a dead executor, to regenerate before new ones;
-    a frame that is not the watcher's, or holds no slot id, is dropped and counted."""
+def take_lost_slots(store: dist.Store, max_n: int) -> list[int]:
+    """Up to ``max_n`` slot ids lost with a dead executor, to regenerate before new ones."""
     out: list[int] = []
-    for msg in lost_slots_queue(store, secret).pop_many(max_n, timeout_s=0.0, on_reject=rejections):
-        slot = msg.get("slot")
-        if isinstance(slot, int) and not isinstance(slot, bool) and slot >= 0:
-            rejections.accepted()
-            out.append(slot)
+    key = names.queue_key(names.LOST_SLOTS)
+    while len(out) < max_n:
+        try:
+            raw = store.queue_pop(key, block=False)
+        except dist.QueueEmptyError:
+            break
+        text = raw.decode(errors="replace")
+        if text.isdigit():
+            out.append(int(text))
         else:
-            rejections(names.BAD_VALUE, f"queue {names.LOST_SLOTS!r}: {slot!r} is not a slot id", "slot")
+            log.error("dropped a malformed lost slot id %r", text[:40])
     return out
 
 

@@ -155,7 +155,7 @@ class Trainer:
             # From here a lost generator or reward executor is survivable while others of
             # its role are alive (app.membership); the weight plane regroups without it.
             self.membership = membership.Membership(rt.store, {"generator": self.num_generators,
-                                                               "reward": self.num_reward}, rt.secret)
+                                                               "reward": self.num_reward})
             self.membership.start()
             self.params = list(self.model.named_parameters())
             self.digest_layout = Layout(self.params, int(DEFAULT_BUCKET_MB * 2**20))

@@ -13,12 +13,9 @@ import threading
 import pytest
 
 from app import names
-from app.contract import Rejections
 from app.generator import SlotBudget
 from app.train_state import SlotLedger
 from app.transport import connect_store, host_store
-
-SECRET = bytes(range(32))
 
 B = 4  # groups per step
 
@@ -149,9 +146,9 @@ def test_slots_lost_with_an_executor_come_back_outside_the_counter(store):
     dead = membership.HeldSlots(store, "generator/1")
     dead.take([2, 3])
     assert budget.reserve(1, version=0) == range(0), "the step's slots are all reserved"
-    watch = membership.Membership(store, {"generator": 2}, SECRET)  # takes generator/1 out:
+    watch = membership.Membership(store, {"generator": 2})  # takes generator/1 out:
     assert watch._return_held("generator/1") == 2
     assert membership.lost_slots_waiting(store) == 2
-    assert membership.take_lost_slots(store, 8, SECRET, Rejections("test")) == [2, 3]
-    assert membership.take_lost_slots(store, 8, SECRET, Rejections("test")) == []
+    assert membership.take_lost_slots(store, 8) == [2, 3]
+    assert membership.take_lost_slots(store, 8) == []
     assert budget.reserve(1, version=0) == range(0), "the counter did not move"
