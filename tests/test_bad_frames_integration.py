@@ -26,7 +26,7 @@ from test_failfast import assert_fails_naming
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 6
-QUEUES = (names.ROLLOUTS, names.SCORED, names.METRICS, names.LOST_SLOTS)
+QUEUES = (names.ROLLOUTS, names.SCORED, names.METRICS)  # lost_slots: signed control records
 
 
 def forged_group(seq: int, version: int) -> dict:
@@ -67,8 +67,9 @@ def counts(db, role: str) -> dict[str, float]:
 
 def test_bad_frames_on_every_queue_are_dropped_and_counted_and_the_run_finishes(tiny_policy, tmp_path):
     """Synchronous (so nothing is stale but the forged group), a reward executor reading
-    ``rollouts``, the trainer ``scored`` and ``metrics``, the generators ``lost_slots``;
-    generator 1 receives weight version 2 altered in flight (the test hook)."""
+    ``rollouts``, the trainer ``scored`` and ``metrics`` (the lost slots that generators
+    read are signed control records, tested with the other control keys); generator 1
+    receives weight version 2 altered in flight (the test hook)."""
     with launch(tiny_policy, tmp_path, steps=STEPS, num_generators=2, num_reward=1, max_staleness=0,
                 env={TEST_CORRUPT_ENV: "1:2"}) as app:
         app.wait_for_log("trainer", "step 1/", timeout_s=APP_TIMEOUT_S)
@@ -82,13 +83,11 @@ def test_bad_frames_on_every_queue_are_dropped_and_counted_and_the_run_finishes(
             store.queue_push(names.queue_key(queue), b"\x00garbage")
             StoreQueue(store, queue, bytes(32), maxlen=10**6).push({"slot": 3, "events": []}, timeout_s=10)
         signed = {q: StoreQueue(store, q, secret, maxlen=10**6) for q in QUEUES}
-        # Signed, yet malformed: a group with a wrong type, a metrics event with a text value,
-        # a lost slot that is no slot id.
+        # Signed, yet malformed: a group with a wrong type, a metrics event with a text value.
         signed[names.ROLLOUTS].push({**forged_group(0, 0), "version": "0"}, timeout_s=10)
         signed[names.METRICS].push(metrics.batch_message([{**metrics.scalar("loss", 0.0, role="trainer"),
                                                            "value": "x"}], sender="trainer/0", stream=1, seq=0),
                                    timeout_s=10)
-        signed[names.LOST_SLOTS].push({"slot": "all of them"}, timeout_s=10)
         # Signed, well formed, outside [trainer version - max_staleness, trainer version].
         signed[names.SCORED].push(forged_group(1, 10**6), timeout_s=10)  # from the future
         signed[names.SCORED].push(forged_group(2, 0), timeout_s=10)  # too old by now
@@ -102,8 +101,7 @@ def test_bad_frames_on_every_queue_are_dropped_and_counted_and_the_run_finishes(
                                          names.rejected_metric("bad_tag"): 2.0,
                                          names.rejected_metric("replay"): 2.0,  # a group, a metrics batch
                                          **rejected("wrong_type", "future_version")}
-        assert counts(db, "generator") == {**rejected("malformed_frame", "bad_tag", "bad_value"),
-                                           names.weight_digest_metric("mismatch"): 1.0}
+        assert counts(db, "generator") == {names.weight_digest_metric("mismatch"): 1.0}
         # Every step trained its own groups once: the replays and the forged groups never.
         used = rows(db, "SELECT step, version, staleness FROM staleness WHERE used = 1")
         assert len(used) == STEPS * PROMPTS_PER_STEP * GROUP_SIZE
