@@ -235,7 +235,7 @@ class Trainer:
                     log.warning("group %s fills slot %d, already consumed: dropped (a lost executor's "
                                 "group and its regenerated twin)", g.group_id, g.slot)
                     self.duplicates += 1
-                    self.rt.store.add(names.DROPPED_KEY, 1)
+                    self._free_slots(1)
                     continue
             kept.append(g)
         return kept
@@ -250,7 +250,7 @@ class Trainer:
         refused = taken_by_other_ranks(batches, self.rank, self.trained_elsewhere)
         for gid in refused:
             self.rejections(REPLAY, f"group {gid} was also taken by another trainer rank")
-            self.rt.store.add(names.DROPPED_KEY, 1)
+            self._free_slots(1)
         return [g for g in groups if (g.group_id.generator, g.group_id.seq) not in refused]
 
     def _on_drop(self, group: RolloutGroup, lag: int) -> None:
@@ -258,8 +258,12 @@ class Trainer:
             return
         self.dropped += 1
         if group.slot is not None:  # a group that filled no slot frees none
-            self.rt.store.add(names.DROPPED_KEY, 1)  # generators may fill the slot again
+            self._free_slots(1)  # generators may fill the slot again
         self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
+
+    def _free_slots(self, n: int) -> None:
+        """That many slots may be filled again: the generators' staleness budget grows."""
+        self.rt.store.add(names.DROPPED_KEY, n)
 
     def _sync(self) -> None:
         if self.cfg.weight_digest:  # before the send: a generator checks what it received
