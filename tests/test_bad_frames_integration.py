@@ -25,7 +25,7 @@ from test_failfast import assert_fails_naming
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 6
+STEPS = 8  # room for the test to capture frames to replay while the run goes on
 QUEUES = (names.ROLLOUTS, names.SCORED, names.METRICS)  # lost_slots: signed control records
 
 
@@ -39,23 +39,24 @@ def forged_group(seq: int, version: int) -> dict:
     return to_message(group)
 
 
-def replay_one(store, queue: str, secret: bytes, timeout_s: float = APP_TIMEOUT_S) -> None:
-    """Capture one real frame from ``queue`` (racing its reader) and push it back twice:
-    the original goes on its way, the copy is a replay (refused by the trainer's reader:
-    a group trained twice, a metrics batch written twice)."""
-    key = names.queue_key(queue)
+def replay_one_of_each(store, queues: tuple[str, ...], secret: bytes, timeout_s: float = APP_TIMEOUT_S) -> None:
+    """Capture one real frame from each of ``queues`` (racing their readers, all queues
+    polled in turn) and push each back twice: the original goes on its way, the copy is a
+    replay (a group trained twice, a metrics batch written twice, if nothing refused it)."""
+    missing = list(queues)
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            frame = store.queue_pop(key, block=False)
-            break
-        except Exception:  # empty: the reader was quicker this time
-            assert time.monotonic() < deadline, f"no frame to capture on {queue!r}"
-            time.sleep(0.0005)
-    real = frames.decode(frame, secret)  # a real group, or metrics batch, of the app
-    assert real.get("kind") == "rollout_group" or "events" in real, real
-    store.queue_push(key, frame)
-    store.queue_push(key, frame)
+    while missing:
+        for queue in list(missing):
+            try:
+                frame = store.queue_pop(names.queue_key(queue), block=False)
+            except Exception:  # empty: the reader was quicker this time
+                continue
+            real = frames.decode(frame, secret)  # a real group, or metrics batch, of the app
+            assert real.get("kind") == "rollout_group" or "events" in real, real
+            store.queue_push(names.queue_key(queue), frame)
+            store.queue_push(names.queue_key(queue), frame)
+            missing.remove(queue)
+        assert time.monotonic() < deadline, f"no frame to capture on {missing} in {timeout_s:g} s"
 
 
 def counts(db, role: str) -> dict[str, float]:
@@ -76,9 +77,7 @@ def test_bad_frames_on_every_queue_are_dropped_and_counted_and_the_run_finishes(
         secret = app.secret()
         store = connect_store(f"127.0.0.1:{app.store_port}", timeout_s=30)
         # Captured and pushed again (first: the queues then hold only the app's own frames).
-        replay_one(store, names.ROLLOUTS, secret)
-        replay_one(store, names.SCORED, secret)
-        replay_one(store, names.METRICS, secret)
+        replay_one_of_each(store, QUEUES, secret)
         for queue in QUEUES:  # from anyone: garbage, and a frame under another secret
             store.queue_push(names.queue_key(queue), b"\x00garbage")
             StoreQueue(store, queue, bytes(32), maxlen=10**6).push({"slot": 3, "events": []}, timeout_s=10)
