@@ -56,7 +56,8 @@ def run(nproc_per_node: int, trainer_args: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="llamarl-launch-") as tmp:
         error_file, crash_dir = Path(tmp) / "error.json", Path(tmp) / "crashes"
         crash_dir.mkdir()
-        env = {**os.environ, health.ERROR_FILE_ENV: str(error_file), health.CRASH_DIR_ENV: str(crash_dir)}
+        env = {**os.environ, health.ERROR_FILE_ENV: str(error_file), health.CRASH_DIR_ENV: str(crash_dir),
+               health.REPLICA_ERROR_FILE_ENV: os.environ.get(health.ERROR_FILE_ENV, "")}
         proc = subprocess.Popen(torchrun_command(nproc_per_node, trainer_args), env=env)
 
         def forward(signum: int, _frame: object) -> None:

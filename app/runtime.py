@@ -79,7 +79,11 @@ def connect_app_store(addr: str, app_id: str, timeout_s: float,
                       check_timeout_s: float = APP_ID_TIMEOUT_S) -> dist.TCPStore:
     """Reach the control store at ``addr`` and check that it is this app's: another app's
     store (two apps on one port) is refused before this role registers there."""
-    store = transport.connect_store(addr, timeout_s)
+    try:
+        store = transport.connect_store(addr, timeout_s, give_up=health.sibling_failure)
+    except transport.AppGone as e:  # a bystander: the failed role's cause is the app's
+        log.error("stopping: %s", e)
+        raise SystemExit(f"stopping: {e}") from None
     if not app_id:  # started by hand, without --app-id: nothing to check against
         return store
     deadline = time.monotonic() + check_timeout_s
