@@ -189,7 +189,8 @@ class GeneratorConfig:
     gen_batch_prompts: int = 8
     """Prompts per decode batch of a distributed generator (each sampled group_size times)."""
     gen_seed: int = 0
-    """Sampling seed (each generator replica adds its index)."""
+    """Sampling seed, mixed with the first slot of each decode batch (``app.generator.batch_seed``):
+    a batch draws the same whichever generator samples it, resumed runs included."""
     gen_threads: int = 0
     """torch threads of each generator process (0 keeps torch's default)."""
 
