@@ -170,7 +170,8 @@ class ElasticSender:
                 self.regroups += 1
                 self.last_regroup_at = time.time()
             self.roster = roster
-            log.info("weight plane epoch %d: generators %s", self.epoch, roster)
+            log.info("weight plane epoch %d: generators %s, %s (%s)", self.epoch, roster,
+                     group.path.backend, group.path.reason)
             return
 
     def _present(self, roster: list[int]) -> list[int]:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
 import torch
 from torch import nn
 
-from app import devices, metrics
+from app import devices, metrics, rl
 from app.devices import DeviceError, WeightPlanePath, weight_plane_backend
 from app.sampling import token_logprobs
 from app.weight_sync import WeightReceiver, WeightSender, init_weight_group
 from role_processes import loopback_store, run_roles
+from test_rl import PAD, _ragged_rollouts, tiny_model  # noqa: F401 - tiny_model is a fixture
 from test_weight_sync import BUCKET_MB, flattened, model_params
 
 NO_CUDA = not torch.cuda.is_available()
@@ -96,6 +98,27 @@ def test_log_probs_of_bf16_logits_are_computed_in_fp32():
         logp_N.sum().backward()
         assert logits_NV.grad.dtype == torch.bfloat16 and torch.isfinite(logits_NV.grad.float()).all()
         logits_NV.grad = None
+
+
+def test_a_bf16_train_step_tracks_the_fp32_one_and_keeps_fp32_weights(tiny_model):
+    """The reference is the fp32 step from the same weights on the same rollouts: bf16
+    autocast changes the loss and the update by bf16 rounding only (2.5e-4 of the loss
+    here, update directions 0.99999 alike), and the weights stay fp32."""
+    cfg = rl.StepConfig(loss="aipo", rho_max=4.0, clip_eps=0.2, normaliser="token", kl_coef=0.0,
+                        temperature=1.0, top_p=1.0, micro_batch=3)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = copy.deepcopy(tiny_model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient
+        before = [p.detach().clone() for p in model.parameters()]
+        with devices.autocast(torch.device("cpu"), dtype):
+            stats = rl.train_step(model, optimizer, _ragged_rollouts(6), cfg, pad_id=PAD)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        results[dtype] = stats, torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, model.parameters())])
+    (ref, step_ref), (got, step_bf16) = results[torch.float32], results[torch.bfloat16]
+    assert got["loss"] == pytest.approx(ref["loss"], rel=5e-3)
+    cosine = torch.nn.functional.cosine_similarity(step_ref, step_bf16, dim=0)
+    assert cosine > 0.999, cosine
 
 
 # --------------------------------------------------------------------------- the weight plane's path
