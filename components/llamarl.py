@@ -95,7 +95,8 @@ def llamarl(
             plane then runs on gloo through host memory instead of NCCL
         generator_mem_mb: memory per generator, MB
         reward_cpu: CPUs per reward executor
-        reward_gpu: GPUs per reward executor
+        reward_gpu: GPUs per reward executor (its reward models run on the first it
+            sees, unless the reward spec names a ``device=``); 0: the CPU
         reward_mem_mb: memory per reward executor, MB
         env: extra environment variables for every role
 
@@ -137,7 +138,8 @@ def llamarl(
               num_generators, generator_cpu, generator_gpu, generator_mem_mb, common_env, executor_retries,
               retry_policy=specs.RetryPolicy.REPLICA),
         _role("reward", image,
-              f"python -m app.reward --store-addr {store_addr} {app_id} --replica {specs.macros.replica_id}",
+              f"python -m app.reward --store-addr {store_addr} {app_id} --replica {specs.macros.replica_id} "
+              f"--device {_device(reward_gpu)}",
               max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env, executor_retries,
               retry_policy=specs.RetryPolicy.REPLICA),
     ]

@@ -212,3 +212,17 @@ def test_a_gpu_role_reports_its_memory_and_utilisation():
     assert 0 <= m.get(names.DEVICE_UTILIZATION, 0) <= 100
     assert devices.device_key(gpu).startswith("cuda:")
     assert weight_plane_backend([devices.device_key(gpu)] * 2).staged
+
+
+def test_reward_models_run_on_the_executors_device_unless_the_spec_names_one():
+    from app.rewards import build_reward
+
+    def devices_of(reward):
+        return {c.name: getattr(c.fn, "device", None) for c in reward.components}
+
+    # Nothing is loaded here: models load on .load(), in their worker process.
+    assert devices_of(build_reward("math_verifier,semantic_similarity=0.5", device="cuda:0")) == {
+        "math_verifier": None, "semantic_similarity": "cuda:0"}
+    assert devices_of(build_reward("semantic_similarity(device=cpu)", device="cuda:0")) == {
+        "semantic_similarity": "cpu"}
+    assert devices_of(build_reward("semantic_similarity")) == {"semantic_similarity": "cpu"}
