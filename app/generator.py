@@ -174,10 +174,6 @@ def _wait_for_weights_or_lost_slots(rt: runtime.Runtime, receiver: ElasticReceiv
 def main(argv: list[str] | None = None) -> None:
     parser = runtime.role_arguments("generator", __doc__.splitlines()[0])
     parser.add_argument("--num-generators", type=int, required=True, help="generators in the app (the weight plane takes its roster from the trainer)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="where this generator samples: 'auto' is cuda:0 of the GPUs it sees when CUDA is "
-                             "available, else the CPU; 'cpu' forces the CPU (the TorchX component passes it when "
-                             "--generator_gpu is 0); 'cuda' requires a GPU")
     args = parser.parse_args(argv)
     health.enable_crash_reports(names.member("generator", args.replica))
     with health.reported(), runtime.join_role("generator", args) as rt:

@@ -68,12 +68,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = runtime.role_arguments("reward executor", __doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="where model-based rewards run unless the reward spec says (device=): 'auto' is "
-                             "cuda:0 of the GPUs this executor sees when CUDA is available, else the CPU; 'cpu' "
-                             "(the TorchX component passes it when --reward_gpu is 0); 'cuda' requires a GPU")
-    args = parser.parse_args(argv)
+    args = runtime.role_arguments("reward executor", __doc__.splitlines()[0]).parse_args(argv)
     health.enable_crash_reports(names.member("reward", args.replica))
     with health.reported(), runtime.join_role("reward", args) as rt:
         run(rt, config_timeout_s=args.config_timeout_s, device=args.device)
