@@ -136,12 +136,16 @@ def test_nccl_only_when_every_member_has_a_gpu_of_its_own():
     assert weight_plane_backend(["cpu", "cpu", "cpu"]) == WeightPlanePath("gloo", False, "every member on the CPU")
 
 
-def _staged_sync(store, rank: int, world_size: int, keys: list[str]) -> str:
-    """Each rank publishes ``keys[rank]`` as its device; two versions go through."""
-    group = init_weight_group(store, rank, world_size, torch.device("cpu"), timeout_s=30, device_key=keys[rank])
-    path = f"{group.path.backend} staged={group.path.staged} on {group.device}"
+def _sync_two_versions(store, rank: int, world_size: int, places: list[str], keys: list[str] | None) -> str:
+    """Each rank's weights on ``places[rank]``; it publishes ``keys[rank]`` as its device
+    (None: its real one). Two versions go through; the receivers check them exactly."""
+    device = torch.device(places[rank])
+    on = lambda params: [(n, p.to(device)) for n, p in params]  # noqa: E731
+    group = init_weight_group(store, rank, world_size, device, timeout_s=30,
+                              device_key=None if keys is None else keys[rank])
+    path = f"{group.path.backend} staged={group.path.staged} on {group.device.type}"
     if rank == 0:
-        live = model_params(0)
+        live = on(model_params(0))
         sender = WeightSender(group, live, bucket_mb=BUCKET_MB)
         for version in (1, 2):
             with torch.no_grad():
@@ -149,7 +153,7 @@ def _staged_sync(store, rank: int, world_size: int, keys: list[str]) -> str:
                     p.copy_(new)
             sender.send(version)
         return path
-    receiver = WeightReceiver(group, flattened(model_params(0, seed=rank)), bucket_mb=BUCKET_MB)
+    receiver = WeightReceiver(group, flattened(on(model_params(0, seed=rank))), bucket_mb=BUCKET_MB)
     receiver.start_background()
     deadline = time.monotonic() + 60
     while receiver.latest_version() != 2:
@@ -158,7 +162,7 @@ def _staged_sync(store, rank: int, world_size: int, keys: list[str]) -> str:
     receiver.stop_background()
     assert receiver.swap_if_newer() == 2
     for (name, got), (_, want) in zip(receiver.params, model_params(2)):
-        assert torch.equal(got, want), f"{name} differs"
+        assert got.device == device and torch.equal(got.cpu(), want), f"{name} differs"
     return path
 
 
@@ -168,10 +172,23 @@ def _staged_sync(store, rank: int, world_size: int, keys: list[str]) -> str:
 def test_members_that_cannot_share_nccl_sync_over_gloo_bit_for_bit(keys):
     """The staged path in real processes: every rank reads the same keys and picks gloo,
     and the generators' weights equal the trainer's exactly. (On the CPU the staging
-    copies are CPU to CPU; on a GPU the same code copies to and from the device.)"""
+    copies are CPU to CPU; on a GPU the same code copies to and from the device: the
+    ``gpu`` test below.)"""
     store = loopback_store(timeout_s=60)
-    results = dict(run_roles(_staged_sync, 3, store.port, 120, keys))
+    results = dict(run_roles(_sync_two_versions, 3, store.port, 120, ["cpu"] * 3, keys))
     assert results == {r: "gloo staged=True on cpu" for r in range(3)}, results
+
+
+@pytest.mark.gpu
+@pytest.mark.integration
+def test_processes_on_one_gpu_sync_through_host_memory_and_on_two_over_nccl():
+    store = loopback_store(timeout_s=60)
+    results = dict(run_roles(_sync_two_versions, 2, store.port, 120, ["cuda:0", "cuda:0"], None))
+    assert results == {r: "gloo staged=True on cpu" for r in range(2)}, results
+    if torch.cuda.device_count() >= 2:
+        store = loopback_store(timeout_s=60)
+        results = dict(run_roles(_sync_two_versions, 2, store.port, 120, ["cuda:0", "cuda:1"], None))
+        assert results == {r: "nccl staged=False on cuda" for r in range(2)}, results
 
 
 # --------------------------------------------------------------------------- GPU idle time
