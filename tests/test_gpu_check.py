@@ -39,7 +39,8 @@ def test_dry_run_passes_every_check_on_the_cpu(tmp_path):
         "weight_plane_nccl": "skipped", "fsdp2_step": "ok", "app_run": "ok"}
     assert checks["weight_plane_nccl"]["reason"] == "CPU dry run: NCCL needs GPUs"
     assert checks["weight_plane_shared"]["bit_identical"] and checks["weight_plane_shared"]["backend"] == "gloo"
-    assert checks["trainer"]["precision"] == "float32"  # auto on the CPU
+    trainer = checks["trainer"]
+    assert trainer["precision"] == "bfloat16" and trainer["loss_rel_diff"] < 0.05  # the GPU's path, on the CPU
     fsdp = checks["fsdp2_step"]
     assert fsdp["ranks"] == 2 and fsdp["loss"] == pytest.approx(fsdp["loss_unsharded"], rel=1e-5)
     assert checks["app_run"]["steps"] == 3 and "gloo (every member on the CPU)" in checks["app_run"]["weight_plane"]
