@@ -345,7 +345,8 @@ def check_app_run(t: Target) -> dict[str, Any]:
             "--trainer_gpu", gpu, "--generator_gpu", gpu, "--threads", "2",
             # Roles start `python` by name: this interpreter's first on their PATH.
             "--env", f"PATH={Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-            "--", *SMALL_APP]
+            # The dry run takes bf16 too (auto is fp32 on the CPU): the flag reaches the trainer.
+            "--", *SMALL_APP, *(["--train-precision", "bf16"] if t.dry_run else [])]
     t0 = time.monotonic()
     with get_runner() as runner:
         handle = runner.run_component("llamarl.llamarl", args, scheduler="local_cwd",
@@ -371,16 +372,23 @@ def check_app_run(t: Target) -> dict[str, Any]:
                                "FROM intervals GROUP BY role").fetchall())
     finally:
         db.close()
-    plane = [line.split("weight plane epoch 1: ", 1)[1] for line in trainer_log.splitlines()
-             if "weight plane epoch 1: " in line]
+    plane = _logged(trainer_log, "weight plane epoch 1: ")
+    placed = _logged(trainer_log, "trainer rank 0 on ")
     if steps != APP_STEPS or syncs < APP_STEPS:
         raise AssertionError(f"{steps} steps and {syncs} generator syncs recorded, expected {APP_STEPS} and more")
+    if placed is None or ("bf16" not in placed and (t.dry_run or devices.bf16_capable(t.device(0)))):
+        raise AssertionError(f"the trainer did not say it trains in bf16: {placed!r}")
     if not t.dry_run and set(gpu_metrics) != {"trainer", "generator"}:
         raise AssertionError(f"GPU metrics recorded by {sorted(gpu_metrics)}, expected trainer and generator")
     return {"app_id": app_id, "seconds": round(time.monotonic() - t0, 1), "steps": steps,
             "generator_syncs": syncs, "gpu_metric_rows": gpu_metrics,
             "idle_fraction": {k: round(v, 3) for k, v in idle.items()},
-            "weight_plane": plane[0] if plane else None}
+            "weight_plane": plane, "trainer": placed}
+
+
+def _logged(log_text: str, prefix: str) -> str | None:
+    """The rest of the first log line that holds ``prefix``."""
+    return next((line.split(prefix, 1)[1] for line in log_text.splitlines() if prefix in line), None)
 
 
 CHECK_FUNCTIONS: dict[str, Callable[[Target], dict[str, Any]]] = {

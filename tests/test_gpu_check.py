@@ -43,4 +43,6 @@ def test_dry_run_passes_every_check_on_the_cpu(tmp_path):
     assert trainer["precision"] == "bfloat16" and trainer["loss_rel_diff"] < 0.05  # the GPU's path, on the CPU
     fsdp = checks["fsdp2_step"]
     assert fsdp["ranks"] == 2 and fsdp["loss"] == pytest.approx(fsdp["loss_unsharded"], rel=1e-5)
-    assert checks["app_run"]["steps"] == 3 and "gloo (every member on the CPU)" in checks["app_run"]["weight_plane"]
+    app = checks["app_run"]
+    assert app["steps"] == 3 and "gloo (every member on the CPU)" in app["weight_plane"]
+    assert app["trainer"] == "cpu, training in bf16 autocast over fp32 weights"
