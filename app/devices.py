@@ -159,6 +159,20 @@ def device_key(device: torch.device) -> str:
     return device.type
 
 
+def joint_key(keys: Sequence[str]) -> str:
+    """One member standing for several processes (the trainer ranks, each in a weight
+    group of its own with every generator): ``cuda:<uuid>,<uuid>...`` of all their GPUs,
+    so that every group sees every GPU the trainer holds and all groups choose alike;
+    ``cpu`` when any of them is on the CPU."""
+    if not keys or any(not k.startswith("cuda:") for k in keys):
+        return "cpu"
+    return "cuda:" + ",".join(sorted({g for k in keys for g in _gpus(k)}))
+
+
+def _gpus(key: str) -> list[str]:
+    return key.removeprefix("cuda:").split(",") if key.startswith("cuda:") else []
+
+
 @dataclass(frozen=True)
 class WeightPlanePath:
     """How the weight plane's members talk, decided alike on every member."""
@@ -176,10 +190,11 @@ def weight_plane_backend(keys: Sequence[str]) -> WeightPlanePath:
     so every member reaches the same answer from the same published list."""
     on_gpu = [k.startswith("cuda:") for k in keys]
     if all(on_gpu):
-        shared = sorted({k for k in keys if keys.count(k) > 1})
-        if not shared:
+        gpus = [set(_gpus(k)) for k in keys]  # a joint key holds several
+        ranks = sorted({r for r, mine in enumerate(gpus) for s, theirs in enumerate(gpus)
+                        if r != s and mine & theirs})
+        if not ranks:
             return WeightPlanePath("nccl", False, "every member on a GPU of its own")
-        ranks = [r for r, k in enumerate(keys) if k in shared]
         return WeightPlanePath("gloo", True, f"ranks {ranks} share a GPU (NCCL refuses two ranks on one "
                                              "device): staged through host memory")
     if any(on_gpu):

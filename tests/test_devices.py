@@ -136,6 +136,18 @@ def test_nccl_only_when_every_member_has_a_gpu_of_its_own():
     assert weight_plane_backend(["cpu", "cpu", "cpu"]) == WeightPlanePath("gloo", False, "every member on the CPU")
 
 
+def test_every_trainer_ranks_group_chooses_alike_from_the_trainers_joint_key():
+    """Two trainer ranks on GPUs a and b, each in a group of its own with a generator on
+    b: on its own key rank 0's group would pick NCCL and rank 1's gloo, and the generator
+    could not hold one staging for both. With the joint key both groups pick gloo."""
+    trainer = devices.joint_key(["cuda:GPU-a", "cuda:GPU-b"])
+    assert trainer == "cuda:GPU-a,GPU-b"
+    assert weight_plane_backend(["cuda:GPU-a", "cuda:GPU-b"]).backend == "nccl"  # the trap
+    assert weight_plane_backend([trainer, "cuda:GPU-b"]).staged
+    assert weight_plane_backend([trainer, "cuda:GPU-c"]).backend == "nccl"
+    assert devices.joint_key(["cuda:GPU-a", "cpu"]) == "cpu"
+
+
 def _sync_two_versions(store, rank: int, world_size: int, places: list[str], keys: list[str] | None) -> str:
     """Each rank's weights on ``places[rank]``; it publishes ``keys[rank]`` as its device
     (None: its real one). Two versions go through; the receivers check them exactly."""
