@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.answers import AnswerFormat
+from app.devices import DeviceChoice, TrainPrecision
 from app.rl import StepConfig
 from app.sampling import SamplingParams
 from app.tasks import PROMPT_TEMPLATE
@@ -122,6 +123,17 @@ class TrainerConfig:
     """Seed of the data order and of the reference loop's sampler."""
     threads: int = 0
     """torch threads for this process (0 keeps torch's default)."""
+    device: DeviceChoice = "auto"
+    """Where each trainer rank computes: 'auto' is cuda:<LOCAL_RANK> when CUDA is
+    available, else the CPU; 'cpu' forces the CPU; 'cuda' requires a GPU (an error names
+    why there is none). The TorchX component passes 'cpu' when --trainer_gpu is 0.
+    (app.local: the device of its one process.)"""
+    train_precision: TrainPrecision = "auto"
+    """The trainer's compute precision: 'bf16' autocasts the forward and backward passes
+    over fp32 weights (optimizer, gradients and the weights sent to generators stay fp32;
+    log-probs are taken from fp32 logits); 'fp32' does not. 'auto': bf16 on a GPU that
+    runs it (compute capability >= 8.0), fp32 on the CPU. bf16 on a GPU that cannot run
+    it is refused."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "eval_every", "eval_size", "micro_batch"):

@@ -1,6 +1,6 @@
 """Generator executor: samples groups of completions with the newest weights it has.
 
-    python -m app.generator --store-addr HOST:PORT --app-id APP --replica I
+    python -m app.generator --store-addr HOST:PORT --app-id APP --replica I [--device auto|cpu|cuda]
 
 Everything else (policy, sampling, group size, staleness bound) comes from the trainer
 through the control store, so all roles agree by construction. Weights arrive on the
@@ -16,6 +16,7 @@ dropped). Past that the generator waits for newer weights: it never runs more th
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import secrets
@@ -24,7 +25,7 @@ import time
 
 import torch
 
-from app import data, health, membership, metrics, names, rl, runtime, transport
+from app import data, devices, health, membership, metrics, names, rl, runtime, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import to_message
 from app.policy import load_policy
@@ -65,12 +66,14 @@ class SlotBudget:
                 return range(start, start + take)
 
 
-def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
+def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceChoice = "auto") -> None:
     store = rt.store
+    where = devices.choose_device(device)
     trainer_cfg, gen_cfg, policy_path = runtime.read_config(rt, config_timeout_s)
     if gen_cfg.gen_threads:
         torch.set_num_threads(gen_cfg.gen_threads)
-    model, tokenizer = load_policy(policy_path)
+    model, tokenizer = load_policy(policy_path, device=where)
+    log.info("generator %d on %s", rt.replica, devices.describe(where))
     model.eval()
     # The same prompts as the trainer, in the same order, or a clear failure now.
     prompts = data.load(trainer_cfg, tokenizer, log=log.info)
@@ -95,13 +98,15 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
 def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticReceiver,
                       prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig) -> None:
     store = rt.store
-    timeline = metrics.Timeline("generator", rt.replica)
+    device = next(model.parameters()).device
+    # On a GPU a busy interval ends when the GPU is done: idle time is GPU idle time.
+    timeline = metrics.Timeline("generator", rt.replica, busy_ends=functools.partial(devices.synchronize, device))
     ledger = SlotLedger.from_state(json.loads(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger")))
     budget = SlotBudget(store, groups_per_step=trainer_cfg.prompts_per_step,
                         max_staleness=trainer_cfg.max_staleness, ledger=ledger)
     out_queue = rt.queue(names.ROLLOUTS)
     sampling = gen_cfg.sampling()
-    rng = torch.Generator()
+    rng = devices.seeded_generator(device, gen_cfg.gen_seed)  # reseeded per batch: batch_seed
     held = membership.HeldSlots(store, names.member("generator", rt.replica))
     version: int | None = None
     sent = 0  # this generator's groups so far: the sequence half of their ids
@@ -142,7 +147,8 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
         events = metrics.scalars({names.GEN_TOKENS_PER_S: tokens / dt,
                                   names.GEN_SEQS_PER_S: len(rollouts) / dt,
                                   names.GEN_VERSION: version,
-                                  names.IDLE_FRACTION: timeline.idle_fraction()},
+                                  names.IDLE_FRACTION: timeline.idle_fraction(),
+                                  **devices.device_metrics(device)},
                                  role="generator", replica=rt.replica)
         events += [metrics.weight_sync(s.version, f"generator/{rt.replica}", s.bytes, s.seconds)
                    for s in receiver.pop_stats()]
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     health.enable_crash_reports(names.member("generator", args.replica))
     with health.reported(), runtime.join_role("generator", args) as rt:
-        run(rt, config_timeout_s=args.config_timeout_s)
+        run(rt, config_timeout_s=args.config_timeout_s, device=args.device)
 
 
 if __name__ == "__main__":

@@ -223,6 +223,16 @@ def members_metric(role: str) -> str:
 # Every executor.
 IDLE_FRACTION = "idle_fraction"
 
+# Every executor on a GPU (``app.devices.device_metrics``; none on the CPU).
+DEVICE_PREFIX = "device/"
+DEVICE_UTILIZATION = DEVICE_PREFIX + "utilization"
+"""Percent of the last NVML sample period with a kernel running on the role's GPU (the
+whole device's: every process on it counts)."""
+DEVICE_MAX_MEMORY_GB = DEVICE_PREFIX + "max_memory_gb"
+"""Peak GPU memory this process allocated so far, GiB (``torch.cuda.max_memory_allocated``)."""
+DEVICE_MEMORY_GB = DEVICE_PREFIX + "memory_gb"
+"""GPU memory this process holds allocated now, GiB."""
+
 # Reward executors.
 REWARD_SAMPLES_PER_S = "reward/samples_per_s"
 

@@ -16,13 +16,14 @@ import sys
 import threading
 import time
 import traceback
+import typing
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
-from app import cli, frames, health, names, transport
+from app import cli, devices, frames, health, names, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.transport import Control, StoreQueue
 
@@ -48,6 +49,10 @@ def role_arguments(role: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--connect-timeout-s", type=float, default=300.0, help="wait for the control store")
     parser.add_argument("--config-timeout-s", type=float, default=900.0,
                         help="wait for the trainer's config (it may be warm-starting the policy)")
+    parser.add_argument("--device", choices=typing.get_args(devices.DeviceChoice), default="auto",
+                        help=f"where this {role} computes (app.devices): 'auto' is cuda:0 of the GPUs it sees "
+                             "when CUDA is available, else the CPU; 'cpu' forces the CPU (the TorchX component "
+                             "passes it to a role given no GPU); 'cuda' requires a GPU")
     return parser
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, cli, data, health, membership, metrics, names, rl, runtime, steps, train_state, transport
+from app import checkpoint, cli, data, devices, health, membership, metrics, names, rl, runtime, steps, train_state, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
@@ -78,7 +78,13 @@ class Trainer:
         self.rt, self.cfg, self.gen = rt, cfg, gen
         self.num_generators, self.num_reward = num_generators, num_reward
         self.rank, self.world = rank, world
-        self.timeline = metrics.Timeline("trainer", rank)
+        self.device = devices.choose_device(cfg.device)
+        self.dtype = devices.train_dtype(cfg.train_precision, self.device)
+        log.info("trainer rank %d on %s, training in %s", rank, devices.describe(self.device),
+                 "bf16 autocast over fp32 weights" if self.dtype == torch.bfloat16 else "fp32")
+        # On a GPU a busy interval ends when the GPU is done: idle time is GPU idle time.
+        self.timeline = metrics.Timeline("trainer", rank,
+                                         busy_ends=functools.partial(devices.synchronize, self.device))
         self.version = 0
         self.dropped = 0
         self.guard = steps.SkipGuard()
@@ -112,7 +118,7 @@ class Trainer:
             policy = data.resolve_policy(cfg.policy, log=log.info)
             sources = data.read(cfg, log=log.info)
             self.data = data.prepare(sources, cfg, load_tokenizer(policy), log=log.info)
-            self.model, self.tokenizer = load_policy(policy)
+            self.model, self.tokenizer = load_policy(policy, device=self.device)
             if resume is not None:  # every check before the run directory is touched
                 self._check_resume(resume)
             self._open_run_dir(resume)
@@ -125,7 +131,7 @@ class Trainer:
         else:
             _, _, policy = runtime.read_config(rt, 900.0)
             self.run_dir = Path(json.loads(rt.store.get(names.CONFIG_KEY))["run_dir"])
-            self.model, self.tokenizer = load_policy(policy)
+            self.model, self.tokenizer = load_policy(policy, device=self.device)
         resumed = json.loads(rt.wait_key(names.RESUME_KEY, 60.0, "resume point"))
         self.start_step = self.version = resumed["step"]
         self.ledger = train_state.SlotLedger.from_state(json.loads(rt.store.get(names.SLOTS_DONE_KEY)))
@@ -325,7 +331,7 @@ class Trainer:
             # Every rank decides alone: with data parallel ranks, one rank's batch may have
             # no usable rollout while another's has; it still joins the gradient average.
             if not self.guard.should_skip(groups, step) or self.world > 1:
-                with self.timeline.busy("train"):
+                with self.timeline.busy("train"), devices.autocast(self.device, self.dtype):
                     train = rl.train_step(self.model, self.optimizer, steps.usable(groups), step_cfg,
                                           pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model,
                                           reduce_grads=average_across_ranks if self.world > 1 else None)
@@ -336,6 +342,7 @@ class Trainer:
             values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
                                        consumed_version=consumed_version, skipped=self.guard.skipped,
                                        dropped=self.dropped, idle_fraction=self.timeline.idle_fraction())
+            values.update(devices.device_metrics(self.device))
             values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
             values.update(self.rejections.metrics())
             events, values = steps.step_events(step, groups, values, consumed_version=consumed_version,
@@ -453,7 +460,8 @@ def main(argv: list[str] | None = None) -> None:
         early = _early_arguments(argv)
         port = names.store_port(early.store_port, early.app_id)
         if world > 1:
-            dist.init_process_group("gloo")
+            # Gloo for CPU tensors, NCCL for CUDA ones: --device is read after this.
+            dist.init_process_group(devices.trainer_backend())
         try:
             # Replica 0 hosts the store before it reads a single flag: whatever fails from
             # here on is published as the app's failure cause, and every role stops.

@@ -85,13 +85,18 @@ def llamarl(
         threads: torch threads per process (keep threads x processes <= cores on CPU)
         image: container image (kubernetes), or the directory holding the code (slurm)
         trainer_cpu: CPUs per trainer replica
-        trainer_gpu: GPUs per trainer replica
+        trainer_gpu: GPUs per trainer replica (one per rank: ``nproc_per_node``); with 0
+            the trainer runs on the CPU (``--device cpu``), otherwise on
+            ``cuda:<LOCAL_RANK>`` of the GPUs the scheduler gives it (``--device auto``)
         trainer_mem_mb: memory per trainer replica, MB
         generator_cpu: CPUs per generator
-        generator_gpu: GPUs per generator
+        generator_gpu: GPUs per generator (it uses the first it sees); 0: the CPU. A
+            trainer and a generator on one GPU (a one-GPU machine) work: the weight
+            plane then runs on gloo through host memory instead of NCCL
         generator_mem_mb: memory per generator, MB
         reward_cpu: CPUs per reward executor
-        reward_gpu: GPUs per reward executor
+        reward_gpu: GPUs per reward executor (its reward models run on the first it
+            sees, unless the reward spec names a ``device=``); 0: the CPU
         reward_mem_mb: memory per reward executor, MB
         env: extra environment variables for every role
 
@@ -116,7 +121,7 @@ def llamarl(
         f"--store-port {store_port} {app_id} --num-generators {num_generators} --num-reward {num_reward}",
         f"--steps {steps} --max-staleness {max_staleness} --rewards '{rewards}'",
         f"--policy '{policy}' --runs-dir '{runs_dir}' --run-id {specs.macros.app_id}",
-        f"--threads {threads} --gen-threads {threads}",
+        f"--device {_device(trainer_gpu)} --threads {threads} --gen-threads {threads}",
         *([f"--resume {shlex.quote(resume)}"] if resume else []),
         *([f"--dataset {shlex.quote(dataset)}"] if dataset else []),
         # Quoted: the command runs under bash, and a value may hold spaces or a backslash
@@ -128,17 +133,25 @@ def llamarl(
               max_retries, port_map={"store": store_port} if store_port else None),
         _role("generator", image,
               f"python -m app.generator --store-addr {store_addr} {app_id} "
-              f"--replica {specs.macros.replica_id} --num-generators {num_generators}",
+              f"--replica {specs.macros.replica_id} --num-generators {num_generators} "
+              f"--device {_device(generator_gpu)}",
               num_generators, generator_cpu, generator_gpu, generator_mem_mb, common_env, executor_retries,
               retry_policy=specs.RetryPolicy.REPLICA),
         _role("reward", image,
-              f"python -m app.reward --store-addr {store_addr} {app_id} --replica {specs.macros.replica_id}",
+              f"python -m app.reward --store-addr {store_addr} {app_id} --replica {specs.macros.replica_id} "
+              f"--device {_device(reward_gpu)}",
               max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env, executor_retries,
               retry_policy=specs.RetryPolicy.REPLICA),
     ]
     # TorchX refuses a role of zero replicas: with num_reward=0 the reward role is left
     # out (rewards are scored inline by the trainer).
     return specs.AppDef(name="llamarl", roles=roles[: 2 + min(num_reward, 1)])
+
+
+def _device(gpus: int) -> str:
+    """A role's ``--device``: the CPU when it was given no GPU, even on a machine that has
+    some (they are another role's); else whichever GPU the scheduler made visible."""
+    return "auto" if gpus > 0 else "cpu"
 
 
 def _role(name: str, image: str, cmd: str, replicas: int, cpu: int, gpu: int, mem_mb: int,

@@ -236,3 +236,18 @@ def test_a_lost_executor_replica_restarts_alone():
     for role in ("generator", "reward"):
         assert (app[role].max_retries, app[role].retry_policy) == (5, specs.RetryPolicy.REPLICA)
     assert roles(llamarl())["generator"].max_retries == 3  # the default
+
+
+def test_each_role_computes_where_it_was_given_gpus():
+    """A role without GPUs stays on the CPU even on a machine that has some (they are
+    another role's); a role with GPUs takes cuda:<LOCAL_RANK> of those it sees."""
+    cpu_only = llamarl(num_reward=1)
+    assert "--device cpu " in cpu_only.roles[0].args[-1]
+    assert cpu_only.roles[1].args[-1].endswith("--device cpu") and cpu_only.roles[2].args[-1].endswith("--device cpu")
+    assert llamarl(num_reward=1, reward_gpu=1).roles[2].args[-1].endswith("--device auto")
+    gpus = llamarl(nproc_per_node=2, trainer_gpu=2, generator_gpu=1)
+    assert "--device auto " in gpus.roles[0].args[-1] and gpus.roles[1].args[-1].endswith("--device auto")
+    assert gpus.roles[0].resource.gpu == 2 and gpus.roles[1].resource.gpu == 1
+    # The user's trainer flags come after the component's: --device cpu forces the CPU.
+    forced = llamarl("--device", "cpu", trainer_gpu=1).roles[0].args[-1]
+    assert forced.index("--device auto") < forced.index("--device cpu")
