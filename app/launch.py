@@ -80,7 +80,7 @@ def run(nproc_per_node: int, trainer_args: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
-    parser.add_argument("--nproc-per-node", type=int, default=1, help="trainer ranks (data parallel, one node)")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="trainer ranks (more than one: FSDP2, app.sharding)")
     args, trainer_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     sys.exit(run(args.nproc_per_node, trainer_args))
 

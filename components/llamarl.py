@@ -54,7 +54,7 @@ def llamarl(
         num_generators: generator replicas (each samples with the newest weights it has);
             the default of 1 suits two CPU cores: one core trains while the other generates
         num_reward: reward executor replicas; 0 scores inline in the trainer's pipeline
-        nproc_per_node: trainer ranks (data parallel, one node)
+        nproc_per_node: trainer ranks per node (more than one: the policy is sharded with FSDP2)
         steps: RL steps (optimizer updates)
         max_staleness: largest policy lag of a trained rollout; 0 is the synchronous baseline
         rewards: reward spec, e.g. ``math_verifier,format=0.2``
