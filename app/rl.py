@@ -16,6 +16,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from app import answers, losses, tasks
 from app.contract import GroupId, Rollout, RolloutGroup
+from app.packing import packed_completion_logprobs
 from app.policy import encode_prompts
 from app.rewards import CompositeReward, RewardResult
 from app.sharding import Ranks, full_value
@@ -36,6 +37,13 @@ class StepConfig:
     top_p: float = 1.0
     micro_batch: int = 64
     max_grad_norm: float = 1.0
+    trainer_pass: Literal["packed", "padded"] = "packed"
+    """How a micro-batch is fed: packed rows (``app.packing``) or padded batches
+    (``completion_logprobs``); the same log-probs up to float rounding."""
+
+    def __post_init__(self) -> None:
+        if self.trainer_pass not in ("packed", "padded"):
+            raise ValueError(f"trainer_pass must be 'packed' or 'padded', got {self.trainer_pass!r}")
 
 
 def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_id: int,
@@ -101,7 +109,8 @@ def _padded(rows: list[list[float]], T: int, device: torch.device) -> torch.Tens
 
 def _placeholder(pad_id: int) -> Rollout:
     """A rollout a rank with a smaller share runs at zero weight: its gradient is exactly
-    0, and its forward and backward passes issue the sharded model's collectives."""
+    0, and its forward and backward passes issue the sharded model's collectives (two
+    completion tokens: the padded pass then runs both of its forward passes)."""
     return Rollout(prompt_ids=[pad_id], completion_ids=[pad_id, pad_id], behaviour_logprobs=[0.0, 0.0],
                    version=0, advantage=0.0)
 
@@ -110,8 +119,8 @@ def _micro_batch_loss(model: PreTrainedModel, chunk: list[Rollout], cfg: StepCon
                       ref_model: PreTrainedModel | None) -> tuple[torch.Tensor, dict[str, float], float]:
     """The loss of one micro-batch under ``cfg`` (normalised within it), its metrics and its
     token count."""
-    logp_BT, mask_BT = completion_logprobs(model, chunk, pad_id=pad_id,
-                                           temperature=cfg.temperature, top_p=cfg.top_p)
+    logprobs = packed_completion_logprobs if cfg.trainer_pass == "packed" else completion_logprobs
+    logp_BT, mask_BT = logprobs(model, chunk, pad_id=pad_id, temperature=cfg.temperature, top_p=cfg.top_p)
     mu_BT = _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device)
     adv_B = torch.tensor([r.advantage for r in chunk], dtype=torch.float32, device=logp_BT.device)
     if cfg.loss == "aipo":
@@ -122,12 +131,21 @@ def _micro_batch_loss(model: PreTrainedModel, chunk: list[Rollout], cfg: StepCon
                                        normaliser=cfg.normaliser)
     if cfg.kl_coef > 0 and ref_model is not None:
         with torch.no_grad():
-            ref_BT, _ = completion_logprobs(ref_model, chunk, pad_id=pad_id,
-                                            temperature=cfg.temperature, top_p=cfg.top_p)
+            ref_BT, _ = logprobs(ref_model, chunk, pad_id=pad_id, temperature=cfg.temperature, top_p=cfg.top_p)
         kl, km = losses.kl_penalty(logp_BT, ref_BT, mask_BT, normaliser=cfg.normaliser)
         loss = loss + cfg.kl_coef * kl
         m = {**m, **km}
     return loss, m, mask_BT.sum().item()
+
+
+def micro_batches(rollouts: list[Rollout], cfg: StepConfig) -> list[list[Rollout]]:
+    """The micro-batches ``train_step`` passes through the model: the rollouts with a
+    non-zero advantage (all of them with a KL term), at most ``cfg.micro_batch`` each."""
+    active = rollouts if cfg.kl_coef > 0 else [r for r in rollouts if r.advantage != 0]
+    # A group's rollouts stay together (their prompt runs once) and similar prompt lengths
+    # share a micro-batch (less padding).
+    active = sorted(active, key=lambda r: (len(r.prompt_ids), r.prompt_ids))
+    return [active[i: i + cfg.micro_batch] for i in range(0, len(active), cfg.micro_batch)]
 
 
 def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollouts: list[Rollout],
@@ -156,12 +174,8 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     # (mu), or the importance ratios measure dropout noise instead of policy change.
     model.eval()
     optimizer.zero_grad(set_to_none=True)
-    active = rollouts if cfg.kl_coef > 0 else [r for r in rollouts if r.advantage != 0]
-    # A group's rollouts stay together (their prompt runs once) and similar prompt lengths
-    # share a micro-batch (less padding).
-    active = sorted(active, key=lambda r: (len(r.prompt_ids), r.prompt_ids))
-    chunks = [active[i: i + cfg.micro_batch] for i in range(0, len(active), cfg.micro_batch)]
-    counts = [sum(len(r.completion_ids) for r in rollouts), len(rollouts), len(active), len(chunks)]
+    chunks = micro_batches(rollouts, cfg)
+    counts = [sum(len(r.completion_ids) for r in rollouts), len(rollouts), sum(map(len, chunks)), len(chunks)]
     if ranks is not None:
         counts[:3], counts[3:] = ranks.sum(counts[:3]), ranks.max(counts[3:])
     total_tokens, total_rollouts, total_active, n_chunks = counts

@@ -11,7 +11,8 @@ gradient and of the optimizer state.
 FSDP2 issues its collectives from the forward and backward passes, so every rank must
 run the same number of them: ``rl.train_step`` agrees on the number of micro-batches
 across ranks first (``Ranks.max``), and a rank whose share is smaller runs zero-weight
-micro-batches.
+micro-batches
+(each micro-batch runs the same forward passes: one packed, or two padded).
 
 Gradients are *summed* across ranks, not averaged (``set_gradient_divide_factor(1)``):
 ``rl.train_step`` weights each rank's loss by its share of the whole batch's normaliser

@@ -13,27 +13,24 @@ gradient change them by 10% or more).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from app import rl, sharding, train_state
 from app.contract import GroupId
-from tests.role_processes import loopback_store, run_roles
+from tiny_models import PAD, VOCAB, tiny_llama
+from role_processes import loopback_store, run_roles
 
-VOCAB, PAD, GROUP = 40, 0, 4
+GROUP = 4
 TOL = dict(rtol=1e-5, atol=1e-6)
 pytestmark = pytest.mark.integration
 
 
-def _model() -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+def _model():
+    return tiny_llama()
 
 
 def _groups(n: int, seed: int = 0) -> list[list[rl.Rollout]]:
@@ -61,9 +58,10 @@ SHARES = {
     "empty_rank": [[0, 1, 2, 3, 4, 5], []],
 }
 CFG = rl.StepConfig(micro_batch=3, max_grad_norm=0.5)
+CASES = [(share, "packed") for share in sorted(SHARES)] + [("uneven", "padded")]
 
 
-def _sharded_step(store, rank: int, world_size: int, share: str, out: str) -> str:
+def _sharded_step(store, rank: int, world_size: int, share: str, trainer_pass: str, out: str) -> str:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
@@ -76,7 +74,8 @@ def _sharded_step(store, rank: int, world_size: int, share: str, out: str) -> st
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         groups = _groups(6)
         mine = [r for k in SHARES[share][rank] for r in groups[k]]
-        m = rl.train_step(model, optimizer, mine, CFG, pad_id=PAD, ranks=sharding.Ranks())
+        cfg = dataclasses.replace(CFG, trainer_pass=trainer_pass)
+        m = rl.train_step(model, optimizer, mine, cfg, pad_id=PAD, ranks=sharding.Ranks())
         sharding.gather_full_weights(model, None if full is None else list(full.parameters()))
         if rank == 0:
             torch.save({**{n: p.detach() for n, p in full.named_parameters()},
@@ -86,11 +85,13 @@ def _sharded_step(store, rank: int, world_size: int, share: str, out: str) -> st
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("share", sorted(SHARES))
-def test_a_sharded_step_on_two_ranks_is_the_step_of_one_process(tmp_path, share):
+@pytest.mark.parametrize("share,trainer_pass", CASES)
+def test_a_sharded_step_on_two_ranks_is_the_step_of_one_process(tmp_path, share, trainer_pass):
+    """Packed rows run one forward pass per micro-batch, padded batches two (the prompts,
+    then the completions): either way every rank runs the same passes."""
     store = loopback_store(timeout_s=60)
     out = tmp_path / "sharded.pt"
-    results = run_roles(_sharded_step, 2, store.port, 180, share, str(out))
+    results = run_roles(_sharded_step, 2, store.port, 180, share, trainer_pass, str(out))
     assert [r for _, r in results if r.startswith("ERROR")] == []
     keys = results[0][1].split(",")
     assert results[1][1] == results[0][1], "every rank reports the whole batch's metrics"
