@@ -59,7 +59,7 @@ from pipelines.rollouts import RolloutStream
 log = logging.getLogger("llamarl")
 
 RANK_CONNECT_TIMEOUT_S = 60.0
-"""Trainer ranks > 0 reach replica 0's store on their own host; torchrun starts them together."""
+"""Trainer ranks > 0 reach replica 0's store (``--store-host``); torchrun starts them together."""
 
 
 class Trainer:
@@ -415,7 +415,7 @@ class Trainer:
 
 def trainer_parser() -> argparse.ArgumentParser:
     parser = cli.RaisingParser(prog="app.trainer", description=__doc__.splitlines()[0])
-    _store_arguments(parser)
+    cli.add_store_arguments(parser)
     parser.add_argument("--num-generators", type=int, required=True, help="generator replicas in the app")
     parser.add_argument("--num-reward", type=int, default=0, help="reward replicas (0: score inline)")
     cli.add_config_args(parser, TrainerConfig)
@@ -423,17 +423,11 @@ def trainer_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _store_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store-port", type=int, default=0,
-                        help="port of the control store on replica 0 (0: derived from --app-id)")
-    parser.add_argument("--app-id", default="", help="the TorchX app id, published on the control store")
-
-
 def _early_arguments(argv: list[str]) -> argparse.Namespace:
     """What replica 0 needs before it validates anything: where to host the store, and
     which roles to wait for if the rest of the flags are wrong (counts read leniently)."""
     parser = argparse.ArgumentParser(add_help=False)
-    _store_arguments(parser)
+    cli.add_store_arguments(parser)
     for flag in ("--num-generators", "--num-reward"):
         parser.add_argument(flag, default="0")
     args, _ = parser.parse_known_args(argv)
@@ -477,7 +471,8 @@ def main(argv: list[str] | None = None) -> None:
             # Replica 0 hosts the store before it reads a single flag: whatever fails from
             # here on is published as the app's failure cause, and every role stops.
             store = (runtime.host_app_store(port, early.app_id) if rank == 0
-                     else runtime.connect_app_store(f"127.0.0.1:{port}", early.app_id, RANK_CONNECT_TIMEOUT_S))
+                     else runtime.connect_app_store(f"{early.store_host}:{port}", early.app_id,
+                                                    RANK_CONNECT_TIMEOUT_S))
             with runtime.Runtime.join("trainer", rank, store) as rt:
                 if "LOCAL_RANK" in os.environ:  # under torchrun: do not outlive its agent
                     health.watch_parent(lambda pid: rt.control.mark_failed(

@@ -140,6 +140,19 @@ def test_two_sharded_trainer_ranks(tiny_policy, tmp_path, max_staleness):
     assert (app.runs_dir / app.app_id / "checkpoints" / "step-3").is_dir()
 
 
+def test_a_trainer_of_two_nodes(tiny_policy, tmp_path):
+    """trainer_nodes=2 on local_cwd: two trainer replicas (torchrun agents) meet at a
+    static rendezvous on replica 0's host, rank 1 reaches the control store there through
+    --store-host, and the sharded run trains every rollout once."""
+    with launch(tiny_policy, tmp_path, steps=2, num_generators=1, options=["--trainer_nodes", "2"]) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        db = app.db()
+        assert rows(db, "SELECT DISTINCT replica FROM intervals WHERE role = 'trainer' ORDER BY replica") == [(0,), (1,)]
+        assert rows(db, "SELECT count(*) FROM staleness WHERE used = 1")[0][0] == 2 * PROMPTS_PER_STEP * GROUP_SIZE
+        assert '"trainer_ranks": 2' in dict(rows(db, "SELECT key, value FROM meta"))["config"]
+        assert "run finished: finished 2 steps" in app.log("trainer", 0)
+
+
 def push_bad_messages(app: App) -> None:
     """On the rollouts queue of a running app: a garbage frame, a frame signed with another
     secret, and three messages signed with the app's own secret that break the rollout
