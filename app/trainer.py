@@ -473,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
             store = (runtime.host_app_store(port, early.app_id) if rank == 0
                      else runtime.connect_app_store(f"{early.store_host}:{port}", early.app_id,
                                                     RANK_CONNECT_TIMEOUT_S))
+            if rank != 0:
+                log.info("reached the control store at %s:%d", early.store_host, port)
             with runtime.Runtime.join("trainer", rank, store) as rt:
                 if "LOCAL_RANK" in os.environ:  # under torchrun: do not outlive its agent
                     health.watch_parent(lambda pid: rt.control.mark_failed(
