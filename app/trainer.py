@@ -168,10 +168,12 @@ class Trainer:
         state); the sharded weight sync, each rank sending its own shard, will not need it
         for the sync. The whole model's parameters are views of one flat buffer per dtype,
         so the weight sync sends each as one broadcast with no packing."""
+        self.ranks: sharding.Ranks | None = None
         if self.world == 1:
             self.full_model = self.model
         else:
             self.full_model = copy.deepcopy(self.model) if self.rank == 0 else None
+            self.ranks = sharding.Ranks(next(self.model.parameters()).device)
             sharding.shard(self.model)
         if self.full_model is not None:
             flatten_parameters_(self.full_model)
@@ -346,7 +348,7 @@ class Trainer:
                 with self.timeline.busy("train"):
                     train = rl.train_step(self.model, self.optimizer, steps.usable(groups), step_cfg,
                                           pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model,
-                                          ranks=sharding.Ranks() if self.world > 1 else None)
+                                          ranks=self.ranks)
             t_train = time.time() - t0
             self._gather_full_model()
             consumed_version = self.version
