@@ -166,7 +166,8 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     the sharded model sums the ranks' gradients, so the step is the one a single process
     takes on the whole batch; every rank runs as many micro-batches as the rank with the
     most (the others at zero weight), since each forward and backward pass is a
-    collective; the metrics are the whole batch's. A rank with no rollout takes part too.
+    collective; the metrics are the whole batch's. A rank with no rollout takes part too;
+    when no rank has one, nothing is updated and the metrics are ``{}``.
     """
     if not rollouts and ranks is None:
         raise ValueError("train_step needs at least one rollout")
@@ -179,6 +180,8 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     if ranks is not None:
         counts[:3], counts[3:] = ranks.sum(counts[:3]), ranks.max(counts[3:])
     total_tokens, total_rollouts, total_active, n_chunks = counts
+    if total_rollouts == 0:  # no rank has a rollout: no update, as one process skips such a batch
+        return {}
     sums: dict[str, float] = {"loss": 0.0, "weights": 0.0}
     ratio_max = 1.0 if n_chunks == 0 else -float("inf")
     for i in range(int(n_chunks)):

@@ -348,7 +348,7 @@ class Trainer:
                 with self.timeline.busy("train"):
                     train = rl.train_step(self.model, self.optimizer, steps.usable(groups), step_cfg,
                                           pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model,
-                                          ranks=self.ranks)
+                                          ranks=self.ranks) or None  # {}: no rank had a rollout
             t_train = time.time() - t0
             self._gather_full_model()
             consumed_version = self.version

@@ -110,6 +110,28 @@ def test_a_sharded_step_on_two_ranks_is_the_step_of_one_process(tmp_path, share,
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), _model().parameters()))
 
 
+def _no_rollouts_anywhere(store, rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        model = _model()
+        sharding.shard(model)
+        before = [p.to_local().clone() for p in model.parameters()]
+        m = rl.train_step(model, torch.optim.AdamW(model.parameters()), [], CFG, pad_id=PAD,
+                          ranks=sharding.Ranks())
+        return f"{m} {all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_update_when_no_rank_has_a_rollout():
+    """As one process skips a batch without a usable rollout (``steps.SkipGuard``): an
+    optimizer step on zero gradients would still move AdamW's weights."""
+    store = loopback_store(timeout_s=60)
+    assert run_roles(_no_rollouts_anywhere, 2, store.port, 120) == [(0, "{} True"), (1, "{} True")]
+
+
 def test_decoder_layers_are_the_models_own_blocks():
     model = _model()
     assert sharding.decoder_layers(model) == list(model.model.layers)
