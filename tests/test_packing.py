@@ -53,23 +53,39 @@ def test_pack_lays_out_a_micro_batch_as_derived_by_hand():
     # Row 0: A, then [7, 8] (9 is predicted, never fed), then nothing of [10]. Row 1: B, [12].
     assert rows.ids_RL.tolist() == [[5, 6, 7, 8], [11, 12, PAD, PAD]]
     assert rows.position_RL.tolist() == [[0, 1, 2, 3], [0, 1, 0, 0]]
+    assert rows.block_RL.tolist() == [[0, 0, 0, 0], [1, 1, -1, -1]]
     assert rows.segment_RL.tolist() == [[0, 0, 1, 1], [0, 1, -1, -1]]
     assert rows.keep_RL.tolist() == [[False, True, True, True], [True, True, False, False]]
     assert rows.real_tokens == 6
     # Kept positions, row-major: 0 = A's last, 1 = after 7, 2 = after 8, 3 = B's last, 4 = after 12.
     assert rows.index_BT.tolist() == [[0, 1, 2], [3, 4, 0], [0, 0, 0]]
-    mask = packing.block_mask(rows.segment_RL, torch.float32)[:, 0] == 0
+    mask = packing.block_mask(rows, torch.float32)[:, 0] == 0
     assert mask[0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
-    # B's padding sees B's prompt and the padding, never its completion; nothing sees it.
-    assert mask[1].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
+    # The padding sees the padding before it, nothing else; nothing sees it.
+    assert mask[1].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
     # The padded pass: 2 prompts padded to 2, then 3 completions padded to 3 - 1 columns.
     assert packing.padded_tokens(rs) == 2 * 2 + 3 * 2
 
 
+def test_short_blocks_share_a_row_and_never_see_each_other():
+    # Blocks: A = [5, 6] + [7, 8] (4 tokens), B = [11] + [12] (2), C = [14] + [15] (2).
+    # Rows of 4, longest first: [A], then B and C side by side.
+    rs = [_rollout([11], [12, 13], group=1), _rollout([5, 6], [7, 8, 9]), _rollout([14], [15, 16], group=2)]
+    rows = packing.pack(rs, pad_id=PAD, device=torch.device("cpu"))
+    assert rows.ids_RL.tolist() == [[5, 6, 7, 8], [11, 12, 14, 15]]
+    assert rows.position_RL.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1]], "positions restart with each block"
+    assert rows.block_RL.tolist() == [[1, 1, 1, 1], [0, 0, 2, 2]]
+    assert rows.segment_RL.tolist() == [[0, 0, 1, 1], [0, 1, 0, 2]]
+    # Kept: A's last, after 7, after 8 | B's last, after 12, C's last, after 15.
+    assert rows.index_BT.tolist() == [[3, 4, 0], [0, 1, 2], [5, 6, 0]]
+    mask = packing.block_mask(rows, torch.float32)[1, 0] == 0
+    assert mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    assert rows.real_tokens == 8
+
+
 def test_completions_of_one_prompt_do_not_see_each_other():
     rs = [_rollout([5, 6], [7, 8, 9]), _rollout([5, 6], [10, 11, 12])]
-    mask = packing.block_mask(packing.pack(rs, pad_id=PAD, device=torch.device("cpu")).segment_RL,
-                              torch.float32)[0, 0] == 0
+    mask = packing.block_mask(packing.pack(rs, pad_id=PAD, device=torch.device("cpu")), torch.float32)[0, 0] == 0
     # Row: 5 6 | 7 8 | 10 11. Token 10 sees the prompt and itself, not 7 or 8.
     assert mask[4].int().tolist() == [1, 1, 0, 0, 1, 0]
     assert mask[5].int().tolist() == [1, 1, 0, 0, 1, 1]
