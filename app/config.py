@@ -99,6 +99,12 @@ class TrainerConfig:
     """Held-out problems per evaluation."""
     micro_batch: int = 64
     """Rollouts per forward/backward pass (gradient accumulation above it)."""
+    trainer_pass: Literal["packed", "padded"] = "packed"
+    """How the trainer feeds a micro-batch: packed (a row per prompt: the prompt once,
+    then its completions back to back, a block mask keeping them apart; no completion
+    padded to the longest) or padded (the prompts, then the completions padded to the
+    longest, on the prompts' KV cache). The same log-probs up to float rounding; padded
+    for attention that takes no 4-D mask (flash_attention_2)."""
     runs_dir: str = "runs"
     """Where run directories are created."""
     run_id: str = ""
@@ -185,7 +191,7 @@ class TrainerConfig:
         return StepConfig(loss=self.loss, rho_max=self.rho_max, clip_eps=self.clip_eps,
                           normaliser=self.normaliser, kl_coef=self.kl_coef,
                           temperature=gen.temperature, top_p=gen.top_p,
-                          micro_batch=self.micro_batch)
+                          micro_batch=self.micro_batch, trainer_pass=self.trainer_pass)
 
 
 @dataclass(kw_only=True)

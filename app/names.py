@@ -76,6 +76,20 @@ def store_port(port: int, app_id: str) -> int:
     return STORE_PORT_BASE + zlib.crc32(app_id.encode()) % STORE_PORT_SPAN
 
 
+RENDEZVOUS_PORT_BASE = STORE_PORT_BASE + STORE_PORT_SPAN
+"""Derived rendezvous ports lie above every derived store port: no app's rendezvous
+port is another app's store port."""
+
+
+def rendezvous_port(port: int, app_id: str) -> int:
+    """The port of a multi-node trainer's torchrun rendezvous, on trainer replica 0's
+    host: the store's port + 1 when ``port`` is set (map both, e.g. on Kubernetes), else
+    derived from the app id like the store's, in a range of its own."""
+    if port:
+        return port + 1
+    return RENDEZVOUS_PORT_BASE + store_port(0, app_id) - STORE_PORT_BASE
+
+
 def member(role: str, replica: int) -> str:
     """``role/replica``, the id of one process of the app in every key below."""
     if "/" in role or ";" in role or not role:
