@@ -5,16 +5,24 @@
     torchx run -s kubernetes llamarl.llamarl --image registry/llamarl:latest ...
 
 ``roles[0]`` is the trainer: its replica 0 hosts the control store that every other
-role reaches at ``$<rank0_env>:<store_port>``. Each role runs ``python -m app.<role>``
-(the trainer ``app.launch``: torchrun around ``app.trainer``); every role gets the app id
-and refuses a control store of another app.
+role reaches at ``$<rank0_env>:<store_port>``, listening there only. Each role runs
+``python -m app.<role>`` (the trainer ``app.launch``: torchrun around ``app.trainer``);
+every role gets the app id and refuses a control store of another app. The app's secret
+is never in the AppDef (a dry run, a job spec and ``ps`` show it to others): the roles
+read it from a private file (README, Security).
 """
 
-import secrets
+import os
 import shlex
 from typing import Dict, Optional
 
 import torchx.specs as specs
+
+SECRET_FILE_ENV = "LLAMARL_SECRET_FILE"  # app.frames.SECRET_FILE_ENV; components import nothing from app
+K8S_SECRET_METADATA = "llamarl/k8s_secret"
+"""Role metadata: the Kubernetes Secret that components/kubernetes_scheduler.py mounts."""
+K8S_SECRET_DIR = "/etc/llamarl/secret"
+K8S_SECRET_KEY = "secret"
 
 
 def llamarl(
@@ -29,6 +37,9 @@ def llamarl(
     dataset: str = "",
     runs_dir: str = "runs",
     store_port: int = 0,
+    store_bind: str = "",
+    secret_file: str = "",
+    k8s_secret: str = "",
     resume: str = "",
     max_retries: int = 0,
     executor_retries: int = 3,
@@ -66,6 +77,18 @@ def llamarl(
         store_port: port of the control store on trainer replica 0; 0 derives it from the
             app id (29600 + crc32(app id) % 2000), so that two apps on one machine do not
             collide; kubernetes needs a fixed port here (its service maps ports at launch)
+        store_bind: where the control store listens; empty: on the trainer's host as TorchX
+            names it to the other roles (``localhost`` on local_cwd, so loopback only; the
+            node's cluster address on SLURM and Kubernetes); ``0.0.0.0``: every interface
+            (needed only where that name does not resolve to an address of the trainer's
+            own host, e.g. behind NAT); or an address of that host
+        secret_file: the app's secret (hex) in a file every role can read at this path,
+            mode 600 (checked); created with a fresh secret by the first role if missing.
+            Empty: ``<runs_dir>/.secrets/<app id>``, made by the first role (a directory
+            all roles share: local_cwd, a SLURM job directory)
+        k8s_secret: Kubernetes: the name of a Secret (key ``secret``: the hex secret) that
+            llamarl's kubernetes scheduler mounts read-only into every pod; overrides
+            ``secret_file``
         resume: continue a run from its newest checkpoint in its own run directory: a run
             id (the app id of the run), or ``auto`` for this app's own run (see
             ``--resume`` of ``python -m app.trainer``); empty: a new run
@@ -98,13 +121,17 @@ def llamarl(
     Returns:
         specs.AppDef: roles trainer, generator and reward
     """
-    store_addr = f"$${{{specs.macros.rank0_env}}}:{store_port}"
+    store_host = f"$${{{specs.macros.rank0_env}}}"
+    store_addr = f"{store_host}:{store_port}"
     # A restarted app has the same app id, hence the same run directory to resume.
     resume = resume or ("auto" if max_retries > 0 else "")
     app_id = f"--app-id {specs.macros.app_id}"
+    if k8s_secret:
+        secret_file = f"{K8S_SECRET_DIR}/{K8S_SECRET_KEY}"
     common_env = {
-        # One secret per app, made when the app is defined: messages without it are refused.
-        "LLAMARL_SECRET": secrets.token_hex(32),
+        # One secret per app, in a private file: messages and control values without it
+        # are refused. Its path only: the value never appears in the AppDef.
+        SECRET_FILE_ENV: secret_file or os.path.join(runs_dir, ".secrets", specs.macros.app_id),
         "OMP_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
@@ -113,7 +140,8 @@ def llamarl(
     trainer_cmd = " ".join([
         # app.launch runs torchrun and ends with the failure's cause, not torchrun's banner.
         f"python -m app.launch --nproc-per-node {nproc_per_node}",
-        f"--store-port {store_port} {app_id} --num-generators {num_generators} --num-reward {num_reward}",
+        f"--store-port {store_port} --store-bind {shlex.quote(store_bind) if store_bind else store_host}",
+        f"{app_id} --num-generators {num_generators} --num-reward {num_reward}",
         f"--steps {steps} --max-staleness {max_staleness} --rewards '{rewards}'",
         f"--policy '{policy}' --runs-dir '{runs_dir}' --run-id {specs.macros.app_id}",
         f"--threads {threads} --gen-threads {threads}",
@@ -136,6 +164,9 @@ def llamarl(
               max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env, executor_retries,
               retry_policy=specs.RetryPolicy.REPLICA),
     ]
+    if k8s_secret:  # read by components/kubernetes_scheduler.py, which mounts it
+        for role in roles:
+            role.metadata[K8S_SECRET_METADATA] = k8s_secret
     # TorchX refuses a role of zero replicas: with num_reward=0 the reward role is left
     # out (rewards are scored inline by the trainer).
     return specs.AppDef(name="llamarl", roles=roles[: 2 + min(num_reward, 1)])

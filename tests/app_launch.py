@@ -51,6 +51,11 @@ class App:
         (path,) = self.log_dir.glob(f"*/{self.app_id}/{role}/{replica}/combined.log")
         return path.read_text(errors="replace")
 
+    def secret(self) -> bytes:
+        """The app's secret, from the private file its roles made (the component's default,
+        ``<runs_dir>/.secrets/<app id>``): what a test needs to sign as a role would."""
+        return bytes.fromhex((self.runs_dir / ".secrets" / self.app_id).read_text())
+
     def db(self) -> sqlite3.Connection:
         return sqlite3.connect(self.runs_dir / self.app_id / "metrics.db")
 

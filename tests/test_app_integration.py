@@ -6,7 +6,6 @@ on the local_cwd scheduler, on CPU, with a tiny policy made once per session
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from torchx.specs import AppState
 
 from app import names
 from app.contract import GroupId, Rollout, RolloutGroup, to_message
-from app.frames import SECRET_ENV
 from app.transport import StoreQueue, connect_store
 from app_launch import APP_TIMEOUT_S, GROUP_SIZE, PROMPTS_PER_STEP, SMALL, STEPS, App, launch, rows
 
@@ -123,11 +121,7 @@ def push_bad_messages(app: App) -> None:
     """On the rollouts queue of a running app: a garbage frame, a frame signed with another
     secret, and three messages signed with the app's own secret that break the rollout
     contract (a missing field, a wrong type, log-probs that do not match the tokens)."""
-    pattern = f"app.generator .*--app-id {app.app_id} --replica 0 "
-    (pid,) = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-    environ = dict(kv.split("=", 1) for kv in
-                   Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-    secret = bytes.fromhex(environ[SECRET_ENV])
+    secret = app.secret()
     store = connect_store(f"127.0.0.1:{app.store_port}", timeout_s=30)
     good = to_message(RolloutGroup(group_id=GroupId(99, 0), version=0, rollouts=[
         Rollout(prompt_ids=[5, 6], completion_ids=[7, 8], behaviour_logprobs=[-1.0, -1.0],
