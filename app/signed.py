@@ -141,13 +141,17 @@ def _allowed(writers: Writers, writer: str) -> bool:
 
 
 class _ReaderState:
-    """What one process accepted: shared by a ``SignedStore`` and its clones."""
+    """What one process accepted, by full key (prefixes included): shared by a
+    ``SignedStore``, its clones and its prefixed views."""
 
     def __init__(self) -> None:
         self.accepted: dict[str, Record] = {}
         self.newest: dict[tuple[str, str], int] = {}  # (key, writer) -> newest n accepted
         self.kept: dict[str, bytes] = {}  # records this process published, to reassert
         self.lock = threading.Lock()
+        # Held across a kept record's write and each reassert: a reassert between the
+        # write and its bookkeeping would put the previous record back.
+        self.publishing = threading.Lock()
 
 
 class SignedStore:
@@ -159,23 +163,30 @@ class SignedStore:
     """
 
     def __init__(self, store: dist.Store, secret: bytes, writer: str,
-                 rejections: WriteRejections | None = None, *, prefix: str = "",
-                 _state: _ReaderState | None = None) -> None:
+                 rejections: WriteRejections | None = None) -> None:
         frames.check_secret(secret)
-        self.store, self.secret, self.writer, self.prefix = store, secret, writer, prefix
+        self.store, self.secret, self.writer = store, secret, writer
         self.rejections = rejections or WriteRejections(writer)
-        self._state = _state or _ReaderState()
+        self.prefix = ""  # of every key this view names, in the root store
+        self._root = store  # the unprefixed store, where kept records are reasserted
+        self._state = _ReaderState()
+
+    def _view(self, store: dist.Store, root: dist.Store, prefix: str) -> "SignedStore":
+        view = SignedStore(store, self.secret, self.writer, self.rejections)
+        view.prefix, view._root, view._state = prefix, root, self._state
+        return view
 
     def clone(self) -> "SignedStore":
         """The same reader state and counts over a new connection (for another thread)."""
-        store = self.store.clone() if isinstance(self.store, dist.TCPStore) else self.store
-        return SignedStore(store, self.secret, self.writer, self.rejections, prefix=self.prefix,
-                           _state=self._state)
+        if not isinstance(self._root, dist.TCPStore):
+            return self
+        root = self._root.clone()
+        store = dist.PrefixStore(self.prefix.rstrip("/"), root) if self.prefix else root
+        return self._view(store, root, self.prefix)
 
     def prefixed(self, prefix: str) -> "SignedStore":
         """The same over ``PrefixStore(prefix, store)``; records are signed for the full key."""
-        return SignedStore(dist.PrefixStore(prefix, self.store), self.secret, self.writer, self.rejections,
-                           prefix=f"{self.prefix}{prefix}/", _state=_ReaderState())
+        return self._view(dist.PrefixStore(prefix, self.store), self._root, f"{self.prefix}{prefix}/")
 
     # --- writing -------------------------------------------------------------------------
     def seal(self, key: str, value: Any, n: int | None = None) -> bytes:
@@ -185,14 +196,20 @@ class SignedStore:
 
     def put(self, key: str, value: Any, *, keep: bool = False) -> bytes:
         """Write ``value`` (JSON) to ``key``, signed. ``keep``: a value published once that
-        ``reassert`` writes again if anyone overwrites or deletes it."""
+        ``reassert`` writes again if anyone overwrites or deletes it (and that this write
+        first checks: a value someone else wrote over the last one is counted)."""
         n = _COUNTER.next()
         raw = self.seal(key, value, n)
-        self.store.set(key, raw)
-        self._accept(key, raw, self.writer, n, value)
-        if keep:
+        if not keep:
+            self.store.set(key, raw)
+            self._accept(key, raw, self.writer, n, value)
+            return raw
+        with self._state.publishing:
+            self._check_kept(self.prefix + key)
+            self.store.set(key, raw)
+            self._accept(key, raw, self.writer, n, value)
             with self._state.lock:
-                self._state.kept[key] = raw
+                self._state.kept[self.prefix + key] = raw
         return raw
 
     def compare_set(self, key: str, expected: bytes, value: Any) -> tuple[bool, bytes]:
@@ -211,20 +228,30 @@ class SignedStore:
             return
         raw = self.store.get(key)
         with self._state.lock:
-            self._state.kept[key] = raw
+            self._state.kept[self.prefix + key] = raw
+
+    def _check_kept(self, full: str) -> bool:
+        """Whether the kept record of ``full`` is still in the store (counted when not)."""
+        with self._state.lock:
+            raw = self._state.kept.get(full)
+        if raw is None:
+            return True
+        now = self._root.get(full) if self._root.check([full]) else b""
+        if now != raw and now:
+            self.rejections(full, now, "overwrote a value published here")
+        return now == raw
 
     def reassert(self) -> list[str]:
-        """Publish again each kept record that was overwritten or deleted; the keys."""
-        with self._state.lock:
-            kept = dict(self._state.kept)
+        """Publish again each kept record (of this process, whatever the view) that was
+        overwritten or deleted; their full keys."""
         fixed = []
-        for key, raw in kept.items():
-            now = self.store.get(key) if self.store.check([key]) else b""
-            if now != raw:
-                if now:
-                    self.rejections(self.prefix + key, now, "overwrote a value published here")
-                self.store.set(key, raw)
-                fixed.append(key)
+        with self._state.publishing:
+            with self._state.lock:
+                kept = dict(self._state.kept)
+            for key, raw in kept.items():
+                if not self._check_kept(key):
+                    self._root.set(key, raw)
+                    fixed.append(key)
         return fixed
 
     # --- reading -------------------------------------------------------------------------
@@ -233,10 +260,10 @@ class SignedStore:
         allowed writer and not older than the newest accepted from that writer; else
         ``None`` (counted). ``once``: a queue item, which is taken once: the newest record
         seen again is a replay too (a key's value is read again and again)."""
-        accepted = self._state.accepted.get(key)
+        full = self.prefix + key
+        accepted = self._state.accepted.get(full)
         if accepted is not None and accepted.raw == raw and not once:
             return accepted
-        full = self.prefix + key
         try:
             msg = frames.decode(raw, self.secret)
             rec_key, writer, n = msg["key"], msg["writer"], msg["n"]
@@ -250,17 +277,17 @@ class SignedStore:
             self.rejections(full, raw, f"written by {str(writer)[:40]!r}, who may not write it")
             return None
         with self._state.lock:
-            newest = self._state.newest.get((key, writer), -1)
+            newest = self._state.newest.get((full, writer), -1)
         if n <= newest:
             self.rejections(full, raw, f"a replay: counter {n} of {writer}, newest seen {newest}")
             return None
         return self._accept(key, raw, writer, n, msg.get("value"))
 
     def _accept(self, key: str, raw: bytes, writer: str, n: int, value: Any) -> Record:
-        rec = Record(raw, writer, n, value)
+        rec, full = Record(raw, writer, n, value), self.prefix + key
         with self._state.lock:
-            self._state.accepted[key] = rec
-            self._state.newest[(key, writer)] = max(n, self._state.newest.get((key, writer), -1))
+            self._state.accepted[full] = rec
+            self._state.newest[(full, writer)] = max(n, self._state.newest.get((full, writer), -1))
         return rec
 
     def record(self, key: str, writers: Writers = None) -> Record | None:
@@ -274,7 +301,7 @@ class SignedStore:
 
     def last(self, key: str) -> Record | None:
         """The newest record of ``key`` accepted here, without asking the store."""
-        return self._state.accepted.get(key)
+        return self._state.accepted.get(self.prefix + key)
 
     def get(self, key: str, writers: Writers = None, default: Any = None) -> Any:
         rec = self.record(key, writers)

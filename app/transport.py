@@ -231,7 +231,8 @@ class Control:
 
     # policy version -----------------------------------------------------------------
     def set_version(self, version: int) -> None:
-        self.signed.put(names.VERSION_KEY, int(version))
+        """The controller's policy version (kept: published again if someone overwrites it)."""
+        self.signed.put(names.VERSION_KEY, int(version), keep=True)
 
     def version(self) -> int:
         value = self.signed.get(names.VERSION_KEY, writers=(CONTROLLER,), default=0)

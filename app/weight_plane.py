@@ -148,7 +148,7 @@ class ElasticSender:
                 self._sender = None
             self.epoch += 1
             self.plane.put(names.weight_roster_key(self.epoch), roster)
-            self.plane.put(names.WEIGHT_EPOCH_KEY, self.epoch)
+            self.plane.put(names.WEIGHT_EPOCH_KEY, self.epoch, keep=True)  # re-published if overwritten
             try:
                 group = init_weight_group(self.store, rank=0, world_size=len(roster) + 1, device=self.device,
                                           timeout_s=self.timeout_s, prefix=names.weight_epoch_prefix(self.epoch),
