@@ -342,10 +342,15 @@ class SignedStore:
                       writers: Callable[[str], Writers]) -> dict[str, Record]:
         """The names of a list that have an authentic record, with it. A name without any
         record is counted once (someone appended it); a bad record is counted as such."""
+        listed = self.names_in(list_key)
+        keys = [record_key(name) for name in listed]
+        # One round trip for all records in the usual case (``multi_get`` would wait for
+        # a key that is missing: a name someone appended without its record).
+        raws = self.store.multi_get(keys) if keys and self.store.check(keys) else [None] * len(keys)
         out = {}
-        for name in self.names_in(list_key):
-            key = record_key(name)
-            rec = self.record(key, writers(name))
+        for name, key, raw in zip(listed, keys, raws):
+            rec = self.open(key, raw, writers(name)) if raw is not None else self.record(key, writers(name))
+            rec = rec or self.last(key)
             if rec is None:
                 if not self.store.check([key]):
                     self.rejections(self.prefix + list_key, name.encode(), f"{name!r} has no signed record")
