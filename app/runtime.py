@@ -4,7 +4,9 @@ control store, register, beat its heart, report metrics, fail loudly and exit cl
 Entry points stay thin: ``with Runtime.join(...) as rt: work(rt)``. On an exception the
 runtime marks the role failed (which asks every other role to stop, naming it) and
 re-raises, so the process exits non-zero; on a stop requested by someone else the work
-loop raises ``Stopped`` and the role exits 0 after acknowledging.
+loop raises ``Stopped`` and the role acknowledges, then exits 0 if the controller ended a
+run that did all its steps, non-zero otherwise (a user's stop, a failure). Every control
+value it reads or writes is a signed record (``app.signed``).
 """
 
 from __future__ import annotations
