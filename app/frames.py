@@ -100,7 +100,11 @@ def _read_private_file(path: str, source: str) -> str:
     """The text of ``path`` (created with a fresh secret when missing), refused when its
     group or other users may read or write it."""
     if not os.path.exists(path):
-        _create_secret_file(path)
+        try:
+            _create_secret_file(path)
+        except OSError as e:
+            raise RuntimeError(f"{source} names {path}, which does not exist and cannot be made: "
+                               f"{e.strerror}") from None
     try:
         with open(path, "rb") as f:
             mode = os.fstat(f.fileno()).st_mode

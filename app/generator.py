@@ -94,7 +94,6 @@ class SlotBudget:
 
 
 def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
-    store = rt.store
     trainer_cfg, gen_cfg, policy_path = runtime.read_config(rt, config_timeout_s)
     if gen_cfg.gen_threads:
         torch.set_num_threads(gen_cfg.gen_threads)
@@ -122,7 +121,6 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
 
 def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticReceiver,
                       prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig) -> None:
-    store = rt.store
     timeline = metrics.Timeline("generator", rt.replica)
     ledger = SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger"))
     budget = SlotBudget(rt.signed, groups_per_step=trainer_cfg.prompts_per_step,

@@ -12,7 +12,6 @@ value it reads or writes is a signed record (``app.signed``).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import threading

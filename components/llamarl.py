@@ -21,6 +21,8 @@ import torchx.specs as specs
 SECRET_FILE_ENV = "LLAMARL_SECRET_FILE"  # app.frames.SECRET_FILE_ENV; components import nothing from app
 K8S_SECRET_METADATA = "llamarl/k8s_secret"
 """Role metadata: the Kubernetes Secret that components/kubernetes_scheduler.py mounts."""
+DEFAULT_SECRETS_DIR = os.path.join(".llamarl", "secrets")
+"""Relative to the roles' working directory, the job's: one secret file per app, private."""
 K8S_SECRET_DIR = "/etc/llamarl/secret"
 K8S_SECRET_KEY = "secret"
 
@@ -84,8 +86,9 @@ def llamarl(
             own host, e.g. behind NAT); or an address of that host
         secret_file: the app's secret (hex) in a file every role can read at this path,
             mode 600 (checked); created with a fresh secret by the first role if missing.
-            Empty: ``<runs_dir>/.secrets/<app id>``, made by the first role (a directory
-            all roles share: local_cwd, a SLURM job directory)
+            Empty: ``.llamarl/secrets/<app id>`` in the job's directory (the roles' working
+            directory: where ``torchx run`` ran on local_cwd, ``--image`` or the submit
+            directory on SLURM), made by the first role
         k8s_secret: Kubernetes: the name of a Secret (key ``secret``: the hex secret) that
             llamarl's kubernetes scheduler mounts read-only into every pod; overrides
             ``secret_file``
@@ -131,7 +134,7 @@ def llamarl(
     common_env = {
         # One secret per app, in a private file: messages and control values without it
         # are refused. Its path only: the value never appears in the AppDef.
-        SECRET_FILE_ENV: secret_file or os.path.join(runs_dir, ".secrets", specs.macros.app_id),
+        SECRET_FILE_ENV: secret_file or os.path.join(DEFAULT_SECRETS_DIR, specs.macros.app_id),
         "OMP_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",

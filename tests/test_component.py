@@ -115,9 +115,9 @@ def test_other_roles_reach_the_store_through_the_rank0_macro():
 def test_the_secret_is_never_in_the_appdef_only_the_path_of_its_file():
     """A dry run, a job spec and ``ps`` show the AppDef to others: it names the file the
     roles read the secret from (made by the first role, per app), never the secret."""
-    default = llamarl(num_reward=1, runs_dir="/shared/runs")
+    default = llamarl(num_reward=1)
     paths = {r.env["LLAMARL_SECRET_FILE"] for r in default.roles}
-    assert paths == {f"/shared/runs/.secrets/{specs.macros.app_id}"}, "one file per app, every role"
+    assert paths == {f".llamarl/secrets/{specs.macros.app_id}"}, "one file per app, every role"
     assert all("LLAMARL_SECRET" not in r.env for r in default.roles)
     given = llamarl(num_reward=1, secret_file="/home/me/.llamarl/run.secret")
     assert {r.env["LLAMARL_SECRET_FILE"] for r in given.roles} == {"/home/me/.llamarl/run.secret"}
@@ -178,7 +178,7 @@ def test_kubernetes_dryrun_is_one_volcano_job_with_every_role():
     assert [p.container_port for p in tasks["trainer-0"].ports] == [PORT]
     assert all("LLAMARL_SECRET" not in {e.name for e in c.env} for c in tasks.values())
     assert {next(e.value for e in c.env if e.name == "LLAMARL_SECRET_FILE") for c in tasks.values()} == {
-        f"runs/.secrets/{job['metadata']['name']}"}
+        f".llamarl/secrets/{job['metadata']['name']}"}
 
 
 def test_kubernetes_dryrun_mounts_the_named_secret_in_every_pod():

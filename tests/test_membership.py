@@ -53,7 +53,6 @@ def test_a_silent_generator_is_taken_out_and_its_held_slots_go_back(store):
 
 
 def test_a_member_whose_heartbeat_moves_again_is_back(store):
-    trainer = control(store)
     _register(store, generator=2)
     watch = membership.Membership(signed(store), {"generator": 2}, gone_after_s=GONE_S)
     watch.poll()
@@ -82,7 +81,6 @@ def test_the_last_of_its_role_is_not_tolerated(store, role, what):
 
 
 def test_an_unreadable_held_list_regenerates_nothing(store):
-    trainer = control(store)
     _register(store, reward=2)
     signed(store, "reward/1").put(names.held_key("reward/1"), ["x", -1, True, 3])
     watch = membership.Membership(signed(store), {"reward": 2}, gone_after_s=GONE_S)

@@ -96,8 +96,8 @@ def test_a_user_stop_ends_the_run_early_and_not_as_finished(tiny_policy, tmp_pat
         app.wait_for_log("trainer", "step 1/10000", timeout_s=APP_TIMEOUT_S)
         stop = subprocess.run(
             [sys.executable, "-m", "app.stop", "--store-addr", f"localhost:{app.store_port}",
-             "--app-id", app.app_id, "--reason", "enough", "--secret-file",
-             str(app.runs_dir / ".secrets" / app.app_id)], capture_output=True, text=True, timeout=120)
+             "--app-id", app.app_id, "--reason", "enough", "--secret-file", str(app.secret_file)],
+            capture_output=True, text=True, timeout=120)
         assert stop.returncode == 0, stop.stderr
         assert app.wait() == AppState.FAILED, app.logs_tail()
         status = app.runner.status(app.handle)

@@ -35,13 +35,13 @@ SECRET = "ab" * 32
 
 
 def test_the_roles_read_the_secret_from_a_file_in_the_job_directory():
-    """The component names a file under the runs directory (relative: the job's own
-    directory), which the first role makes (mode 600 in a 700 directory); the batch
-    script, run under ``set -x``, holds its path only."""
+    """The component names a file in the job's own directory (a relative path), which the
+    first role makes (mode 600 in a 700 directory); the batch script, run under
+    ``set -x``, holds its path only."""
     req = dryrun().request
     assert req.secret_files == {}
     script = req.materialize()
-    assert script.count(f'{SECRET_FILE_ENV}=runs/.secrets/"$SLURM_JOB_ID"') == 4, "one file, every replica"
+    assert script.count(f'{SECRET_FILE_ENV}=.llamarl/secrets/"$SLURM_JOB_ID"') == 4, "one file, every replica"
     assert "LLAMARL_SECRET=" not in script
 
 
