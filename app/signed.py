@@ -30,8 +30,11 @@ The store's atomic operations compute values nobody signs (``add``, ``append``,
 
 What this cannot do: stop someone who can reach the port from deleting or overwriting
 keys (a denial of service; records the controller published once are re-published by
-``SignedStore.reassert``), or from popping queue messages. The store must listen only
-where the roles need it (``app.transport.host_store``).
+``SignedStore.reassert``), or from popping queue messages. Replays are caught per
+reader: one that never saw the newer record of a key accepts an older authentic one
+(records of an earlier attempt of the same app id, a SLURM requeue that keeps the
+secret file, are authentic too). The store must listen only where the roles need it
+(``app.transport.host_store``).
 """
 
 from __future__ import annotations
