@@ -55,8 +55,13 @@ EVERY_INTERFACE = "0.0.0.0"
 (the behaviour before binding: needs a network nobody else reaches)."""
 
 
+RESOLVE_TIMEOUT_S = 60.0
+"""How long the controller retries resolving ``--store-bind``: a pod's own DNS name
+(Kubernetes) may appear a little after the pod starts."""
+
+
 def host_store(port: int, world_size: int | None = None, timeout_s: float = 300.0,
-               bind: str = "127.0.0.1") -> dist.TCPStore:
+               bind: str = "127.0.0.1", resolve_timeout_s: float = RESOLVE_TIMEOUT_S) -> dist.TCPStore:
     """Host the control store (trainer replica 0), listening on ``bind`` only: an address
     or a host name (its first IPv4 address, else its first), or ``EVERY_INTERFACE``.
     ``port=0`` picks a free port: read ``.port``.
@@ -69,7 +74,7 @@ def host_store(port: int, world_size: int | None = None, timeout_s: float = 300.
     if bind in (EVERY_INTERFACE, "::", "*"):
         return dist.TCPStore(EVERY_INTERFACE, port, world_size, is_master=True, timeout=timeout,
                              wait_for_workers=False)
-    sock = _listening_socket(bind, port)
+    sock = _listening_socket(bind, port, resolve_timeout_s)
     address, bound_port = sock.getsockname()[:2]
     fd = sock.detach()  # the store's server owns the socket from here
     try:
@@ -80,11 +85,18 @@ def host_store(port: int, world_size: int | None = None, timeout_s: float = 300.
         raise
 
 
-def _listening_socket(bind: str, port: int) -> socket.socket:
-    try:
-        infos = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise OSError(f"--store-bind {bind!r} does not resolve on this host: {e.strerror}") from None
+def _listening_socket(bind: str, port: int, resolve_timeout_s: float = RESOLVE_TIMEOUT_S) -> socket.socket:
+    deadline = time.monotonic() + resolve_timeout_s
+    while True:
+        try:
+            infos = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)
+            break
+        except socket.gaierror as e:
+            if e.errno == socket.EAI_NONAME and time.monotonic() < deadline:
+                time.sleep(1.0)
+                continue
+            raise OSError(f"--store-bind {bind!r} does not resolve on this host ({e.strerror}); "
+                          f"name an address of this host, or 0.0.0.0 for every interface") from None
     family, _, _, _, sockaddr = sorted(infos, key=lambda i: i[0] != socket.AF_INET)[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

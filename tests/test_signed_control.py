@@ -197,4 +197,4 @@ def test_torch_alone_listens_everywhere_whatever_host_it_is_given():
 
 def test_a_bind_address_that_does_not_resolve_says_so():
     with pytest.raises(OSError, match="does not resolve"):
-        host_store(0, bind="no-such-host.invalid")
+        host_store(0, bind="no-such-host.invalid", resolve_timeout_s=0.0)
