@@ -198,3 +198,17 @@ def test_torch_alone_listens_everywhere_whatever_host_it_is_given():
 def test_a_bind_address_that_does_not_resolve_says_so():
     with pytest.raises(OSError, match="does not resolve"):
         host_store(0, bind="no-such-host.invalid", resolve_timeout_s=0.0)
+
+
+def test_forged_exit_and_dataset_check_acknowledgements_are_ignored(store):
+    """The controller keeps the store up until each member acknowledged the stop, and
+    starts only once each generator checked its prompts: neither can be cut short."""
+    trainer = control(store)
+    store.set(names.exited_key("generator/0"), b"1")
+    store.set(names.data_checked_key("generator/0"), signed(store, "generator/1").seal(
+        names.data_checked_key("generator/0"), "fingerprint"))  # another member's record
+    assert not trainer.exited("generator/0")
+    assert trainer.signed.record(names.data_checked_key("generator/0"), writers=("generator/0",)) is None
+    control(store, "generator/0").mark_exited("generator", 0)
+    assert trainer.exited("generator/0")
+    assert counts(trainer) == {"security/rejected_writes/membership": 2.0}
