@@ -67,11 +67,11 @@ def host_store(port: int, world_size: int | None = None, timeout_s: float = 300.
     ``port=0`` picks a free port: read ``.port``.
 
     Why a socket of our own: torch's TCPStore server ignores its host argument and listens
-    on every interface (libuv backend, torch 2.13: measured, see tests/test_transport.py);
+    on every interface (libuv backend, torch 2.13: measured in tests/test_signed_control.py);
     it takes an already bound socket as ``master_listen_fd``, which then is the only one.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
-    if bind in (EVERY_INTERFACE, "::", "*"):
+    if _every_interface(bind):
         return dist.TCPStore(EVERY_INTERFACE, port, world_size, is_master=True, timeout=timeout,
                              wait_for_workers=False)
     sock = _listening_socket(bind, port, resolve_timeout_s)
@@ -111,7 +111,11 @@ def _listening_socket(bind: str, port: int, resolve_timeout_s: float = RESOLVE_T
 
 def store_client_host(bind: str) -> str:
     """Where a process on the store's own host reaches it (trainer ranks > 0)."""
-    return "127.0.0.1" if bind in (EVERY_INTERFACE, "::", "*") else bind
+    return "127.0.0.1" if _every_interface(bind) else bind
+
+
+def _every_interface(bind: str) -> bool:
+    return bind in (EVERY_INTERFACE, "::", "*")
 
 
 def connect_store(addr: str, timeout_s: float = 300.0) -> dist.TCPStore:
