@@ -78,6 +78,10 @@ def key_kind(key: str) -> str:
     return _KINDS.get(first, "other")
 
 
+MAX_REMEMBERED = 65536
+"""Distinct refused values remembered (so that one read again is not counted again)."""
+
+
 class WriteRejections:
     """Refused records of one process, by kind; the first refusal at each key is logged."""
 
@@ -93,6 +97,8 @@ class WriteRejections:
         with self._lock:
             if (key, digest) in self._seen:  # the same bad value read again: one write
                 return
+            if len(self._seen) >= MAX_REMEMBERED:  # a flood of distinct values: memory stays bounded
+                self._seen.clear()
             self._seen.add((key, digest))
             self.counts[key_kind(key)] += 1
             first = key not in self._logged
