@@ -18,7 +18,7 @@ import getpass
 import socket
 import sys
 
-from app import frames, names, runtime
+from app import cli, frames, names, runtime
 from app.signed import USER, SignedStore
 from app.transport import Control
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--app-id", required=True, help="the TorchX app id of the run to stop")
     parser.add_argument("--reason", default="", help="said in every role's log and in the app's error")
     parser.add_argument("--connect-timeout-s", type=float, default=30.0)
-    runtime.add_secret_argument(parser)
+    cli.add_secret_argument(parser)
     args = parser.parse_args(argv)
     host, sep, port = args.store_addr.rpartition(":")
     if not sep or not port.isdigit():
