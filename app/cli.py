@@ -99,6 +99,21 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-port", type=int, default=0,
                         help="port of the control store on replica 0 (0: derived from --app-id)")
     parser.add_argument("--app-id", default="", help="the TorchX app id, published on the control store")
-    parser.add_argument("--store-host", default="127.0.0.1",
+    parser.add_argument("--store-host", default="",
                         help="host of trainer replica 0, where trainer ranks > 0 reach the control store "
-                             "(app.launch sets it for a trainer of several nodes)")
+                             "(app.launch sets it for a trainer of several nodes); empty or a loopback name: "
+                             "where the store listens (--store-bind)")
+    parser.add_argument("--store-bind", default="127.0.0.1",
+                        help="where the control store listens: an address or host name of this host, the "
+                             "one the other roles connect to (the component passes the trainer's host as "
+                             "TorchX names it to them), or 0.0.0.0 for every interface")
+    add_secret_argument(parser)
+
+
+SECRET_FILE_FLAG_HELP = ("file holding the app's secret (hex; mode 600, checked); default: the file "
+                         "$LLAMARL_SECRET_FILE names, else $LLAMARL_SECRET (roles started by hand)")
+
+
+def add_secret_argument(parser: argparse.ArgumentParser) -> None:
+    """``--secret-file``, which every role takes (``app.frames.read_secret``)."""
+    parser.add_argument("--secret-file", default="", help=SECRET_FILE_FLAG_HELP)

@@ -311,14 +311,14 @@ class DataMismatch(RuntimeError):
     """A role read other prompts than trainer replica 0."""
 
 
-def publish(store: Any, data: RunData) -> None:
-    """Trainer replica 0, before it publishes the config."""
-    store.set(names.DATA_KEY, json.dumps(data.published()))
+def publish(signed: Any, data: RunData) -> None:
+    """Trainer replica 0, before it publishes the config (a signed record: ``app.signed``)."""
+    signed.put(names.DATA_KEY, data.published(), keep=True)
 
 
 def check_published(rt: runtime.Runtime, data: RunData, timeout_s: float) -> None:
     """Compare this role's prompts with the trainer's; ``DataMismatch`` names both."""
-    theirs = json.loads(rt.wait_key(names.DATA_KEY, timeout_s, "dataset fingerprint"))
+    theirs = rt.wait_key(names.DATA_KEY, timeout_s, "dataset fingerprint")
     mine, me = data.published(), names.member(rt.role, rt.replica)
     if theirs["fingerprint"] != mine["fingerprint"]:
         def describe(d: dict[str, Any]) -> str:
@@ -328,7 +328,7 @@ def check_published(rt: runtime.Runtime, data: RunData, timeout_s: float) -> Non
             f"{me} read other prompts than the trainer; every role must read the same dataset at the "
             f"same path (SLURM: a shared file system; Kubernetes: the image or a shared volume) with "
             f"the same policy tokenizer. trainer/0: {describe(theirs)}; {me}: {describe(mine)}")
-    rt.store.set(names.data_checked_key(me), data.fingerprint)
+    rt.signed.put(names.data_checked_key(me), data.fingerprint)
 
 
 def wait_for_checks(rt: runtime.Runtime, members: list[str], timeout_s: float,
@@ -344,7 +344,7 @@ def wait_for_checks(rt: runtime.Runtime, members: list[str], timeout_s: float,
         if health is not None and time.monotonic() >= next_check:
             health()
             next_check = time.monotonic() + transport.HEALTH_CHECK_S
-        missing = [m for m in missing if not rt.store.check([names.data_checked_key(m)])]
+        missing = [m for m in missing if rt.signed.record(names.data_checked_key(m), writers=(m,)) is None]
         if not missing:
             return
         if rt.should_stop():

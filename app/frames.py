@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["AuthenticationError", "MAX_FRAME_BYTES", "SECRET_ENV", "check_secret", "decode", "encode",
-           "new_secret", "secret_from_env"]
+__all__ = ["AuthenticationError", "MAX_FRAME_BYTES", "SECRET_ENV", "SECRET_FILE_ENV", "check_secret", "decode",
+           "encode", "new_secret", "read_secret"]
 
 SECRET_ENV = "LLAMARL_SECRET"
+SECRET_FILE_ENV = SECRET_ENV + "_FILE"
 
 _MAGIC = b"LRL\x00"
 _FORMAT_VERSION = 1
@@ -67,39 +68,74 @@ def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
-def secret_from_env(var: str = SECRET_ENV) -> bytes:
-    """The shared secret, passed to every role as hex in ``$LLAMARL_SECRET``, or in a file
-    named by ``$LLAMARL_SECRET_FILE`` (the SLURM scheduler's way: a batch script and the
-    srun command line are readable by others, a 0600 file is not)."""
-    value = os.environ.get(var)
-    file_var = var + "_FILE"
-    if not value and os.environ.get(file_var):
-        value = _read_private_file(os.environ[file_var], file_var)
+def read_secret(secret_file: str = "") -> bytes:
+    """The app's shared secret (hex), from the first of: ``secret_file`` (a role's
+    ``--secret-file``); the file named by ``$LLAMARL_SECRET_FILE`` (the component sets
+    it; SLURM's scheduler and a mounted Kubernetes secret use it); ``$LLAMARL_SECRET``
+    (a local run started by hand). A file must be private: refused when its group or
+    other users may read or write it (a batch script, a job spec and ``ps`` are readable
+    by others, a 0600 file is not). A file that does not exist yet is created with a
+    fresh secret by the first role that looks, atomically, so the roles of one app on
+    hosts that share the file system (local, a SLURM job directory) agree on it."""
+    path, source = ((secret_file, "--secret-file") if secret_file
+                    else (os.environ.get(SECRET_FILE_ENV, ""), f"${SECRET_FILE_ENV}"))
+    if path:
+        value = _read_private_file(path, source)
+    else:
+        value, source = os.environ.get(SECRET_ENV, ""), f"${SECRET_ENV}"
     if not value:
         raise RuntimeError(
-            f"${var} (or ${file_var}) is not set: every llamarl role needs the run's shared "
-            f"secret (hex, from app.frames.new_secret().hex())")
+            f"no secret: every llamarl role needs the run's shared secret, from --secret-file, "
+            f"${SECRET_FILE_ENV} or ${SECRET_ENV} (hex, from app.frames.new_secret().hex())")
     try:
         secret = bytes.fromhex(value.strip())
     except ValueError:
-        raise RuntimeError(f"${var} is not valid hex ({len(value)} characters)") from None
+        raise RuntimeError(f"{source} is not valid hex ({len(value)} characters)") from None
     if len(secret) < 16:
-        raise RuntimeError(f"${var} holds {len(secret)} bytes; a secret needs at least 16")
+        raise RuntimeError(f"{source} holds {len(secret)} bytes; a secret needs at least 16")
     return secret
 
 
-def _read_private_file(path: str, var: str) -> str:
-    """The text of ``path``, refused when its group or other users may read or write it."""
+def _read_private_file(path: str, source: str) -> str:
+    """The text of ``path`` (created with a fresh secret when missing), refused when its
+    group or other users may read or write it."""
+    if not os.path.exists(path):
+        try:
+            _create_secret_file(path)
+        except OSError as e:
+            raise RuntimeError(f"{source} names {path}, which does not exist and cannot be made: "
+                               f"{e.strerror}") from None
     try:
         with open(path, "rb") as f:
             mode = os.fstat(f.fileno()).st_mode
             if mode & 0o077:
                 raise RuntimeError(
-                    f"${var} names {path}, whose mode {mode & 0o777:o} lets other users read or "
+                    f"{source} names {path}, whose mode {mode & 0o777:o} lets other users read or "
                     f"change the run's secret; it must be 600")
             return f.read().decode()
     except OSError as e:
-        raise RuntimeError(f"${var} names {path}, which cannot be read: {e.strerror}") from None
+        raise RuntimeError(f"{source} names {path}, which cannot be read: {e.strerror}") from None
+
+
+def _create_secret_file(path: str) -> None:
+    """A fresh secret at ``path`` (mode 600, its new directories 700), unless another
+    process made one first: written to a private temporary name, then hard-linked, which
+    fails when the name exists, so a reader never sees a half-written file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, new_secret().hex().encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        os.remove(tmp)
 
 
 # --------------------------------------------------------------------------- encoding

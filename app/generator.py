@@ -7,7 +7,7 @@ through the control store, so all roles agree by construction. Weights arrive on
 weight plane in a background thread and are swapped in between decode batches.
 
 Staleness bound: before sampling, a generator reserves group slots from a global
-counter (which a resumed run restarts at the number of slots its checkpoint consumed; the
+counter (a signed record, replaced by compare-and-set: ``app.signed``) (which a resumed run restarts at the number of slots its checkpoint consumed; the
 slots it lacks are filled first: ``app.train_state.SlotLedger``). Slot n (1-based) trains at step ceil(n / B) (B groups per step), so weights of
 version v may fill slots up to (v + 1 + max_staleness) * B (plus the groups the trainer
 dropped). Past that the generator waits for newer weights: it never runs more than
@@ -17,9 +17,7 @@ dropped). Past that the generator waits for newer weights: it never runs more th
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import secrets
 import sys
 import time
 
@@ -30,6 +28,8 @@ from app.config import GeneratorConfig, TrainerConfig
 from app.contract import to_message
 from app.policy import load_policy
 from app.seen_groups import first_seq
+from app.signed import CONTROLLER, SignedStore
+from app.transport import Control
 from app.train_state import SlotLedger
 from app.weight_plane import ElasticReceiver
 from app.weight_sync import WeightSyncError, flatten_parameters_
@@ -37,13 +37,37 @@ from app.weight_sync import WeightSyncError, flatten_parameters_
 log = logging.getLogger("llamarl")
 
 
-class SlotBudget:
-    """Reserves group slots so no rollout can be more than ``max_staleness`` stale."""
+def _may_reserve(writer: str) -> bool:
+    """The slot counter is written by the controller (its start) and by generators."""
+    return writer == CONTROLLER or writer.startswith("generator/")
 
-    def __init__(self, store, *, groups_per_step: int, max_staleness: int,
+
+class SlotBudget:
+    """Reserves group slots so no rollout can be more than ``max_staleness`` stale.
+
+    The counter is a signed record ``{"count": n}`` (``names.RESERVED_KEY``), replaced by
+    compare-and-set of its exact bytes, so reservations stay atomic across generators. A
+    value that is not authentic is ignored (the last authentic count stands) and replaced
+    by the next reservation; a count below one this generator saw is a replay, and the
+    highest seen stands. The trainer's dropped groups are one signed counter per trainer
+    rank (``names.dropped_key``), added up here.
+    """
+
+    def __init__(self, signed: SignedStore, *, groups_per_step: int, max_staleness: int,
                  ledger: SlotLedger | None = None) -> None:
-        self.store, self.B, self.K = store, groups_per_step, max_staleness
+        self.signed, self.B, self.K = signed, groups_per_step, max_staleness
         self.ledger = ledger or SlotLedger()
+        self.control = Control(signed)
+        self._highest = 0  # the highest count seen or reserved here
+
+    def dropped(self) -> int:
+        """Groups every trainer rank dropped so far: their slots may be filled again."""
+        total = 0
+        for m in self.control.members():
+            if m.startswith("trainer/"):
+                n = self.signed.get(names.dropped_key(m), writers=(m,), default=0)
+                total += n if isinstance(n, int) and n >= 0 else 0
+        return total
 
     def slot_ids(self, reserved: range) -> list[int]:
         """The slots (prompt-order positions) of counter values ``reserved``: after a
@@ -53,22 +77,25 @@ class SlotBudget:
     def reserve(self, want: int, version: int) -> range:
         """Slots (0-based) this generator may fill with weights of ``version``; empty when
         it must wait for newer weights. Atomic across generators (compare-and-set)."""
+        key = names.RESERVED_KEY
         while True:
-            cap = (version + 1 + self.K) * self.B + int(self.store.add(names.DROPPED_KEY, 0))
-            seen = self.store.get(names.RESERVED_KEY).decode()  # "count" or "count token"
-            start = int(seen.split()[0])
+            cap = (version + 1 + self.K) * self.B + self.dropped()
+            seen = self.signed.store.get(key) if self.signed.store.check([key]) else b""
+            rec = self.signed.open(key, seen, writers=_may_reserve) if seen else None
+            rec = rec or self.signed.last(key)
+            count = rec.value.get("count") if rec is not None and isinstance(rec.value, dict) else None
+            start = self._highest = max(self._highest, count if isinstance(count, int) else 0)
             take = min(want, cap - start)
             if take <= 0:
                 return range(0)
-            # A token unique to this attempt: a failed compare-and-set returns the current
-            # value, and a bare count could equal ours when a rival took as many slots.
-            mine = f"{start + take} {secrets.token_hex(8)}"
-            if self.store.compare_set(names.RESERVED_KEY, seen, mine).decode() == mine:
+            # Each record is unique (its counter), so winning the compare-and-set is ours.
+            won, _ = self.signed.compare_set(key, seen, {"count": start + take})
+            if won:
+                self._highest = start + take
                 return range(start, start + take)
 
 
 def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceChoice = "auto") -> None:
-    store = rt.store
     where = devices.choose_device(device)
     trainer_cfg, gen_cfg, policy_path = runtime.read_config(rt, config_timeout_s)
     if gen_cfg.gen_threads:
@@ -82,9 +109,9 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
     flatten_parameters_(model)  # WeightReceiver needs it: a swap is then one copy per dtype
     # Joins the weight plane's current epoch; after a break (another generator lost) or a
     # restart of this replica it joins the next one.
-    check = (weight_digest.DigestCheck(store, rt.secret, rt.replica)
+    check = (weight_digest.DigestCheck(rt.store, rt.secret, rt.replica)
              if trainer_cfg.weight_digest else None)  # weights altered in flight are refused
-    receiver = ElasticReceiver(store, rt.replica, list(model.named_parameters()),
+    receiver = ElasticReceiver(rt.signed, rt.replica, list(model.named_parameters()),
                                timeout_s=trainer_cfg.weight_sync_timeout_s, verify=check)
     receiver.start_background(should_stop=rt.should_stop)
     try:
@@ -105,13 +132,13 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
     device = next(model.parameters()).device
     # On a GPU a busy interval ends when the GPU is done: idle time is GPU idle time.
     timeline = metrics.Timeline("generator", rt.replica, busy_ends=functools.partial(devices.synchronize, device))
-    ledger = SlotLedger.from_state(json.loads(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger")))
-    budget = SlotBudget(store, groups_per_step=trainer_cfg.prompts_per_step,
+    ledger = SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger"))
+    budget = SlotBudget(rt.signed, groups_per_step=trainer_cfg.prompts_per_step,
                         max_staleness=trainer_cfg.max_staleness, ledger=ledger)
     out_queue = rt.queue(names.ROLLOUTS)
     sampling = gen_cfg.sampling()
     rng = devices.seeded_generator(device, gen_cfg.gen_seed)  # reseeded per batch: batch_seed
-    held = membership.HeldSlots(store, names.member("generator", rt.replica))
+    held = membership.HeldSlots(rt.signed)
     version: int | None = None
     # The sequence half of this generator's group ids; a restarted process continues
     # after its earlier ones', so no id is ever used twice (readers refuse a second copy).
@@ -126,7 +153,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
         version = new if new is not None else version
         # Slots lost with a dead executor first (outside the counter: it counted them
         # already), then new ones within the staleness bound.
-        slot_ids = membership.take_lost_slots(store, gen_cfg.gen_batch_prompts)
+        slot_ids = membership.take_lost_slots(rt.signed, gen_cfg.gen_batch_prompts)
         if not slot_ids:
             slots = budget.reserve(gen_cfg.gen_batch_prompts, version)
             if not slots:
@@ -155,7 +182,8 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
                                   names.GEN_SEQS_PER_S: len(rollouts) / dt,
                                   names.GEN_VERSION: version,
                                   names.IDLE_FRACTION: timeline.idle_fraction(),
-                                  **devices.device_metrics(device), **(check.metrics() if check else {})},
+                                  **devices.device_metrics(device), **(check.metrics() if check else {}),
+                                  **rt.security_metrics()},
                                  role="generator", replica=rt.replica)
         events += [metrics.weight_sync(s.version, f"generator/{rt.replica}", s.bytes, s.seconds)
                    for s in receiver.pop_stats()]

@@ -9,8 +9,9 @@ not tolerated: it is marked failed with a line that says so, which stops the run
 
 What an executor holds is in the store: the slots it reserved (a generator) or the
 groups it popped (a reward executor) and has not yet passed on, under
-``names.held_key(member)``; it rewrites that list as it takes and passes groups. On a
-loss the watcher pushes those slot ids to the ``LOST_SLOTS`` queue, where generators take
+``names.held_key(member)``, a record it signs (``app.signed``); it rewrites that list as
+it takes and passes groups. On a loss the watcher pushes those slot ids, each a record
+signed by the controller, to the ``LOST_SLOTS`` queue, where generators take
 them before reserving new slots: the prompts are regenerated, none is skipped. A group
 that did get out just before its executor died arrives twice (the original and the
 regenerated one); the trainer's slot ledger drops the second (``faults/duplicate_groups``):
@@ -23,7 +24,6 @@ alive again; a generator rejoins the weight plane at the next weight version
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from app import health, names
+from app.signed import CONTROLLER, SignedStore
 from app.transport import Control
 
 log = logging.getLogger("llamarl")
@@ -57,7 +58,8 @@ class Loss:
 class Membership:
     """Alive and gone executors of one app; ``poll`` once, or ``start`` the watcher."""
 
-    store: dist.Store
+    signed: SignedStore
+    """The controller's signed store (cloned: the watcher's calls never queue behind the trainer's)."""
     expected: dict[str, int]
     """Replicas of each tolerable role the app was launched with (``{"generator": 2}``)."""
     gone_after_s: float = GONE_AFTER_S
@@ -69,9 +71,8 @@ class Membership:
     _thread: threading.Thread | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.store, dist.TCPStore):
-            self.store = self.store.clone()  # the watcher's calls never queue behind the trainer's
-        self.control = Control(self.store)
+        self.signed = self.signed.clone()
+        self.control = Control(self.signed)
 
     # --- what the trainer asks ---------------------------------------------------------
     def gone(self) -> set[str]:
@@ -139,19 +140,13 @@ class Membership:
     def _return_held(self, member: str) -> int:
         """Push the slots ``member`` held to the lost-slots queue; how many."""
         key = names.held_key(member)
-        if not self.store.check([key]):
-            return 0
-        try:
-            slots = json.loads(self.store.get(key))
-            slots = [int(s) for s in slots if isinstance(s, int) and not isinstance(s, bool) and s >= 0]
-        except (ValueError, TypeError):
-            log.error("%s held an unreadable slot list; nothing regenerated for it", member)
-            slots = []
+        held = self.signed.get(key, writers=(member,), default=[])
+        slots = [s for s in held if isinstance(s, int) and not isinstance(s, bool) and s >= 0] \
+            if isinstance(held, list) else []
+        queue = names.queue_key(names.LOST_SLOTS)
         for slot in slots:
-            self.store.queue_push(names.queue_key(names.LOST_SLOTS), str(slot))
-        self.store.delete_key(key)
-        if slots:
-            self.store.add(names.LOST_KEY, len(slots))
+            self.signed.store.queue_push(queue, self.signed.seal(queue, slot))
+        self.signed.store.delete_key(key)
         return len(slots)
 
     def start(self) -> None:
@@ -177,38 +172,42 @@ class Membership:
 
 
 class HeldSlots:
-    """What one executor holds, mirrored in the store for the watcher (``names.held_key``)."""
+    """What one executor holds, mirrored in the store for the watcher (``names.held_key``),
+    signed by that executor (``signed.writer``)."""
 
-    def __init__(self, store: dist.Store, member: str) -> None:
-        self.store, self.key = store, names.held_key(member)
+    def __init__(self, signed: SignedStore) -> None:
+        self.signed, self.key = signed, names.held_key(signed.writer)
         self.slots: list[int] = []
 
     def take(self, slots: list[int]) -> None:
         self.slots = self.slots + [s for s in slots if s is not None]
-        self.store.set(self.key, json.dumps(self.slots))
+        self.signed.put(self.key, self.slots)
 
     def passed(self, slot: int | None) -> None:
         """Called after the group of ``slot`` is in the next queue."""
         if slot is None or slot not in self.slots:
             return
         self.slots.remove(slot)
-        self.store.set(self.key, json.dumps(self.slots))
+        self.signed.put(self.key, self.slots)
 
 
-def take_lost_slots(store: dist.Store, max_n: int) -> list[int]:
-    """Up to ``max_n`` slot ids lost with a dead executor, to regenerate before new ones."""
+def take_lost_slots(signed: SignedStore, max_n: int) -> list[int]:
+    """Up to ``max_n`` slot ids lost with a dead executor, to regenerate before new ones:
+    only the controller's records, each taken once (a replayed one is ignored, counted)."""
     out: list[int] = []
     key = names.queue_key(names.LOST_SLOTS)
     while len(out) < max_n:
         try:
-            raw = store.queue_pop(key, block=False)
+            raw = signed.store.queue_pop(key, block=False)
         except dist.QueueEmptyError:
             break
-        text = raw.decode(errors="replace")
-        if text.isdigit():
-            out.append(int(text))
+        rec = signed.open(key, raw, writers=(CONTROLLER,), once=True)
+        if rec is None:
+            continue
+        if isinstance(rec.value, int) and not isinstance(rec.value, bool) and rec.value >= 0:
+            out.append(rec.value)
         else:
-            log.error("dropped a malformed lost slot id %r", text[:40])
+            log.error("dropped a malformed lost slot id %r", str(rec.value)[:40])
     return out
 
 

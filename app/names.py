@@ -29,8 +29,6 @@ POLICY_KEY = _ROOT + "policy_path"
 """The policy directory every role loads its architecture and tokenizer from."""
 RESERVED_KEY = _ROOT + "groups_reserved"
 """Staleness-slot counter: group slots generators have reserved (``count token``)."""
-DROPPED_KEY = _ROOT + "groups_dropped"
-"""Groups the trainer dropped as too stale: their slots may be filled again."""
 SLOTS_DONE_KEY = _ROOT + "slots_done"
 """The slot ledger the run starts from (JSON, ``app.train_state.SlotLedger``): empty for
 a fresh run; after a resume, generators fill the slots it lacks first."""
@@ -44,11 +42,9 @@ APP_ID_KEY = _ROOT + "app_id"
 """The TorchX app id of the app whose trainer hosts this store, set before anything else:
 every role checks it before registering, so two apps never mix."""
 
-GONE_KEY = _ROOT + "gone"
+GONE_KEY = _ROOT + "gone_list"
 """Append-only ``role/replica;`` list of executors the controller took out of the run
 (``app.membership``): their silence is a tolerated loss, not a failure."""
-LOST_KEY = _ROOT + "groups_lost"
-"""Groups that executors held when they were lost: their slots go back to be regenerated."""
 LOST_SLOTS = "lost_slots"
 """Queue of the slot ids (plain decimal) lost with an executor; generators regenerate them first."""
 
@@ -103,6 +99,17 @@ def heartbeat_key(member_id: str) -> str:
 
 def failure_key(member_id: str) -> str:
     return f"{_ROOT}failure/{member_id}"
+
+
+def gone_key(member_id: str) -> str:
+    """The controller's signed record that ``member_id`` was taken out of the run."""
+    return f"{_ROOT}gone/{member_id}"
+
+
+def dropped_key(member_id: str) -> str:
+    """Groups trainer rank ``member_id`` dropped (stale or duplicate): their slots may be
+    filled again. One signed counter per rank; generators add them up."""
+    return f"{_ROOT}groups_dropped/{member_id}"
 
 
 def exited_key(member_id: str) -> str:
@@ -306,3 +313,13 @@ WEIGHT_DIGEST_S = "weights/digest_s"
 
 def weight_digest_metric(reason: str) -> str:
     return WEIGHT_DIGEST_PREFIX + reason
+
+
+REJECTED_WRITES_PREFIX = "security/rejected_writes/"
+"""Control-store writes ignored on reading (not signed with the app's secret, meant for
+another key, by a writer that may not write there, or a replay), by key kind
+(``app.signed.key_kind``)."""
+
+
+def rejected_write_metric(kind: str) -> str:
+    return REJECTED_WRITES_PREFIX + kind

@@ -38,7 +38,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
     admit = Admission(published_version=rt.control.version)
     timeline = metrics.Timeline("reward", rt.replica)
     reported: dict[str, float] = {}
-    held = membership.HeldSlots(rt.store, names.member("reward", rt.replica))
+    held = membership.HeldSlots(rt.signed)
     try:
         while True:
             with timeline.idle("wait_rollouts"):
@@ -50,7 +50,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
             held.take([g.slot for g in groups])  # lost with this executor: regenerated
             if not groups:
                 # Only bad messages: their counts still reach the metrics, once per change.
-                if (counts := rejections.metrics()) != reported:
+                if (counts := {**rejections.metrics(), **rt.security_metrics()}) != reported:
                     reported = counts
                     rt.emit(metrics.scalars(counts, role="reward", replica=rt.replica), flush=True)
                 continue
@@ -64,7 +64,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
                     held.passed(group.slot)
             values = {names.REWARD_SAMPLES_PER_S: len(results) / max(dt, 1e-9),
                       names.IDLE_FRACTION: timeline.idle_fraction(),
-                      **(reported := rejections.metrics())}
+                      **(reported := {**rejections.metrics(), **rt.security_metrics()})}
             rt.emit(metrics.scalars(values, role="reward", replica=rt.replica) + timeline.drain(),
                     flush=True)
     finally:

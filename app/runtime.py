@@ -4,13 +4,14 @@ control store, register, beat its heart, report metrics, fail loudly and exit cl
 Entry points stay thin: ``with Runtime.join(...) as rt: work(rt)``. On an exception the
 runtime marks the role failed (which asks every other role to stop, naming it) and
 re-raises, so the process exits non-zero; on a stop requested by someone else the work
-loop raises ``Stopped`` and the role exits 0 after acknowledging.
+loop raises ``Stopped`` and the role acknowledges, then exits 0 if the controller ended a
+run that did all its steps, non-zero otherwise (a user's stop, a failure). Every control
+value it reads or writes is a signed record (``app.signed``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import secrets
 import sys
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from app import cli, devices, frames, health, metrics, names, transport
 from app.config import GeneratorConfig, TrainerConfig
+from app.signed import CONTROLLER, SignedStore, WriteRejections
 from app.transport import Control, StoreQueue
 
 log = logging.getLogger("llamarl")
@@ -54,6 +56,7 @@ def role_arguments(role: str, description: str) -> argparse.ArgumentParser:
                         help=f"where this {role} computes (app.devices): 'auto' is cuda:0 of the GPUs it sees "
                              "when CUDA is available, else the CPU; 'cpu' forces the CPU (the TorchX component "
                              "passes it to a role given no GPU); 'cuda' requires a GPU")
+    cli.add_secret_argument(parser)
     return parser
 
 
@@ -64,19 +67,24 @@ def join_role(role: str, args: argparse.Namespace) -> "Runtime":
     if not sep or not port.isdigit():
         raise ValueError(f"control store address must be 'host:port', got {args.store_addr!r}")
     addr = f"{host}:{names.store_port(int(port), args.app_id)}"
+    secret = frames.read_secret(args.secret_file)
     store = connect_app_store(addr, args.app_id, args.connect_timeout_s)
-    return Runtime.join(role, args.replica, store)
+    return Runtime.join(role, args.replica, store, secret)
 
 
-def host_app_store(port: int, app_id: str) -> dist.TCPStore:
-    """Trainer replica 0: host the control store and publish the app id on it, first
-    thing, so that every role can be told why the run ends, whatever goes wrong next."""
+def host_app_store(port: int, app_id: str, bind: str = "127.0.0.1") -> dist.TCPStore:
+    """Trainer replica 0: host the control store, listening on ``bind`` only, and publish
+    the app id on it, first thing, so that every role can be told why the run ends,
+    whatever goes wrong next. The app id is plain text: it tells a role that reached
+    another app's store (whose records it cannot read) which app that is; the controller
+    writes it again if anyone changes it (``Runtime``'s heartbeat thread)."""
     try:
-        store = transport.host_store(port)
+        store = transport.host_store(port, bind=bind)
     except (dist.DistError, RuntimeError, OSError) as e:
         raise ConnectionError(
-            f"cannot host the control store on port {port}: {e}. Another app or process uses it: "
-            "give this app another --store_port, or leave it 0 (derived from the app id)") from None
+            f"cannot host the control store on port {port} ({bind}): {e}. Another app or process uses "
+            "the port (give this app another --store_port, or leave it 0: derived from the app id), "
+            "or --store_bind names no address of this host") from None
     store.set(names.APP_ID_KEY, app_id)
     return store
 
@@ -93,12 +101,18 @@ def connect_app_store(addr: str, app_id: str, timeout_s: float,
     if not app_id:  # started by hand, without --app-id: nothing to check against
         return store
     deadline = time.monotonic() + check_timeout_s
-    while not store.check([names.APP_ID_KEY]):
+    theirs = None
+    # Until the deadline: a value someone else wrote is put right by the controller.
+    while theirs != app_id:
         if time.monotonic() > deadline:
-            raise ConnectionError(f"the store at {addr} publishes no llamarl app id after "
-                                  f"{check_timeout_s:g} s: it is not this app's control store")
-        time.sleep(0.05)
-    theirs = store.get(names.APP_ID_KEY).decode()
+            break
+        if store.check([names.APP_ID_KEY]):
+            theirs = store.get(names.APP_ID_KEY).decode(errors="replace")
+        if theirs != app_id:
+            time.sleep(0.05)
+    if theirs is None:
+        raise ConnectionError(f"the store at {addr} publishes no llamarl app id after "
+                              f"{check_timeout_s:g} s: it is not this app's control store")
     if theirs != app_id:
         raise ConnectionError(
             f"the control store at {addr} belongs to app {theirs!r}, not to this app ({app_id!r}): "
@@ -141,9 +155,12 @@ class Runtime:
     _stop_seen: tuple[float, bool] = (float("-inf"), False)  # (monotonic time, stopped)
 
     @classmethod
-    def join(cls, role: str, replica: int, store: dist.TCPStore) -> "Runtime":
-        rt = cls(role=role, replica=replica, store=store, control=Control(store),
-                 secret=frames.secret_from_env())
+    def join(cls, role: str, replica: int, store: dist.TCPStore, secret: bytes) -> "Runtime":
+        me = names.member(role, replica)
+        signed = SignedStore(store, secret, me, WriteRejections(me))
+        rt = cls(role=role, replica=replica, store=store, control=Control(signed), secret=secret)
+        if me == CONTROLLER:  # the app id it published: written again if anyone changes it
+            signed.keep_plain(names.APP_ID_KEY)
         rt.control.register(role, replica)
         rt._heart = threading.Thread(target=rt._heartbeat_loop, daemon=True, name="heartbeat")
         rt._heart.start()
@@ -153,10 +170,21 @@ class Runtime:
         maxlen = METRICS_MAXLEN if name == names.METRICS else GROUPS_MAXLEN
         return StoreQueue(self.store, name, self.secret, maxlen)
 
+    @property
+    def signed(self) -> SignedStore:
+        return self.control.signed
+
+    def security_metrics(self) -> dict[str, float]:
+        """Control-store writes this process ignored, by kind (``security/rejected_writes/*``)."""
+        return self.signed.rejections.metrics()
+
     def _heartbeat_loop(self) -> None:
+        # Its own connection: a beat never waits behind the work loop's store calls.
+        control = Control(self.signed.clone())
         while not self._beating.wait(HEARTBEAT_S):
             try:
-                self.control.heartbeat(self.role, self.replica)
+                control.heartbeat(self.role, self.replica)
+                control.signed.reassert()  # the controller's published records, if overwritten
             except Exception:  # the store is gone: the work loop will find out and stop
                 return
 
@@ -170,18 +198,12 @@ class Runtime:
         self._stop_seen = (time.monotonic(), stopped)  # one tuple: safe across threads
         return stopped
 
-    def wait_key(self, key: str, timeout_s: float, what: str) -> bytes:
-        """The value of ``key`` once someone sets it; ``TimeoutError`` naming ``what``
-        after ``timeout_s``, ``Stopped`` once the run is stopping."""
-        deadline = time.monotonic() + timeout_s
-        while not self.store.check([key]):
-            if self.should_stop():
-                raise transport.Stopped(f"stopped while waiting for {what}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{names.member(self.role, self.replica)}: no {what} from the "
-                                   f"trainer after {timeout_s:g} s")
-            time.sleep(0.05)
-        return self.store.get(key)
+    def wait_key(self, key: str, timeout_s: float, what: str) -> Any:
+        """The value of the controller's signed record at ``key`` once it is there;
+        ``TimeoutError`` naming ``what`` after ``timeout_s``, ``Stopped`` once the run is
+        stopping."""
+        return self.signed.wait(key, timeout_s, f"{what} from the trainer", writers=(CONTROLLER,),
+                                should_stop=self.should_stop)
 
     def emit(self, events: list[dict[str, Any]], *, flush: bool = False) -> None:
         """Queue metric events for trainer replica 0 (sent in batches)."""
@@ -224,7 +246,7 @@ class Runtime:
         # tears the store down aborts the process.
         self._heart.join(timeout=10.0)
         try:
-            self.store.add(names.exited_key(names.member(self.role, self.replica)), 1)
+            self.control.mark_exited(self.role, self.replica)
         except Exception:
             pass
         if store_gone:
@@ -234,13 +256,15 @@ class Runtime:
                              f"exited (its log says why); here: {exc_type.__name__}")
         if exc_type is not None and issubclass(exc_type, transport.Stopped):
             reason = self.control.stop_reason() or str(exc)
-            if self.control.failures():
-                # Another member failed: this role ends non-zero too, naming that cause (in
-                # its log file too, and as the process's last line).
+            if self.control.failures() or not self.control.stop_finished():
+                # Another member failed, or the run was stopped before its last step (a
+                # user's stop): this role ends non-zero too, naming the cause (in its log
+                # file too, and as the process's last line). Only the controller's
+                # "finished" is a clean exit.
                 log.error("stopping: %s", reason)
                 raise SystemExit(f"stopping: {reason}")
             log.info("stopping: %s", reason)
-            return True  # a requested stop of a run that did not fail is a clean exit
+            return True
         return False
 
     def _store_alive(self) -> bool:
@@ -251,31 +275,31 @@ class Runtime:
             return False
 
 
-def publish_config(store: dist.Store, trainer: TrainerConfig, gen: GeneratorConfig, *,
+def publish_config(store: SignedStore, trainer: TrainerConfig, gen: GeneratorConfig, *,
                    policy_path: str, run_dir: str) -> None:
     """Trainer replica 0: the run's configs, for every other role to read (``read_config``),
     so that no role can disagree with the trainer about a knob."""
-    store.set(names.CONFIG_KEY, json.dumps({"trainer": cli.to_dict(trainer),
-                                            "generator": cli.to_dict(gen), "run_dir": run_dir}))
-    store.set(names.POLICY_KEY, policy_path)
+    store.put(names.CONFIG_KEY, {"trainer": cli.to_dict(trainer), "generator": cli.to_dict(gen),
+                                 "run_dir": run_dir}, keep=True)
+    store.put(names.POLICY_KEY, policy_path, keep=True)
 
 
 def read_config(rt: Runtime, timeout_s: float) -> tuple[TrainerConfig, GeneratorConfig, str]:
     """The trainer's configs and policy path; from then on this role also logs to
     ``<run_dir>/logs/<role>-<replica>.log`` (when the run directory is reachable here)."""
-    raw = json.loads(rt.wait_key(names.CONFIG_KEY, timeout_s, "run config"))
-    policy = rt.wait_key(names.POLICY_KEY, timeout_s, "policy path").decode()
+    raw = rt.wait_key(names.CONFIG_KEY, timeout_s, "run config")
+    policy = rt.wait_key(names.POLICY_KEY, timeout_s, "policy path")
     log_to_run_dir(raw["run_dir"], rt.role, rt.replica)
     return TrainerConfig(**raw["trainer"]), GeneratorConfig(**raw["generator"]), policy
 
 
-def wait_for_exits(store: dist.TCPStore, members: list[str], timeout_s: float) -> list[str]:
+def wait_for_exits(control: Control, members: list[str], timeout_s: float) -> list[str]:
     """Trainer replica 0 keeps the store up until every other member has acknowledged the
     stop (or the timeout passes); returns the members that never did."""
     deadline = time.monotonic() + timeout_s
     missing = list(members)
     while missing and time.monotonic() < deadline:
-        missing = [m for m in missing if not store.check([names.exited_key(m)])]
+        missing = [m for m in missing if not control.exited(m)]
         time.sleep(0.05)
     return missing
 
@@ -289,12 +313,12 @@ def end_app(rt: Runtime, expected: list[str], reason: str, *, failed: bool) -> N
     if failed:
         rt.control.mark_failed(rt.role, rt.replica, reason)
     else:
-        rt.control.request_stop(reason)
+        rt.control.request_stop(reason, finished=True)
     me = names.member(rt.role, rt.replica)
     missing = sorted(set(expected + rt.control.members()) - {me})
     deadline = time.monotonic() + STOP_ACK_TIMEOUT_S
     while missing and time.monotonic() < deadline:
-        missing = wait_for_exits(rt.store, missing, timeout_s=1.0)
+        missing = wait_for_exits(rt.control, missing, timeout_s=1.0)
         # A killed process never acknowledges: stop waiting once its heartbeat is still.
         dead = [m for m in rt.control.dead_members(max_age_s=health.HEARTBEAT_TIMEOUT_S) if m in missing]
         if dead:

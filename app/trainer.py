@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from app import (checkpoint, cli, data, devices, health, membership, metrics, names, rl, runtime, sharding, steps,
-                 train_state, transport, weight_digest)
+from app import (checkpoint, cli, data, devices, frames, health, membership, metrics, names, rl, runtime, sharding,
+                 steps, train_state, transport, weight_digest)
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
@@ -87,6 +87,7 @@ class Trainer:
         self.ledger = train_state.SlotLedger()  # the slots this rank consumed
         self.start_step = 0  # the checkpoint's step after a resume
         self.duplicates = 0  # groups for a slot already consumed: dropped
+        self.freed_slots = 0  # this rank's groups dropped (stale or duplicate): refillable slots
         self.membership: membership.Membership | None = None  # replica 0
 
     # --- setup ---------------------------------------------------------------------------
@@ -116,19 +117,19 @@ class Trainer:
             if resume is not None:  # every check before the run directory is touched
                 self._check_resume(resume)
             self._open_run_dir(resume)
-            data.publish(rt.store, self.data)  # before the config: generators read it after
-            runtime.publish_config(rt.store, cfg, self.gen, policy_path=str(policy.resolve()),
+            data.publish(rt.signed, self.data)  # before the config: generators read it after
+            runtime.publish_config(rt.signed, cfg, self.gen, policy_path=str(policy.resolve()),
                                    run_dir=str(self.run_dir.resolve()))
             if self.start_step == 0:
                 rt.emit(metrics.scalars(self.data.counts, role="trainer", step=0))
             log.info("run directory %s", self.run_dir)
         else:
             _, _, policy = runtime.read_config(rt, 900.0)
-            self.run_dir = Path(json.loads(rt.store.get(names.CONFIG_KEY))["run_dir"])
+            self.run_dir = Path(rt.signed.get(names.CONFIG_KEY)["run_dir"])
             self.model, self.tokenizer = load_policy(policy, device=self.device)
-        resumed = json.loads(rt.wait_key(names.RESUME_KEY, 60.0, "resume point"))
+        resumed = rt.wait_key(names.RESUME_KEY, 60.0, "resume point")
         self.start_step = self.version = resumed["step"]
-        self.ledger = train_state.SlotLedger.from_state(json.loads(rt.store.get(names.SLOTS_DONE_KEY)))
+        self.ledger = train_state.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger"))
         # The KL reference is a whole copy on every rank, never sharded: it runs forward
         # passes only, no collective.
         self.ref_model = copy.deepcopy(self.model).eval() if cfg.kl_coef > 0 else None
@@ -150,12 +151,12 @@ class Trainer:
                                  timeout_s=900.0, health=alive)
             # From here a lost generator or reward executor is survivable while others of
             # its role are alive (app.membership); the weight plane regroups without it.
-            self.membership = membership.Membership(rt.store, {"generator": self.num_generators,
+            self.membership = membership.Membership(rt.signed, {"generator": self.num_generators,
                                                                "reward": self.num_reward})
             self.membership.start()
             self.params = list(self.full_model.named_parameters())  # what the weight sync sends
             self.digest_layout = Layout(self.params, int(DEFAULT_BUCKET_MB * 2**20))
-            self.sender = ElasticSender(rt.store, self.params,
+            self.sender = ElasticSender(rt.signed, self.params,
                                         num_generators=self.num_generators, timeout_s=cfg.weight_sync_timeout_s,
                                         gone=self.membership.gone, should_stop=rt.should_stop)
             self.sender.start()
@@ -221,7 +222,7 @@ class Trainer:
     def _open_run_dir(self, resume: train_state.Resume | None) -> None:
         """Replica 0: a new run directory, or the resumed one with the metrics recorded
         after its checkpoint deleted; the staleness-slot counters the generators share."""
-        cfg, store = self.cfg, self.rt.store
+        cfg, signed = self.cfg, self.rt.signed
         state = resume.state if resume is not None else {}
         ledger = train_state.SlotLedger.from_state(state.get("ledger", train_state.SlotLedger().state_dict()))
         self.run_dir = resume.run_dir if resume else metrics.new_run_dir(cfg.runs_dir, cfg.run_id, self._config_dict())
@@ -233,12 +234,14 @@ class Trainer:
             log.info("resuming run %s at step %d (%d groups consumed, %d lost in flight to regenerate first)",
                      self.run_dir.name, resume.step, ledger.count, ledger.missing)
         self.tensorboard = TensorBoardMirror(self.run_dir) if cfg.tensorboard else None
-        store.set(names.RESERVED_KEY, str(ledger.count))
-        store.add(names.DROPPED_KEY, state.get("dropped_groups", 0))  # their slots were refilled
-        store.set(names.SLOTS_DONE_KEY, json.dumps(ledger.state_dict()))
-        store.set(names.RESUME_KEY, json.dumps({
+        # Signed records (app.signed); the ledger and the resume point are re-published if
+        # anyone overwrites them.
+        signed.put(names.RESERVED_KEY, {"count": ledger.count})
+        self._free_slots(state.get("dropped_groups", 0))  # their slots were refilled
+        signed.put(names.SLOTS_DONE_KEY, ledger.state_dict(), keep=True)
+        signed.put(names.RESUME_KEY, {
             "step": resume.step if resume else 0,
-            "train_state": str(resume.train_state) if resume and resume.train_state else ""}))
+            "train_state": str(resume.train_state) if resume and resume.train_state else ""}, keep=True)
 
     def _config_dict(self) -> dict:
         return {"mode": "async" if self.cfg.max_staleness > 0 else "sync",
@@ -287,8 +290,10 @@ class Trainer:
         self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
 
     def _free_slots(self, n: int) -> None:
-        """That many slots may be filled again: the generators' staleness budget grows."""
-        self.rt.store.add(names.DROPPED_KEY, n)
+        """This rank's count of dropped groups, a signed record the generators add up:
+        that many slots may be filled again."""
+        self.freed_slots += n
+        self.rt.signed.put(names.dropped_key(names.member("trainer", self.rank)), self.freed_slots)
 
     def _sync(self) -> None:
         if self.cfg.weight_digest:  # before the send: a generator checks what it received
@@ -375,10 +380,19 @@ class Trainer:
         return {"step": step, "version": self.version, "ledger": ledger.state_dict(),
                 "order": self.data.order.state_dict(), "data_fingerprint": self.data.fingerprint,
                 "dropped": self.dropped,
-                "dropped_groups": int(self.rt.store.add(names.DROPPED_KEY, 0)),
+                "dropped_groups": self._dropped_groups(),
                 "skipped": self.guard.skipped, "fingerprint": train_state.fingerprint(self.full_model),
                 "parameter_shapes": train_state.parameter_shapes(self.full_model),
                 "rng": train_state.rng_state(), "config": self._config_dict()}
+
+    def _dropped_groups(self) -> int:
+        """Every trainer rank's dropped groups (their signed counters)."""
+        total = 0
+        for r in range(self.world):
+            m = names.member("trainer", r)
+            n = self.rt.signed.get(names.dropped_key(m), writers=(m,), default=0)
+            total += n if isinstance(n, int) else 0
+        return total
 
     def run(self) -> None:
         cfg = self.cfg
@@ -412,6 +426,7 @@ class Trainer:
             values.update(devices.device_metrics(self.device))
             values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
             values.update(self.rejections.metrics())
+            values.update(self.rt.security_metrics())
             events, values = steps.step_events(step, groups, values, consumed_version=consumed_version,
                                                reward_names=self.reward_names, role="trainer",
                                                replica=self.rank)
@@ -434,7 +449,7 @@ class Trainer:
     def _membership_events(self, step: int) -> list[dict]:
         """Replica 0: losses and the executors alive, for the dashboard's Executors tab."""
         m = self.membership
-        values = {names.FAULTS_LOST_GROUPS: int(self.rt.store.add(names.LOST_KEY, 0)),
+        values = {names.FAULTS_LOST_GROUPS: m.lost_groups(),
                   names.FAULTS_DUPLICATE_GROUPS: self.duplicates,
                   names.WEIGHT_REGROUPS: self.sender.regroups,
                   names.members_metric("generator"): len(m.alive("generator"))}
@@ -528,12 +543,13 @@ def main(argv: list[str] | None = None) -> None:
         try:
             # Replica 0 hosts the store before it reads a single flag: whatever fails from
             # here on is published as the app's failure cause, and every role stops.
-            store = (runtime.host_app_store(port, early.app_id) if rank == 0
-                     else runtime.connect_app_store(f"{early.store_host}:{port}", early.app_id,
-                                                    RANK_CONNECT_TIMEOUT_S))
+            host = transport.store_client_host(early.store_bind, early.store_host)
+            store = (runtime.host_app_store(port, early.app_id, early.store_bind) if rank == 0
+                     else runtime.connect_app_store(f"{host}:{port}", early.app_id, RANK_CONNECT_TIMEOUT_S))
             if rank != 0:
-                log.info("reached the control store at %s:%d", early.store_host, port)
-            with runtime.Runtime.join("trainer", rank, store) as rt:
+                log.info("reached the control store at %s:%d", host, port)
+            secret = frames.read_secret(early.secret_file)
+            with runtime.Runtime.join("trainer", rank, store, secret) as rt:
                 if "LOCAL_RANK" in os.environ:  # under torchrun: do not outlive its agent
                     health.watch_parent(lambda pid: rt.control.mark_failed(
                         "trainer", rank, f"its torchrun agent (pid {pid}) is gone"))

@@ -19,6 +19,8 @@ non-blocking calls with short, growing sleeps.
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import threading
 import time
 from typing import Any, Callable
@@ -27,9 +29,10 @@ import torch.distributed as dist
 
 from app import names
 from app.frames import MAX_FRAME_BYTES, AuthenticationError, check_secret, decode, encode
+from app.signed import CONTROLLER, Record, SignedStore
 
-__all__ = ["BAD_TAG", "MALFORMED_FRAME", "Backoff", "Control", "OnReject", "StoreQueue", "Stopped",
-           "connect_store", "host_store", "AppGone"]
+__all__ = ["BAD_TAG", "EVERY_INTERFACE", "MALFORMED_FRAME", "AppGone", "Backoff", "Control", "OnReject",
+           "StoreQueue", "Stopped", "connect_store", "host_store", "store_client_host"]
 
 # Why a frame was dropped on receipt (see ``StoreQueue.pop_many``).
 BAD_TAG, MALFORMED_FRAME = "bad_tag", "malformed_frame"
@@ -52,11 +55,76 @@ class Stopped(Exception):
 # --------------------------------------------------------------------------- store
 
 
+EVERY_INTERFACE = "0.0.0.0"
+"""``--store-bind`` value for torch's own listener, on every interface of the host
+(the behaviour before binding: needs a network nobody else reaches)."""
+
+
+RESOLVE_TIMEOUT_S = 60.0
+"""How long the controller retries resolving ``--store-bind``: a pod's own DNS name
+(Kubernetes) may appear a little after the pod starts."""
+
+
 def host_store(port: int, world_size: int | None = None, timeout_s: float = 300.0,
-               host: str = "0.0.0.0") -> dist.TCPStore:
-    """Host the control store (trainer replica 0). ``port=0`` picks a free port: read ``.port``."""
-    return dist.TCPStore(host, port, world_size, is_master=True,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+               bind: str = "127.0.0.1", resolve_timeout_s: float = RESOLVE_TIMEOUT_S) -> dist.TCPStore:
+    """Host the control store (trainer replica 0), listening on ``bind`` only: an address
+    or a host name (its first IPv4 address, else its first), or ``EVERY_INTERFACE``.
+    ``port=0`` picks a free port: read ``.port``.
+
+    Why a socket of our own: torch's TCPStore server ignores its host argument and listens
+    on every interface (libuv backend, torch 2.13: measured in tests/test_signed_control.py);
+    it takes an already bound socket as ``master_listen_fd``, which then is the only one.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if _every_interface(bind):
+        return dist.TCPStore(EVERY_INTERFACE, port, world_size, is_master=True, timeout=timeout,
+                             wait_for_workers=False)
+    sock = _listening_socket(bind, port, resolve_timeout_s)
+    address, bound_port = sock.getsockname()[:2]
+    fd = sock.detach()  # the store's server owns the socket from here
+    try:
+        return dist.TCPStore(address, bound_port, world_size, is_master=True, timeout=timeout,
+                             wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _listening_socket(bind: str, port: int, resolve_timeout_s: float = RESOLVE_TIMEOUT_S) -> socket.socket:
+    deadline = time.monotonic() + resolve_timeout_s
+    while True:
+        try:
+            infos = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM)
+            break
+        except socket.gaierror as e:
+            if e.errno == socket.EAI_NONAME and time.monotonic() < deadline:
+                time.sleep(1.0)
+                continue
+            raise OSError(f"--store-bind {bind!r} does not resolve on this host ({e.strerror}); "
+                          f"name an address of this host, or 0.0.0.0 for every interface") from None
+    family, _, _, _, sockaddr = sorted(infos, key=lambda i: i[0] != socket.AF_INET)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def store_client_host(bind: str, host: str = "") -> str:
+    """Where trainer ranks > 0 reach the store: at ``host`` (trainer replica 0's host, for
+    ranks on other nodes), or, when that is empty or a loopback name (ranks on replica 0's
+    own node, which may see its name as ``localhost``), where it listens."""
+    if host and host != "localhost" and not host.startswith(("127.", "::1", "[::1]")):
+        return host
+    return "127.0.0.1" if _every_interface(bind) else bind
+
+
+def _every_interface(bind: str) -> bool:
+    return bind in (EVERY_INTERFACE, "::", "*")
 
 
 GIVE_UP_POLL_S = 0.5
@@ -194,57 +262,69 @@ class StoreQueue:
 # --------------------------------------------------------------------------- control
 
 
-def _split_list(raw: bytes) -> list[str]:
-    return list(dict.fromkeys(m for m in raw.decode().split(";") if m))
-
-
 class Control:
-    """Policy version, stop flag, membership, heartbeats and failures in the control store.
+    """Policy version, stop flag, membership, heartbeats and failures in the control store,
+    every one a signed record (``app.signed``): a value that is not this app's is ignored.
 
-    Heartbeats are counters, not timestamps: the observer (the trainer) times how long
-    since it last saw each counter move with its own clock, so host clock skew does not
-    matter. A dead peer shows up either as a stale heartbeat (``dead_members``) or as an
-    explicit failure flag (``failures``), which ``mark_failed`` also turns into a stop.
+    Heartbeats are records each member rewrites every second; the observer (the trainer)
+    times how long since it last saw a member's record counter move, with its own clock,
+    so host clock skew does not matter. A dead peer shows up either as a stale heartbeat
+    (``dead_members``) or as an explicit failure record (``failures``), which
+    ``mark_failed`` also turns into a stop.
     """
 
-    def __init__(self, store: dist.Store) -> None:
-        self.store = store
-        self._seen: dict[str, tuple[int, float]] = {}  # member -> (beat count, local time seen)
-
-    def _get(self, key: str) -> bytes | None:
-        # ``get`` blocks until the key exists, so ask first.
-        return self.store.get(key) if self.store.check([key]) else None
+    def __init__(self, signed: SignedStore) -> None:
+        self.signed, self.store = signed, signed.store
+        self._seen: dict[str, tuple[int, float]] = {}  # member -> (record counter, local time seen)
 
     # policy version -----------------------------------------------------------------
     def set_version(self, version: int) -> None:
-        self.store.set(names.VERSION_KEY, str(int(version)))
+        """The controller's policy version (kept: published again if someone overwrites it)."""
+        self.signed.put(names.VERSION_KEY, int(version), keep=True)
 
     def version(self) -> int:
-        raw = self._get(names.VERSION_KEY)
-        return int(raw) if raw is not None else 0
+        value = self.signed.get(names.VERSION_KEY, writers=(CONTROLLER,), default=0)
+        return value if isinstance(value, int) else 0
 
     # stop ---------------------------------------------------------------------------
-    def request_stop(self, reason: str) -> None:
-        """Ask every role to stop; the first reason given wins."""
-        self.store.compare_set(names.STOP_KEY, "", reason or "stop requested")
+    def request_stop(self, reason: str, *, finished: bool = False) -> None:
+        """Ask every role to stop; the first authentic reason stays. ``finished``: the
+        controller ends a run that did all its steps (the only stop the roles exit 0 on)."""
+        if self._stop() is None:
+            # Kept: written again by this process if someone overwrites it, for the roles
+            # that have not read it yet.
+            self.signed.put(names.STOP_KEY, {"reason": reason or "stop requested", "finished": finished},
+                            keep=True)
+
+    def _stop(self) -> dict | None:
+        value = self.signed.get(names.STOP_KEY, writers=_may_stop)
+        return value if isinstance(value, dict) and isinstance(value.get("reason"), str) else None
 
     def stop_reason(self) -> str | None:
-        raw = self._get(names.STOP_KEY)
-        return raw.decode() if raw is not None else None
+        stop = self._stop()
+        return stop["reason"] if stop is not None else None
+
+    def stop_finished(self) -> bool:
+        """Whether the stop is the controller's "every step done" (not a user's, not a failure's)."""
+        rec = self.signed.record(names.STOP_KEY, writers=_may_stop)
+        return (rec is not None and rec.writer == CONTROLLER and isinstance(rec.value, dict)
+                and rec.value.get("finished") is True)
 
     def stopped(self) -> bool:
-        """For ``should_stop=`` arguments: one store round trip."""
-        return self.store.check([names.STOP_KEY])
+        """For ``should_stop=`` arguments: one store round trip while nothing changed."""
+        return self._stop() is not None
 
     # membership and health ------------------------------------------------------------
     def register(self, role: str, replica: int) -> None:
         member = names.member(role, replica)
-        self.store.add(names.heartbeat_key(member), 1)
-        self.store.append(names.MEMBERS_KEY, member + ";")
+        self.signed.put(names.heartbeat_key(member), {})  # first: the name then has its record
+        self.signed.add_name(names.MEMBERS_KEY, member)
+
+    def _heartbeats(self) -> dict[str, Record]:
+        return self.signed.named_records(names.MEMBERS_KEY, names.heartbeat_key, lambda m: (m,))
 
     def members(self) -> list[str]:
-        raw = self._get(names.MEMBERS_KEY)
-        return _split_list(raw) if raw is not None else []
+        return sorted(self._heartbeats())
 
     def wait_for_members(self, expected: dict[str, int], timeout_s: float,
                          should_stop: Callable[[], bool] | None = None,
@@ -271,21 +351,16 @@ class Control:
             _sleep_or_stop(backoff.next(), should_stop, "members to register")
 
     def heartbeat(self, role: str, replica: int) -> None:
-        self.store.add(names.heartbeat_key(names.member(role, replica)), 1)
+        self.signed.put(names.heartbeat_key(names.member(role, replica)), {})
 
     def last_heartbeats(self) -> dict[str, float]:
         """Seconds since this observer last saw each member's heartbeat move, by member."""
-        members = self.members()
-        if not members:
-            return {}
-        counts = self.store.multi_get([names.heartbeat_key(m) for m in members])
         now = time.monotonic()
         ages: dict[str, float] = {}
-        for member, raw in zip(members, counts):
-            count = int(raw)
+        for member, rec in self._heartbeats().items():
             seen = self._seen.get(member)
-            if seen is None or seen[0] != count:
-                self._seen[member] = seen = (count, now)
+            if seen is None or seen[0] != rec.n:
+                self._seen[member] = seen = (rec.n, now)
             ages[member] = now - seen[1]
         return ages
 
@@ -296,26 +371,42 @@ class Control:
         return sorted(failed | stale)
 
     def mark_failed(self, role: str, replica: int, error: str) -> None:
+        """``role/replica`` failed with ``error``: written by that member, or by the
+        controller about a member it found lost."""
         member = names.member(role, replica)
-        self.store.set(names.failure_key(member), error[:4000])
-        self.store.append(names.FAILED_KEY, member + ";")
+        self.signed.put(names.failure_key(member), {"error": error[:4000]})
+        self.signed.add_name(names.FAILED_KEY, member)
         self.request_stop(f"{member} failed: {error[:500]}")
 
     def failures(self) -> dict[str, str]:
-        raw = self._get(names.FAILED_KEY)
-        if raw is None:
-            return {}
-        members = _split_list(raw)
-        errors = self.store.multi_get([names.failure_key(m) for m in members])
-        return {m: e.decode(errors="replace") for m, e in zip(members, errors)}
+        records = self.signed.named_records(names.FAILED_KEY, names.failure_key, _member_or_controller)
+        return {m: str(rec.value.get("error", "")) if isinstance(rec.value, dict) else ""
+                for m, rec in records.items()}
 
     # executors taken out of the run (app.membership) ----------------------------------
     def mark_gone(self, member: str) -> None:
         """``member`` is lost and the run goes on without it (the controller decided)."""
-        self.store.append(names.GONE_KEY, member + ";")
+        self.signed.put(names.gone_key(member), {})
+        self.signed.add_name(names.GONE_KEY, member)
 
     def gone(self) -> set[str]:
         """Members the controller took out of the run: their silence is no failure. One
         that came back (a restart) is alive again: its heartbeat moves."""
-        raw = self._get(names.GONE_KEY)
-        return set(_split_list(raw)) if raw is not None else set()
+        return set(self.signed.named_records(names.GONE_KEY, names.gone_key, lambda m: (CONTROLLER,)))
+
+    # leaving ----------------------------------------------------------------------------
+    def mark_exited(self, role: str, replica: int) -> None:
+        """This member has read the stop and leaves (the controller waits for it)."""
+        self.signed.put(names.exited_key(names.member(role, replica)), {})
+
+    def exited(self, member: str) -> bool:
+        return self.signed.record(names.exited_key(member), writers=(member,)) is not None
+
+
+def _may_stop(writer: str) -> bool:
+    """Any member of the app, or a user's ``python -m app.stop``."""
+    return True
+
+
+def _member_or_controller(member: str) -> tuple[str, ...]:
+    return (member, CONTROLLER)

@@ -5,7 +5,10 @@
 generators change, an *epoch*: the roster of epoch N (the generators, in rank order) is
 published under ``weights/roster/<N>`` and the group rendezvouses under
 ``weights/<N>`` (``names.weight_epoch_prefix``), so no key of an old group is read by a
-new one.
+new one. The epoch, the rosters and the join requests are records signed by their
+writer (``app.signed``): a roster or epoch someone else wrote moves no generator. The
+group's own rendezvous (gloo's and NCCL's keys, the layout handshake) is not: the weight
+plane belongs on a private network (README, Security).
 
 - ``ElasticSender`` (trainer replica 0): ``send(version)``. When a send fails it waits
   until ``app.membership`` has taken the dead generator out (or a generator asked to
@@ -23,7 +26,6 @@ new one.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import threading
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from app import names
+from app.signed import CONTROLLER, SignedStore
 from app.transport import Backoff, Stopped
 from app.weight_sync import (
     SyncStats,
@@ -66,8 +69,8 @@ def _device_of(params: list[tuple[str, torch.Tensor]]) -> torch.device:
     return params[0][1].device
 
 
-def _plane_store(store: dist.Store) -> dist.Store:
-    return dist.PrefixStore(names.WEIGHT_PLANE_PREFIX, store)
+def _plane_store(signed: SignedStore) -> SignedStore:
+    return signed.prefixed(names.WEIGHT_PLANE_PREFIX)
 
 
 class ElasticSender:
@@ -77,10 +80,10 @@ class ElasticSender:
     ``should_stop`` ends every wait.
     """
 
-    def __init__(self, store: dist.Store, params: Sequence[tuple[str, torch.Tensor]], *,
+    def __init__(self, signed: SignedStore, params: Sequence[tuple[str, torch.Tensor]], *,
                  num_generators: int, timeout_s: float, gone: Callable[[], set[str]],
                  should_stop: Callable[[], bool], gone_wait_s: float = 15.0) -> None:
-        self.store, self.plane = store, _plane_store(store)
+        self.store, self.plane = signed.store, _plane_store(signed)
         self.params, self.num_generators, self.timeout_s = list(params), num_generators, timeout_s
         self.gone, self.should_stop, self.device = gone, should_stop, _device_of(self.params)
         self.gone_wait_s = gone_wait_s
@@ -100,10 +103,10 @@ class ElasticSender:
         """Each generator's newest join request: (its token, the newest epoch it was in)."""
         out = {}
         for r in range(self.num_generators):
-            key = names.weight_joins_key(r)
-            if self.plane.check([key]):
-                token, epoch = self.plane.get(key).decode().split()
-                out[r] = (token, int(epoch))
+            request = self.plane.get(names.weight_joins_key(r), writers=(names.member("generator", r),))
+            if (isinstance(request, dict) and isinstance(request.get("token"), str)
+                    and isinstance(request.get("epoch"), int)):
+                out[r] = (request["token"], request["epoch"])
         return out
 
     def _alive(self, replica: int) -> bool:
@@ -151,8 +154,8 @@ class ElasticSender:
                 self._retired.append(self._sender)
                 self._sender = None
             self.epoch += 1
-            self.plane.set(names.weight_roster_key(self.epoch), json.dumps(roster))
-            self.plane.set(names.WEIGHT_EPOCH_KEY, str(self.epoch))
+            self.plane.put(names.weight_roster_key(self.epoch), roster)
+            self.plane.put(names.WEIGHT_EPOCH_KEY, self.epoch, keep=True)  # re-published if overwritten
             try:
                 group = init_weight_group(self.store, rank=0, world_size=len(roster) + 1, device=self.device,
                                           timeout_s=self.timeout_s, prefix=names.weight_epoch_prefix(self.epoch),
@@ -215,12 +218,11 @@ class ElasticSender:
 class ElasticReceiver:
     """A generator's side of the weight plane, across epochs (see the module docstring)."""
 
-    def __init__(self, store: dist.Store, replica: int, params: Sequence[tuple[str, torch.Tensor]], *,
+    def __init__(self, signed: SignedStore, replica: int, params: Sequence[tuple[str, torch.Tensor]], *,
                  timeout_s: float, join_timeout_s: float = JOIN_TIMEOUT_S,
                  verify: Callable[[int, list[torch.Tensor]], bool] | None = None) -> None:
         # Its own connection: the epoch polls never queue behind the generator's other calls.
-        plane_conn = store.clone() if isinstance(store, dist.TCPStore) else store
-        self.store, self.plane, self.replica = store, _plane_store(plane_conn), replica
+        self.store, self.plane, self.replica = signed.store, _plane_store(signed.clone()), replica
         self.params, self.timeout_s = list(params), timeout_s
         self.device = _device_of(self.params)
         self.join_timeout_s = join_timeout_s
@@ -238,7 +240,13 @@ class ElasticReceiver:
         self._thread: threading.Thread | None = None
 
     def _newest_epoch(self) -> int:
-        return int(self.plane.get(names.WEIGHT_EPOCH_KEY)) if self.plane.check([names.WEIGHT_EPOCH_KEY]) else 0
+        epoch = self.plane.get(names.WEIGHT_EPOCH_KEY, writers=(CONTROLLER,), default=0)
+        return epoch if isinstance(epoch, int) else 0
+
+    def _roster(self, epoch: int) -> list[int] | None:
+        """The controller's roster of ``epoch``, once it is there."""
+        roster = self.plane.get(names.weight_roster_key(epoch), writers=(CONTROLLER,))
+        return roster if isinstance(roster, list) else None
 
     def _wait_for_epoch(self, should_stop: Callable[[], bool]) -> tuple[int, list[int]]:
         """The newest epoch after this one whose roster holds this generator."""
@@ -247,8 +255,8 @@ class ElasticReceiver:
         while True:
             epoch = self._newest_epoch()
             if epoch > self.epoch:
-                roster = json.loads(self.plane.get(names.weight_roster_key(epoch)))
-                if self.replica in roster:
+                roster = self._roster(epoch)
+                if roster is not None and self.replica in roster:
                     return epoch, roster
             if should_stop():
                 raise Stopped("stopped while waiting to join the weight plane")
@@ -261,11 +269,11 @@ class ElasticReceiver:
         stop = lambda: self._stop.is_set() or should_stop()  # noqa: E731
         try:
             while not stop():
-                self.plane.set(names.weight_joins_key(self.replica), f"{secrets.token_hex(8)} {self.epoch}")
+                self.plane.put(names.weight_joins_key(self.replica),
+                               {"token": secrets.token_hex(8), "epoch": self.epoch})
                 epoch, roster = self._wait_for_epoch(stop)
                 self.epoch = epoch
-                next_roster = names.weight_roster_key(epoch + 1)  # epochs are consecutive
-                newer = lambda: self.plane.check([next_roster])  # noqa: E731
+                newer = lambda: self._roster(epoch + 1) is not None  # noqa: E731  (epochs are consecutive)
                 try:
                     group = init_weight_group(self.store, rank=roster.index(self.replica) + 1,
                                               world_size=len(roster) + 1, device=self.device,

@@ -126,7 +126,7 @@ def _run_ranks(fn: Callable, world: int, *args) -> list[Any]:
     """``fn(store, rank, world, *args)`` in ``world`` spawned processes (CUDA cannot be
     forked) around a store on loopback; their results by rank, or RuntimeError with the
     first failure's traceback."""
-    store = host_store(0, None, timeout_s=ROLE_TIMEOUT_S, host="127.0.0.1")
+    store = host_store(0, None, timeout_s=ROLE_TIMEOUT_S, bind="127.0.0.1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank_entry, args=(fn, rank, world, store.port, out, *args)) for rank in range(world)]

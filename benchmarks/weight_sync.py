@@ -206,7 +206,7 @@ def main() -> None:
     if args.dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="llamarl-bench-")
         args.dir = tmp.name
-    store = host_store(0, None, timeout_s=600, host="127.0.0.1")
+    store = host_store(0, None, timeout_s=600, bind="127.0.0.1")
     world_size = 1 + args.generators
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -5,16 +5,28 @@
     torchx run -s kubernetes llamarl.llamarl --image registry/llamarl:latest ...
 
 ``roles[0]`` is the trainer: its replica 0 hosts the control store that every other
-role reaches at ``$<rank0_env>:<store_port>``. Each role runs ``python -m app.<role>``
-(the trainer ``app.launch``: torchrun around ``app.trainer``); every role gets the app id
-and refuses a control store of another app.
+role reaches at ``$<rank0_env>:<store_port>``, listening there only. Each role runs
+``python -m app.<role>`` (the trainer ``app.launch``: torchrun around ``app.trainer``);
+every role gets the app id and refuses a control store of another app. The app's secret
+is never in the AppDef (a dry run, a job spec and ``ps`` show it to others): the roles
+read it from a private file (README, Security).
 """
 
-import secrets
+import os
 import shlex
 from typing import Dict, Optional
 
 import torchx.specs as specs
+
+SECRET_FILE_ENV = "LLAMARL_SECRET_FILE"  # app.frames.SECRET_FILE_ENV; components import nothing from app
+STORE_BIND_ENV = "LLAMARL_STORE_BIND"
+"""Set by a scheduler that knows the trainer's own address better than its host name says."""
+K8S_SECRET_METADATA = "llamarl/k8s_secret"
+"""Role metadata: the Kubernetes Secret that components/kubernetes_scheduler.py mounts."""
+DEFAULT_SECRETS_DIR = os.path.join(".llamarl", "secrets")
+"""Relative to the roles' working directory, the job's: one secret file per app, private."""
+K8S_SECRET_DIR = "/etc/llamarl/secret"
+K8S_SECRET_KEY = "secret"
 
 
 def llamarl(
@@ -30,6 +42,9 @@ def llamarl(
     dataset: str = "",
     runs_dir: str = "runs",
     store_port: int = 0,
+    store_bind: str = "",
+    secret_file: str = "",
+    k8s_secret: str = "",
     resume: str = "",
     max_retries: int = 0,
     executor_retries: int = 3,
@@ -73,6 +88,20 @@ def llamarl(
             app id (29600 + crc32(app id) % 2000), so that two apps on one machine do not
             collide; kubernetes needs a fixed port here (its service maps ports at launch).
             A trainer of several nodes also uses ``store_port + 1`` (its rendezvous)
+        store_bind: where the control store listens; empty: ``$LLAMARL_STORE_BIND`` when the
+            scheduler sets it (llamarl's kubernetes scheduler: the pod's IP), else the
+            trainer's host as TorchX names it (``localhost`` on local_cwd, so loopback only;
+            the node's name, hence its cluster address, on SLURM); ``0.0.0.0``: every
+            interface (needed only where that name does not resolve to an address of the
+            trainer's own host, e.g. behind NAT); or an address of that host
+        secret_file: the app's secret (hex) in a file every role can read at this path,
+            mode 600 (checked); created with a fresh secret by the first role if missing.
+            Empty: ``.llamarl/secrets/<app id>`` in the job's directory (the roles' working
+            directory: where ``torchx run`` ran on local_cwd, ``--image`` or the submit
+            directory on SLURM), made by the first role
+        k8s_secret: Kubernetes: the name of a Secret (key ``secret``: the hex secret) that
+            llamarl's kubernetes scheduler mounts read-only into every pod; overrides
+            ``secret_file``
         resume: continue a run from its newest checkpoint in its own run directory: a run
             id (the app id of the run), or ``auto`` for this app's own run (see
             ``--resume`` of ``python -m app.trainer``); empty: a new run
@@ -114,12 +143,18 @@ def llamarl(
     # Replica 0's host for the trainer's own replicas; "localhost" where a scheduler leaves
     # the variable unset on replica 0 itself (as torchx's dist.ddp does).
     rank0_host = f"$${{{specs.macros.rank0_env}:=localhost}}"
+    # Where the store listens: the scheduler's own answer (Kubernetes, where replica 0
+    # sees its own host as "localhost"), else the name the other roles are given.
+    store_bind = shlex.quote(store_bind) if store_bind else f"$${{{STORE_BIND_ENV}:-{rank0_host}}}"
     # A restarted app has the same app id, hence the same run directory to resume.
     resume = resume or ("auto" if max_retries > 0 else "")
     app_id = f"--app-id {specs.macros.app_id}"
+    if k8s_secret:
+        secret_file = f"{K8S_SECRET_DIR}/{K8S_SECRET_KEY}"
     common_env = {
-        # One secret per app, made when the app is defined: messages without it are refused.
-        "LLAMARL_SECRET": secrets.token_hex(32),
+        # One secret per app, in a private file: messages and control values without it
+        # are refused. Its path only: the value never appears in the AppDef.
+        SECRET_FILE_ENV: secret_file or os.path.join(DEFAULT_SECRETS_DIR, specs.macros.app_id),
         "OMP_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
@@ -129,7 +164,8 @@ def llamarl(
         # app.launch runs torchrun and ends with the failure's cause, not torchrun's banner.
         f"python -m app.launch --nproc-per-node {nproc_per_node} --nnodes {trainer_nodes}",
         f"--node-rank {specs.macros.replica_id} --rdzv-host {rank0_host}",
-        f"--store-port {store_port} {app_id} --num-generators {num_generators} --num-reward {num_reward}",
+        f"--store-port {store_port} --store-bind {store_bind}",
+        f"{app_id} --num-generators {num_generators} --num-reward {num_reward}",
         f"--steps {steps} --max-staleness {max_staleness} --rewards '{rewards}'",
         f"--policy '{policy}' --runs-dir '{runs_dir}' --run-id {specs.macros.app_id}",
         f"--device {_device(trainer_gpu)} --threads {threads} --gen-threads {threads}",
@@ -154,6 +190,9 @@ def llamarl(
               max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env, executor_retries,
               retry_policy=specs.RetryPolicy.REPLICA),
     ]
+    if k8s_secret:  # read by components/kubernetes_scheduler.py, which mounts it
+        for role in roles:
+            role.metadata[K8S_SECRET_METADATA] = k8s_secret
     # TorchX refuses a role of zero replicas: with num_reward=0 the reward role is left
     # out (rewards are scored inline by the trainer).
     return specs.AppDef(name="llamarl", roles=roles[: 2 + min(num_reward, 1)])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sqlite3
 import socket
-import subprocess
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ import pytest
 from torchx.runner import Runner, get_runner
 from torchx.specs import AppState, is_terminal, parse_app_handle
 
-from app.frames import SECRET_ENV
 from venv_bin import component_env
 
 STEPS = 4
@@ -53,14 +51,12 @@ class App:
         (path,) = self.log_dir.glob(f"*/{self.app_id}/{role}/{replica}/combined.log")
         return path.read_text(errors="replace")
 
+    secret_file: Path
+
     def secret(self) -> bytes:
-        """The app's secret, as its generator 0 received it (to forge what only the app's
-        roles can sign: a replay, a malformed but signed message)."""
-        pattern = f"app.generator .*--app-id {self.app_id} --replica 0 "
-        (pid,) = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
-        environ = dict(kv.split("=", 1) for kv in
-                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-        return bytes.fromhex(environ[SECRET_ENV])
+        """The app's secret, from the private file its first role made: what a test needs
+        to sign as a role would."""
+        return bytes.fromhex(self.secret_file.read_text())
 
     def db(self) -> sqlite3.Connection:
         return sqlite3.connect(self.runs_dir / self.app_id / "metrics.db")
@@ -103,10 +99,14 @@ def launch(policy: Path, tmp_path: Path, *, steps: int = STEPS, num_generators: 
            runs_dir: Path | None = None) -> Iterator[App]:
     """``llamarl.llamarl`` on local_cwd; ``options`` are further component options,
     ``env`` further environment variables of every role, ``extra`` the trainer flags;
-    a free store port and ``tmp_path/runs`` unless ``store_port`` and ``runs_dir`` say."""
+    a free store port and ``tmp_path/runs`` unless ``store_port`` and ``runs_dir`` say; the
+    app's secret in ``tmp_path/secret`` (made by its first role), not in the repository's
+    ``.llamarl/secrets``."""
     port = free_port() if store_port is None else store_port
     runs_dir, log_dir = runs_dir or tmp_path / "runs", tmp_path / "torchx-logs"
+    secret_file = tmp_path / "secret"
     args = ["--policy", str(policy), "--runs_dir", str(runs_dir), "--store_port", str(port),
+            "--secret_file", str(secret_file),
             "--steps", str(steps), "--num_generators", str(num_generators),
             "--num_reward", str(num_reward), "--max_staleness", str(max_staleness),
             "--rewards", rewards, "--nproc_per_node", str(nproc), *options,
@@ -115,7 +115,7 @@ def launch(policy: Path, tmp_path: Path, *, steps: int = STEPS, num_generators: 
         handle = runner.run_component("llamarl.llamarl", args, scheduler="local_cwd",
                                       cfg={"log_dir": str(log_dir)})
         try:
-            yield App(runner, handle, port, runs_dir, log_dir)
+            yield App(runner, handle, port, runs_dir, log_dir, secret_file)
         finally:
             runner.cancel(handle)  # a no-op once the app has ended
 

@@ -4,7 +4,21 @@ import multiprocessing as mp
 import time
 import traceback
 
-from app.transport import connect_store, host_store
+from app.signed import CONTROLLER, SignedStore
+from app.transport import Control, connect_store, host_store
+
+TEST_SECRET = bytes(range(32))
+"""The app secret of tests that run roles by hand."""
+
+
+def signed(store, writer: str = CONTROLLER, secret: bytes = TEST_SECRET) -> SignedStore:
+    """Signed control-store access as member ``writer`` (``app.signed``)."""
+    return SignedStore(store, secret, writer)
+
+
+def control(store, writer: str = CONTROLLER) -> Control:
+    """The control keys as member ``writer``: a member registers and beats as itself."""
+    return Control(signed(store, writer))
 
 
 def forkserver_context():
@@ -18,7 +32,7 @@ def forkserver_context():
 
 def loopback_store(timeout_s: float):
     """A fresh store server on a free loopback port (``.port`` says which)."""
-    return host_store(0, None, timeout_s=timeout_s, host="127.0.0.1")
+    return host_store(0, None, timeout_s=timeout_s, bind="127.0.0.1")
 
 
 def run_roles(role_fn, world_size: int, port: int, timeout_s: float, *args) -> list[tuple[int, str]]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,8 @@ CLI_CALLS = {
     "slurm": ["run", "--dryrun", "-s", "slurm", "llamarl.llamarl", "--num_reward", "1", "--num_generators", "2",
               "--store_port", str(PORT)],
     "kubernetes": ["run", "--dryrun", "--workspace", "", "-s", "kubernetes", "llamarl.llamarl",
-                   "--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)],
+                   "--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT),
+                   "--k8s_secret", "llamarl-run"],
 }
 
 
@@ -110,14 +112,25 @@ def test_other_roles_reach_the_store_through_the_rank0_macro():
         assert f"--store-addr $${{{specs.macros.rank0_env}}}:{PORT}" in role.args[-1]
 
 
-def test_each_app_gets_a_fresh_secret_shared_by_its_roles():
-    a, b = llamarl(num_reward=1), llamarl(num_reward=1)
-    secrets_a = {r.env["LLAMARL_SECRET"] for r in a.roles}
-    secrets_b = {r.env["LLAMARL_SECRET"] for r in b.roles}
-    assert len(secrets_a) == 1 and len(secrets_b) == 1, "one secret for every role of an app"
-    assert secrets_a != secrets_b, "a new secret per app"
-    (secret,) = secrets_a
-    assert len(bytes.fromhex(secret)) == 32
+def test_the_secret_is_never_in_the_appdef_only_the_path_of_its_file():
+    """A dry run, a job spec and ``ps`` show the AppDef to others: it names the file the
+    roles read the secret from (made by the first role, per app), never the secret."""
+    default = llamarl(num_reward=1)
+    paths = {r.env["LLAMARL_SECRET_FILE"] for r in default.roles}
+    assert paths == {f".llamarl/secrets/{specs.macros.app_id}"}, "one file per app, every role"
+    assert all("LLAMARL_SECRET" not in r.env for r in default.roles)
+    given = llamarl(num_reward=1, secret_file="/home/me/.llamarl/run.secret")
+    assert {r.env["LLAMARL_SECRET_FILE"] for r in given.roles} == {"/home/me/.llamarl/run.secret"}
+    k8s = llamarl(num_reward=1, k8s_secret="llamarl-run", secret_file="/ignored")
+    assert {r.env["LLAMARL_SECRET_FILE"] for r in k8s.roles} == {"/etc/llamarl/secret/secret"}
+    assert {r.metadata["llamarl/k8s_secret"] for r in k8s.roles} == {"llamarl-run"}
+
+
+def test_the_store_listens_where_the_other_roles_are_told_to_connect():
+    trainer = llamarl(store_port=PORT).roles[0].args[-1]
+    assert f"--store-port {PORT} --store-bind $${{LLAMARL_STORE_BIND:-$${{{specs.macros.rank0_env}:=localhost}}}}" \
+        in trainer
+    assert "--store-bind 0.0.0.0" in llamarl(store_bind="0.0.0.0").roles[0].args[-1]
 
 
 def test_roles_do_not_share_their_env_dict():
@@ -164,8 +177,37 @@ def test_kubernetes_dryrun_is_one_volcano_job_with_every_role():
     assert f"--store-addr ${{VC_TRAINER_0_HOSTS}}:{PORT}" in tasks["generator-0"].command[-1]
     assert f"--store-addr ${{VC_TRAINER_0_HOSTS}}:{PORT}" in tasks["reward-0"].command[-1]
     assert [p.container_port for p in tasks["trainer-0"].ports] == [PORT, PORT + 1]
-    secrets = {next(e.value for e in c.env if e.name == "LLAMARL_SECRET") for c in tasks.values()}
-    assert len(secrets) == 1
+    assert all("LLAMARL_SECRET" not in {e.name for e in c.env} for c in tasks.values())
+    assert {next(e.value for e in c.env if e.name == "LLAMARL_SECRET_FILE") for c in tasks.values()} == {
+        f".llamarl/secrets/{job['metadata']['name']}"}
+
+
+def test_kubernetes_dryrun_mounts_the_named_secret_in_every_pod():
+    info = get_runner().dryrun_component(
+        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT),
+                            "--k8s_secret", "llamarl-run"], scheduler="kubernetes", cfg={"queue": "default"})
+    pods = [t["template"] for t in info.request.resource["spec"]["tasks"]]
+    assert len(pods) == 4
+    for pod in pods:
+        (volume,) = [v for v in pod.spec.volumes if v.secret is not None]
+        assert volume.secret.secret_name == "llamarl-run" and volume.secret.default_mode == 0o400
+        (container,) = pod.spec.containers
+        (mount,) = [m for m in container.volume_mounts if m.name == volume.name]
+        assert mount.mount_path == "/etc/llamarl/secret" and mount.read_only
+        env = {e.name: e.value for e in container.env}
+        assert env["LLAMARL_SECRET_FILE"] == "/etc/llamarl/secret/secret" and "LLAMARL_SECRET" not in env
+
+
+def test_kubernetes_trainer_listens_on_its_pod_ip_not_on_localhost():
+    """torchx names trainer-0's own host ``localhost`` to trainer-0: the store would listen
+    on loopback; llamarl's scheduler gives every pod its IP, which the trainer prefers."""
+    info = get_runner().dryrun_component(
+        "llamarl.llamarl", ["--num_generators", "1", "--store_port", str(PORT)], scheduler="kubernetes",
+        cfg={"queue": "default"})
+    (trainer, *_) = [t["template"].spec.containers[0] for t in info.request.resource["spec"]["tasks"]]
+    (pod_ip,) = [e for e in trainer.env if e.name == "LLAMARL_STORE_BIND"]
+    assert pod_ip.value_from.field_ref.field_path == "status.podIP"
+    assert "--store-bind ${LLAMARL_STORE_BIND:-${TORCHX_RANK0_HOST:=localhost}}" in trainer.command[-1]
 
 
 def test_a_trainer_of_two_nodes_meets_at_replica_0_on_slurm_and_kubernetes():
@@ -214,6 +256,16 @@ def test_cli_dryrun_for_slurm_and_kubernetes(cli):
         assert f"name: {task}\n" in k8s
     assert k8s.count("maxRetry: 3") == 3  # each executor replica restarts alone
     assert f"${{VC_TRAINER_0_HOSTS}}:{PORT}" in k8s
+    assert "secretName: llamarl-run" in k8s and "mountPath: /etc/llamarl/secret" in k8s
+
+
+def test_no_dry_run_prints_a_secret(cli):
+    """Every role's command line and environment, as each scheduler would submit them: the
+    file's path at most, never a value (a secret is 64 hex digits)."""
+    for name, proc in cli.items():
+        out = proc.stdout + proc.stderr
+        assert "LLAMARL_SECRET=" not in out and "LLAMARL_SECRET:" not in out, name
+        assert not re.search(r"(?<![0-9a-fA-F])[0-9a-fA-F]{64}(?![0-9a-fA-F])", out), name
 
 
 def test_builtins_lists_llamarl_and_torchx_own_components(cli):

@@ -8,11 +8,12 @@ import json
 
 import pytest
 
-from app import data, frames, names, runtime, tasks, transport
+from app import data, names, runtime, tasks, transport
 from app.config import TrainerConfig
 from app.datafile import DataError
 from app.policy import build_tokenizer, encode_prompts
 from data_files import GSM8K, MATH, MATH_ROWS, gsm8k_rows, write_jsonl, write_parquet
+from role_processes import TEST_SECRET
 
 
 @pytest.fixture(scope="module")
@@ -230,9 +231,8 @@ def test_fingerprint_covers_rows_mapping_and_prompts(tmp_path, tokenizer):
 
 
 @pytest.fixture()
-def store(monkeypatch):
-    monkeypatch.setenv(frames.SECRET_ENV, frames.new_secret().hex())
-    return transport.host_store(0, None, timeout_s=30, host="127.0.0.1")
+def store():
+    return transport.host_store(0, None, timeout_s=30, bind="127.0.0.1")
 
 
 def test_a_generator_with_other_data_fails_naming_both(tmp_path, tokenizer, store):
@@ -241,10 +241,10 @@ def test_a_generator_with_other_data_fails_naming_both(tmp_path, tokenizer, stor
     other_file = write_jsonl(tmp_path / "other.jsonl", rows[:-1], GSM8K)
     trainer_data = data.load(cfg(dataset=str(trainer_file)), tokenizer, log=quiet)
     generator_data = data.load(cfg(dataset=str(other_file)), tokenizer, log=quiet)
-    with runtime.Runtime.join("trainer", 0, store) as trainer:
-        data.publish(store, trainer_data)
+    with runtime.Runtime.join("trainer", 0, store, TEST_SECRET) as trainer:
+        data.publish(trainer.signed, trainer_data)
         with pytest.raises(data.DataMismatch) as e:
-            with runtime.Runtime.join("generator", 0, store) as generator:
+            with runtime.Runtime.join("generator", 0, store, TEST_SECRET) as generator:
                 data.check_published(generator, generator_data, timeout_s=10)
         message = str(e.value)
         assert (f"trainer/0: fingerprint {trainer_data.fingerprint[:16]}: {trainer_file} (24 training "
@@ -261,12 +261,12 @@ def test_a_generator_with_other_data_fails_naming_both(tmp_path, tokenizer, stor
 def test_generators_with_the_same_data_are_waited_for(tmp_path, tokenizer, store):
     path = write_jsonl(tmp_path / "g.jsonl", gsm8k_rows(), GSM8K)
     same = data.load(cfg(dataset=str(path)), tokenizer, log=quiet)
-    with runtime.Runtime.join("trainer", 0, store) as trainer:
-        data.publish(store, same)
+    with runtime.Runtime.join("trainer", 0, store, TEST_SECRET) as trainer:
+        data.publish(trainer.signed, same)
         with pytest.raises(TimeoutError, match="no dataset check from generator/0, generator/1"):
             data.wait_for_checks(trainer, ["generator/0", "generator/1"], timeout_s=0.2)
         for replica in (0, 1):
-            with runtime.Runtime.join("generator", replica, store) as generator:
+            with runtime.Runtime.join("generator", replica, store, TEST_SECRET) as generator:
                 data.check_published(generator, data.load(cfg(dataset=str(path)), tokenizer, log=quiet),
                                      timeout_s=10)
         data.wait_for_checks(trainer, ["generator/0", "generator/1"], timeout_s=10)

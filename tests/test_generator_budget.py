@@ -17,17 +17,27 @@ from app import names
 from app.generator import SlotBudget, batch_seed
 from app.train_state import SlotLedger
 from app.transport import connect_store, host_store
+from role_processes import control, signed
 
 B = 4  # groups per step
 
 
 @pytest.fixture()
 def store():
-    store = host_store(0, None, timeout_s=30, host="127.0.0.1")
+    store = host_store(0, None, timeout_s=30, bind="127.0.0.1")
     # What trainer replica 0 does before any generator starts.
-    store.add(names.RESERVED_KEY, 0)
-    store.add(names.DROPPED_KEY, 0)
+    control(store, "trainer/0").register("trainer", 0)
+    signed(store).put(names.RESERVED_KEY, {"count": 0})
     return store
+
+
+def drop(store, total: int) -> None:
+    """The trainer's signed count of the groups it dropped so far."""
+    signed(store).put(names.dropped_key("trainer/0"), total)
+
+
+def generator(store, replica: int = 0):
+    return signed(store, f"generator/{replica}")
 
 
 def client(store):
@@ -39,7 +49,7 @@ def cap(version: int, max_staleness: int, dropped: int = 0) -> int:
 
 
 def test_reserve_stops_at_the_staleness_cap(store):
-    budget = SlotBudget(store, groups_per_step=B, max_staleness=1)
+    budget = SlotBudget(generator(store), groups_per_step=B, max_staleness=1)
     first = budget.reserve(100, version=0)
     assert first == range(0, cap(0, 1))
     # Slot n trains at step n // B + 1 with the trainer at version n // B: lag <= 1.
@@ -51,24 +61,24 @@ def test_reserve_stops_at_the_staleness_cap(store):
 
 
 def test_dropped_groups_are_handed_out_again(store):
-    budget = SlotBudget(store, groups_per_step=B, max_staleness=0)
+    budget = SlotBudget(generator(store), groups_per_step=B, max_staleness=0)
     assert budget.reserve(100, version=0) == range(0, 4)
-    store.add(names.DROPPED_KEY, 3)  # the trainer dropped three stale groups
+    drop(store, 3)  # the trainer dropped three stale groups
     assert budget.reserve(100, version=0) == range(4, 7)
     assert budget.reserve(100, version=0) == range(0)
 
 
 def test_random_reservations_never_exceed_the_bound(store):
     rng = random.Random(0)
-    budget = SlotBudget(store, groups_per_step=B, max_staleness=2)
+    budget = SlotBudget(generator(store), groups_per_step=B, max_staleness=2)
     version, dropped, granted = 0, 0, 0
     for _ in range(300):
         action = rng.random()
         if action < 0.2:
             version += 1
         elif action < 0.3:
-            store.add(names.DROPPED_KEY, 1)
             dropped += 1
+            drop(store, dropped)
         else:
             slots = budget.reserve(rng.randint(1, 6), version)
             if slots:
@@ -81,7 +91,7 @@ def test_random_reservations_never_exceed_the_bound(store):
 def _reserve_until_empty(store_addr: str, version: int, max_staleness: int, out: list[range],
                          barrier: threading.Barrier) -> None:
     store = connect_store(store_addr, timeout_s=10)  # one connection per "generator"
-    budget = SlotBudget(store, groups_per_step=B, max_staleness=max_staleness)
+    budget = SlotBudget(generator(store), groups_per_step=B, max_staleness=max_staleness)
     barrier.wait()
     while slots := budget.reserve(1, version):
         out.append(slots)
@@ -111,7 +121,7 @@ def test_concurrent_reservations_never_overlap(store, max_staleness):
 def test_synchronous_budget_gives_exactly_the_next_step(store):
     """max_staleness = 0: weights of version v fill exactly the B slots of step v + 1,
     whichever generator asks, however much it asks for."""
-    generators = [SlotBudget(client(store), groups_per_step=B, max_staleness=0) for _ in range(2)]
+    generators = [SlotBudget(generator(client(store), i), groups_per_step=B, max_staleness=0) for i in range(2)]
     for version in range(4):
         got: list[int] = []
         for _ in range(5):
@@ -129,8 +139,8 @@ def test_after_a_resume_the_slots_lost_in_flight_come_first(store):
     ledger = SlotLedger()
     for slot in [*range(7), 8]:
         ledger.consume(slot)
-    store.set(names.RESERVED_KEY, str(ledger.count))
-    budget = SlotBudget(store, groups_per_step=B, max_staleness=1, ledger=ledger)
+    signed(store).put(names.RESERVED_KEY, {"count": ledger.count})
+    budget = SlotBudget(generator(store), groups_per_step=B, max_staleness=1, ledger=ledger)
     reserved = budget.reserve(100, version=2)
     assert reserved == range(8, cap(2, 1))
     assert budget.slot_ids(reserved) == [7, *range(9, 16)]
@@ -142,16 +152,17 @@ def test_slots_lost_with_an_executor_come_back_outside_the_counter(store):
     its cap, yet the survivor gets those two slots back to regenerate, once each."""
     from app import membership
 
-    budget = SlotBudget(store, groups_per_step=B, max_staleness=0)
+    budget = SlotBudget(generator(store), groups_per_step=B, max_staleness=0)
     assert budget.reserve(100, version=0) == range(0, 4)
-    dead = membership.HeldSlots(store, "generator/1")
+    dead = membership.HeldSlots(generator(store, 1))
     dead.take([2, 3])
     assert budget.reserve(1, version=0) == range(0), "the step's slots are all reserved"
-    watch = membership.Membership(store, {"generator": 2})  # takes generator/1 out:
+    watch = membership.Membership(signed(store), {"generator": 2})  # takes generator/1 out:
     assert watch._return_held("generator/1") == 2
     assert membership.lost_slots_waiting(store) == 2
-    assert membership.take_lost_slots(store, 8) == [2, 3]
-    assert membership.take_lost_slots(store, 8) == []
+    survivor = generator(store, 0)
+    assert membership.take_lost_slots(survivor, 8) == [2, 3]
+    assert membership.take_lost_slots(survivor, 8) == []
     assert budget.reserve(1, version=0) == range(0), "the counter did not move"
 
 

@@ -12,8 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from app import data, health, names, runtime, transport
-from app.transport import Control
-from role_processes import loopback_store
+from role_processes import control as control_as, loopback_store
 
 
 @pytest.fixture()
@@ -22,21 +21,21 @@ def store():
 
 
 def test_check_health_names_a_failed_member_first(store):
-    control = Control(store)
-    control.register("generator", 0)
+    control = control_as(store)
+    control_as(store, "generator/0").register("generator", 0)
     health.check_health(control)  # all alive
-    control.mark_failed("reward", 0, "ValueError: bad spec")
+    control_as(store, "reward/0").mark_failed("reward", 0, "ValueError: bad spec")
     with pytest.raises(health.AppFailed, match=r"^reward/0 failed: ValueError: bad spec$"):
         health.check_health(control)
 
 
 def test_check_health_names_members_whose_heartbeat_stood_still(store):
-    control = Control(store)
+    control = control_as(store)
     for replica in (0, 1):
-        control.register("generator", replica)
+        control_as(store, f"generator/{replica}").register("generator", replica)
     health.check_health(control, timeout_s=0.2)  # first sight: fresh
     time.sleep(0.3)
-    control.heartbeat("generator", 0)
+    control_as(store, "generator/0").heartbeat("generator", 0)
     with pytest.raises(health.AppFailed, match=r"no heartbeat for 0.2 s from generator/1: the process is gone"):
         health.check_health(control, timeout_s=0.2)
 
@@ -45,20 +44,20 @@ def test_waiting_for_members_names_one_that_died_while_the_others_start(store):
     """The trainer waits for every member to register (and replica 0 for their dataset
     checks) for up to 900 s; a member that registered and then went silent is named
     within the heartbeat timeout instead."""
-    control = Control(store)
-    control.register("generator", 0)  # registered, then killed: no heartbeat ever moves
+    control = control_as(store)
+    control_as(store, "generator/0").register("generator", 0)  # registered, then killed: no heartbeat ever moves
     check = functools.partial(health.check_health, control, timeout_s=0.3)
     with pytest.raises(health.AppFailed, match=r"from generator/0: the process is gone"):
         control.wait_for_members({"generator": 2}, timeout_s=30, health=check)
-    rt = SimpleNamespace(store=store, control=control, should_stop=lambda: False)
+    rt = SimpleNamespace(store=store, control=control, signed=control.signed, should_stop=lambda: False)
     with pytest.raises(health.AppFailed, match=r"from generator/0: the process is gone"):
         data.wait_for_checks(rt, [names.member("generator", 0)], timeout_s=30, health=check)
 
 
 def test_blame_peer_names_the_dead_member_behind_a_connection_error(store):
-    control = Control(store)
-    control.register("generator", 0)
-    control.mark_failed("generator", 0, "killed")
+    control = control_as(store)
+    control_as(store, "generator/0").register("generator", 0)
+    control_as(store, "generator/0").mark_failed("generator", 0, "killed")
     blamed = health.blame_peer(control, RuntimeError("Connection reset by peer"), wait_s=1.0)
     assert isinstance(blamed, health.AppFailed) and "generator/0" in str(blamed)
     # An error of its own (no peer in its words) is not blamed on anyone, whoever failed.
@@ -124,8 +123,8 @@ def test_a_role_refuses_the_control_store_of_another_app():
     assert mine.get(names.APP_ID_KEY) == b"llamarl-first"
     with pytest.raises(ConnectionError, match=r"belongs to app 'llamarl-first', not to this app "
                                               r"\('llamarl-second'\).*--store_port"):
-        runtime.connect_app_store(addr, "llamarl-second", timeout_s=10)
-    assert Control(store).members() == [], "refused before registering"
+        runtime.connect_app_store(addr, "llamarl-second", timeout_s=10, check_timeout_s=0.5)
+    assert control_as(store).members() == [], "refused before registering"
 
 
 def test_a_second_store_on_a_port_in_use_fails_saying_why():

@@ -21,7 +21,7 @@ G = 4  # completions per group
 
 @pytest.fixture()
 def queue():
-    store = host_store(0, None, timeout_s=30, host="127.0.0.1")
+    store = host_store(0, None, timeout_s=30, bind="127.0.0.1")
     return StoreQueue(store, "rollouts", SECRET, maxlen=64)
 
 

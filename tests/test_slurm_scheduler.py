@@ -31,11 +31,25 @@ def test_torchx_slurm_is_llamarls_scheduler_beside_torchx_own():
         assert name in factories, f"registering slurm must keep torchx's {name}"
 
 
-def test_the_secret_reaches_the_roles_in_a_file_not_in_the_script():
-    info = dryrun()
+SECRET = "ab" * 32
+
+
+def test_the_roles_read_the_secret_from_a_file_in_the_job_directory():
+    """The component names a file in the job's own directory (a relative path), which the
+    first role makes (mode 600 in a 700 directory); the batch script, run under
+    ``set -x``, holds its path only."""
+    req = dryrun().request
+    assert req.secret_files == {}
+    script = req.materialize()
+    assert script.count(f'{SECRET_FILE_ENV}=.llamarl/secrets/"$SLURM_JOB_ID"') == 4, "one file, every replica"
+    assert "LLAMARL_SECRET=" not in script
+
+
+def test_a_secret_given_in_the_environment_still_reaches_the_roles_in_a_file():
+    info = dryrun("--env", f"LLAMARL_SECRET={SECRET}")
     req = info.request
     ((path, secret),) = req.secret_files.items()
-    assert len(bytes.fromhex(secret)) == 32
+    assert secret == SECRET
     script = req.materialize()
     assert secret not in script and secret not in repr(req), "the batch script runs under set -x"
     assert script.count(f"{SECRET_FILE_ENV}={path}") == 4, "every replica reads the same file"
@@ -45,7 +59,7 @@ def test_the_secret_reaches_the_roles_in_a_file_not_in_the_script():
 
 
 def test_the_job_runs_in_the_image_directory(tmp_path):
-    req = dryrun("--image", str(tmp_path)).request
+    req = dryrun("--image", str(tmp_path), "--env", f"LLAMARL_SECRET={SECRET}").request
     assert f"--chdir={tmp_path}" in req.cmd
     (path,) = req.secret_files
     assert Path(path).parent == tmp_path / ".llamarl" / "secrets"
@@ -82,7 +96,7 @@ def test_each_replica_logs_stdout_and_stderr_to_one_file():
 
 
 def test_without_sbatch_the_submit_says_slurm_is_missing(tmp_path, monkeypatch):
-    info = dryrun("--image", str(tmp_path))
+    info = dryrun("--image", str(tmp_path), "--env", f"LLAMARL_SECRET={SECRET}")
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch there
     with pytest.raises(SbatchError, match="sbatch is not on PATH"):
         LlamarlSlurmScheduler("test").schedule(info)

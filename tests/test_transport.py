@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from app.frames import (MAX_FRAME_BYTES, SECRET_ENV, AuthenticationError, decode, encode, new_secret,
-                        secret_from_env)
-from app.transport import Control, Stopped, StoreQueue, connect_store
-from role_processes import forkserver_context, loopback_store
+from app.frames import (MAX_FRAME_BYTES, SECRET_ENV, SECRET_FILE_ENV, AuthenticationError, decode, encode,
+                        new_secret, read_secret)
+from app.transport import Stopped, StoreQueue, connect_store
+from role_processes import control, forkserver_context, loopback_store
 
 SECRET = bytes(range(32))
 
@@ -141,14 +141,15 @@ def test_malformed_but_signed_frames_raise_value_error():
 def test_secret_from_env(monkeypatch):
     secret = new_secret()
     assert len(secret) == 32 and secret != new_secret()
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
     monkeypatch.setenv(SECRET_ENV, secret.hex())
-    assert secret_from_env() == secret
+    assert read_secret() == secret
     monkeypatch.setenv(SECRET_ENV, "zz-not-hex")
     with pytest.raises(RuntimeError, match="hex"):
-        secret_from_env()
+        read_secret()
     monkeypatch.delenv(SECRET_ENV)
     with pytest.raises(RuntimeError, match=SECRET_ENV):
-        secret_from_env()
+        read_secret()
 
 
 # --------------------------------------------------------------------------- store
@@ -221,10 +222,10 @@ def test_should_stop_interrupts_waits(store):
     q.push({"x": 1}, timeout_s=1)
     with pytest.raises(Stopped):
         q.push({"x": 2}, timeout_s=30, should_stop=lambda: True)
-    control = Control(store)
+    control_ = control(store)
     with pytest.raises(Stopped):
-        q.push({"x": 2}, timeout_s=30, should_stop=lambda: control.stopped() or
-               control.request_stop("test") is None)
+        q.push({"x": 2}, timeout_s=30, should_stop=lambda: control_.stopped() or
+               control_.request_stop("test") is None)
 
 
 def _produce(port: int, n: int, maxlen: int) -> None:
@@ -232,7 +233,7 @@ def _produce(port: int, n: int, maxlen: int) -> None:
     q = StoreQueue(store, "fifo", SECRET, maxlen=maxlen)
     for i in range(n):
         q.push({"i": i, "logp_T": torch.full((i + 1,), float(i))}, timeout_s=30)
-    Control(store).register("producer", 0)
+    control(store, "producer/0").register("producer", 0)
 
 
 def test_queue_fifo_and_backpressure_across_processes(store):
@@ -255,14 +256,14 @@ def test_queue_fifo_and_backpressure_across_processes(store):
     assert [m["i"] for m in got] == list(range(n))
     assert all(torch.equal(m["logp_T"], torch.full((m["i"] + 1,), float(m["i"]))) for m in got)
     assert max_depth <= maxlen
-    assert Control(store).members() == ["producer/0"]
+    assert control(store).members() == ["producer/0"]
 
 
 # --------------------------------------------------------------------------- control
 
 
 def test_control_version_and_stop(store):
-    trainer, gen = Control(store), Control(client(store))
+    trainer, gen = control(store), control(client(store), "generator/0")
     assert gen.version() == 0
     trainer.set_version(7)
     # TCPStore's SET gets no reply, so another connection may read before the server has
@@ -279,34 +280,34 @@ def test_control_version_and_stop(store):
 
 
 def test_control_members_heartbeats_and_failures(store):
-    trainer = Control(store)
+    trainer = control(store)
     with pytest.raises(TimeoutError, match="generator/1"):
         trainer.wait_for_members({"generator": 2, "reward": 1}, timeout_s=0.1)
-    peers = Control(client(store))
-    peers.register("generator", 0)
-    peers.register("reward", 0)
+    peers = {m: control(client(store), m) for m in ("generator/0", "generator/1", "reward/0")}
+    peers["generator/0"].register("generator", 0)
+    peers["reward/0"].register("reward", 0)
     with pytest.raises(TimeoutError) as err:
         trainer.wait_for_members({"generator": 2, "reward": 1}, timeout_s=0.1)
     assert "generator/1" in str(err.value) and "reward/0" not in str(err.value).split("(")[0]
-    threading.Timer(0.1, peers.register, args=("generator", 1)).start()
+    threading.Timer(0.1, peers["generator/1"].register, args=("generator", 1)).start()
     assert trainer.wait_for_members({"generator": 2, "reward": 1}, timeout_s=5) == [
         "generator/0", "generator/1", "reward/0"]
 
     assert set(trainer.last_heartbeats()) == {"generator/0", "generator/1", "reward/0"}
     time.sleep(0.3)
-    peers.heartbeat("generator", 0)
-    peers.heartbeat("reward", 0)
+    peers["generator/0"].heartbeat("generator", 0)
+    peers["reward/0"].heartbeat("reward", 0)
     ages = trainer.last_heartbeats()
     assert ages["generator/0"] < 0.2 and ages["generator/1"] >= 0.3
     assert trainer.dead_members(max_age_s=0.25) == ["generator/1"]
 
     assert trainer.failures() == {} and trainer.stop_reason() is None
-    peers.mark_failed("reward", 0, "CUDA error: out of memory")
+    peers["reward/0"].mark_failed("reward", 0, "CUDA error: out of memory")
     assert trainer.failures() == {"reward/0": "CUDA error: out of memory"}
     assert "reward/0 failed" in trainer.stop_reason()
     assert "reward/0" in trainer.dead_members(max_age_s=60)
     with pytest.raises(ValueError):
-        peers.register("bad/role", 0)
+        peers["reward/0"].register("bad/role", 0)
 
 
 def test_runtime_should_stop_sees_a_stop_and_spares_the_store(store, monkeypatch):
@@ -314,7 +315,8 @@ def test_runtime_should_stop_sees_a_stop_and_spares_the_store(store, monkeypatch
     at most every STOP_CHECK_S, and a stop is seen within that time and then for good."""
     from app import runtime
 
-    rt = runtime.Runtime(role="generator", replica=0, store=store, control=Control(store), secret=SECRET)
+    rt = runtime.Runtime(role="generator", replica=0, store=store, control=control(store, "generator/0"),
+                         secret=SECRET)
     round_trips = []
     real_stopped = rt.control.stopped
     monkeypatch.setattr(rt.control, "stopped", lambda: round_trips.append(1) or real_stopped())
@@ -325,7 +327,7 @@ def test_runtime_should_stop_sees_a_stop_and_spares_the_store(store, monkeypatch
     elapsed = time.monotonic() - t0
     assert len(round_trips) <= 2 + elapsed / runtime.STOP_CHECK_S
 
-    Control(store).request_stop("finished")
+    control(store).request_stop("finished", finished=True)
     time.sleep(runtime.STOP_CHECK_S)
     assert rt.should_stop() is True
     calls = len(round_trips)
@@ -338,12 +340,18 @@ def test_secret_from_a_private_file(tmp_path, monkeypatch):
     path = tmp_path / "secret"
     path.write_text(secret.hex())
     monkeypatch.delenv(SECRET_ENV, raising=False)
-    monkeypatch.setenv(SECRET_ENV + "_FILE", str(path))
+    monkeypatch.setenv(SECRET_FILE_ENV, str(path))
     path.chmod(0o644)
     with pytest.raises(RuntimeError, match="mode 644 lets other users read"):
-        secret_from_env()
+        read_secret()
     path.chmod(0o600)
-    assert secret_from_env() == secret
+    assert read_secret() == secret
+    # A file that is not there yet is made by the first role that looks: the component's
+    # default (under the runs directory) needs no setup, and every role reads the same.
     path.unlink()
-    with pytest.raises(RuntimeError, match="cannot be read"):
-        secret_from_env()
+    made = read_secret()
+    assert made != secret and read_secret() == made and read_secret(str(path)) == made
+    assert path.stat().st_mode & 0o777 == 0o600
+    deeper = tmp_path / "private" / "secret"
+    assert len(read_secret(str(deeper))) == 32
+    assert deeper.parent.stat().st_mode & 0o777 == 0o700

@@ -14,7 +14,7 @@ import torch
 from app.transport import connect_store
 from app.weight_plane import ElasticReceiver, ElasticSender, NoGeneratorsLeft
 from app.weight_sync import flatten_parameters_
-from role_processes import forkserver_context, loopback_store
+from role_processes import forkserver_context, loopback_store, signed
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ def _trainer(store) -> str:
     # died until its restarted process is up.
     gone = lambda: {"generator/1"} if store.check([DIED]) and not store.check([RESTARTED]) else set()  # noqa: E731
     live = params_at(0)
-    sender = ElasticSender(store, live, num_generators=2, timeout_s=20.0, gone=gone,
+    sender = ElasticSender(signed(store), live, num_generators=2, timeout_s=20.0, gone=gone,
                            should_stop=lambda: False, gone_wait_s=20.0)
     sender.start()
 
@@ -61,7 +61,7 @@ def _trainer(store) -> str:
 def _generator(store, replica: int, until: int, die: bool = False) -> str:
     model = params_at(-1)
     flatten_parameters_([p for _, p in model])
-    receiver = ElasticReceiver(store, replica, model, timeout_s=20.0)
+    receiver = ElasticReceiver(signed(store, f"generator/{replica}"), replica, model, timeout_s=20.0)
     receiver.start_background(should_stop=lambda: store.check([DONE]))
     seen: list[int] = []
 
@@ -124,7 +124,7 @@ def test_a_lost_generator_is_regrouped_out_and_a_restarted_one_rejoins():
 
 def test_no_generator_left_is_a_clear_error():
     store = loopback_store(timeout_s=30)
-    sender = ElasticSender(store, params_at(0), num_generators=1, timeout_s=5.0,
+    sender = ElasticSender(signed(store), params_at(0), num_generators=1, timeout_s=5.0,
                            gone=lambda: {"generator/0"}, should_stop=lambda: False)
     with pytest.raises(NoGeneratorsLeft, match="every generator is gone"):
         sender._regroup([0])
