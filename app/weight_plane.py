@@ -1,13 +1,15 @@
 """The weight plane across membership changes: one weight group per epoch.
 
 ``app.weight_sync`` is one fixed process group: a member that dies breaks it for good
-(gloo and NCCL groups cannot shrink). Here the trainer builds a new group whenever the
-generators change, an *epoch*: the roster of epoch N (the generators, in rank order) is
-published under ``weights/roster/<N>`` and the group rendezvouses under
-``weights/<N>`` (``names.weight_epoch_prefix``), so no key of an old group is read by a
-new one.
+(gloo and NCCL groups cannot shrink). Here the trainer builds new groups whenever the
+generators change, an *epoch*: the roster of epoch N (the generators, in rank order, and
+the number of trainer ranks that send) is published under ``weights/roster/<N>`` and the
+group of trainer rank r rendezvouses under ``weights/<N>/<r>`` (``names.weight_epoch_prefix``),
+so no key of an old group is read by a new one. With N trainer ranks (FSDP2) each sends
+its own shard in its own group; every generator is in all of them.
 
-- ``ElasticSender`` (trainer replica 0): ``send(version)``. When a send fails it waits
+- ``ElasticSender`` (trainer replica 0, the only one that knows who is alive):
+  ``send(version)``. When a send fails it waits
   until ``app.membership`` has taken the dead generator out (or a generator asked to
   rejoin), builds the next epoch among the survivors and sends the same version again.
   A generator that asks to join (a restarted replica, or a survivor whose receive broke)
@@ -28,7 +30,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,7 @@ from app.weight_sync import (
     WeightLayoutError,
     WeightReceiver,
     WeightSender,
+    WeightGroup,
     WeightSyncError,
     init_weight_group,
     stop_thread,
@@ -47,7 +50,7 @@ from app.weight_sync import (
 
 log = logging.getLogger("llamarl")
 
-__all__ = ["ElasticReceiver", "ElasticSender", "NoGeneratorsLeft"]
+__all__ = ["ElasticReceiver", "ElasticSender", "NoGeneratorsLeft", "ShardFollower", "elastic_sender"]
 
 JOIN_TIMEOUT_S = 900.0
 """A generator waits this long for an epoch that takes it in (the trainer may still be
@@ -62,6 +65,37 @@ def _plane_store(store: dist.Store) -> dist.Store:
     return dist.PrefixStore(names.WEIGHT_PLANE_PREFIX, store)
 
 
+def _wait_for(plane: dist.Store, key: str, timeout_s: float, should_stop: Callable[[], bool],
+              what: str) -> str:
+    """The value of ``key`` once set: ``WeightSyncError`` after ``timeout_s``, ``Stopped``
+    once ``should_stop()``."""
+    deadline = time.monotonic() + timeout_s
+    backoff = Backoff(first_s=0.001, max_s=0.05)
+    while not plane.check([key]):
+        if should_stop():
+            raise Stopped(f"stopped while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise WeightSyncError(f"weight plane: waited {timeout_s:g} s for {what}")
+        time.sleep(backoff.next())
+    return plane.get(key).decode()
+
+
+def elastic_sender(store: dist.Store, params: Sequence[tuple[str, torch.Tensor]], *, rank: int, ranks: int,
+                   num_generators: int, timeout_s: float, gone: Callable[[], set[str]] | None,
+                   should_stop: Callable[[], bool],
+                   device: torch.device = torch.device("cpu")) -> ElasticSender | ShardFollower:
+    """Trainer rank ``rank`` of ``ranks``'s side of the weight plane: the leader on rank 0
+    (``gone``: the membership's lost members), a follower elsewhere. Every rank calls
+    ``start()`` once and ``send(version)`` for every version, all ranks the same versions."""
+    if rank == 0:
+        if gone is None:
+            raise ValueError("trainer rank 0 leads the weight plane: it needs the membership's gone()")
+        return ElasticSender(store, params, num_generators=num_generators, timeout_s=timeout_s, gone=gone,
+                             should_stop=should_stop, device=device, ranks=ranks)
+    return ShardFollower(store, params, rank=rank, ranks=ranks, timeout_s=timeout_s,
+                         should_stop=should_stop, device=device)
+
+
 class ElasticSender:
     """Trainer replica 0's side of the weight plane, over as many epochs as it takes.
 
@@ -72,8 +106,11 @@ class ElasticSender:
     def __init__(self, store: dist.Store, params: Sequence[tuple[str, torch.Tensor]], *,
                  num_generators: int, timeout_s: float, gone: Callable[[], set[str]],
                  should_stop: Callable[[], bool], device: torch.device = torch.device("cpu"),
-                 gone_wait_s: float = 15.0) -> None:
+                 gone_wait_s: float = 15.0, ranks: int = 1) -> None:
         self.store, self.plane = store, _plane_store(store)
+        self.ranks = ranks
+        """Trainer ranks that send (each its shard); ranks > 0 follow this one's attempts."""
+        self.attempts = 0
         self.params, self.num_generators, self.timeout_s = list(params), num_generators, timeout_s
         self.gone, self.should_stop, self.device = gone, should_stop, device
         self.gone_wait_s = gone_wait_s
@@ -144,13 +181,14 @@ class ElasticSender:
                 self._retired.append(self._sender)
                 self._sender = None
             self.epoch += 1
-            self.plane.set(names.weight_roster_key(self.epoch), json.dumps(roster))
+            self.plane.set(names.weight_roster_key(self.epoch),
+                           json.dumps({"generators": roster, "senders": self.ranks}))
             self.plane.set(names.WEIGHT_EPOCH_KEY, str(self.epoch))
             try:
                 group = init_weight_group(self.store, rank=0, world_size=len(roster) + 1, device=self.device,
                                           timeout_s=self.timeout_s, prefix=names.weight_epoch_prefix(self.epoch),
                                           should_stop=self.should_stop)
-                self._sender = WeightSender(group, self.params)
+                self._sender = WeightSender(group, self.params, rank=0, ranks=self.ranks)
             except WeightLayoutError:
                 raise
             except WeightSyncError as e:
@@ -168,25 +206,63 @@ class ElasticSender:
 
     def _present(self, roster: list[int]) -> list[int]:
         """The generators of ``roster`` that reached the current epoch's rendezvous."""
-        group_store = dist.PrefixStore(names.weight_epoch_prefix(self.epoch), self.store)
+        group_store = dist.PrefixStore(names.weight_epoch_prefix(self.epoch, 0), self.store)
         return [r for i, r in enumerate(roster) if group_store.check([names.weight_rank_present_key(i + 1)])]
 
     def send(self, version: int) -> SyncStats:
-        """Broadcast ``version`` to every generator in the plane, regrouping first when one
-        asked to join, and again (then resending) when a generator is lost mid-send."""
-        if joiners := self.joiners():
-            log.info("generators %s join the weight plane at version %d", joiners, version)
-            self._regroup(self.roster + joiners)
-        while True:
-            try:
-                return self._sender.send(version)
-            except WeightLayoutError:
-                raise
-            except WeightSyncError as e:
-                left = self._wait_for_change(e)
+        """Broadcast ``version`` (this rank's shard of it) to every generator in the plane,
+        regrouping first when one asked to join, and again (then resending) when a
+        generator is lost mid-send; with several trainer ranks, for all of them."""
+        try:
+            if joiners := self.joiners():
+                log.info("generators %s join the weight plane at version %d", joiners, version)
+                self._regroup(self.roster + joiners)
+            while True:
+                self.attempts += 1
+                if self.ranks > 1:
+                    self.plane.set(names.weight_attempt_key(self.attempts), str(self.epoch))
+                try:
+                    stats = self._sender.send(version)
+                    error = None
+                except WeightLayoutError:
+                    raise
+                except WeightSyncError as e:
+                    error = e
+                error = self._followers_outcome(version) or error
+                if error is None:
+                    self._verdict("done")
+                    return stats
+                left = self._wait_for_change(error)
                 log.warning("weight sync of version %d failed (%s); regrouping among generators %s",
-                            version, str(e).splitlines()[0][:200], left)
+                            version, str(error).splitlines()[0][:200], left)
                 self._regroup(left)
+                self._verdict("retry")
+        except BaseException as e:
+            if self.ranks > 1:  # the followers wait on the attempt's verdict, or on the next attempt
+                why = f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+                self._verdict(why)
+                self.plane.set(names.weight_attempt_key(self.attempts + 1), why)
+            raise
+
+    def _verdict(self, verdict: str) -> None:
+        key = names.weight_attempt_verdict_key(self.attempts)
+        if self.ranks > 1 and self.attempts and not self.plane.check([key]):
+            self.plane.set(key, verdict)
+
+    def _followers_outcome(self, version: int) -> WeightSyncError | None:
+        """The other trainer ranks' outcome of the current attempt: ``None`` when each sent
+        its shard, else the first failure (``WeightLayoutError`` raised at once)."""
+        for rank in range(1, self.ranks):
+            # A rank's send fails at the latest at its group's timeout; building its group
+            # for a new epoch may take another one.
+            outcome = _wait_for(self.plane, names.weight_attempt_result_key(self.attempts, rank),
+                                2 * self.timeout_s + 30.0, self.should_stop,
+                                f"trainer rank {rank} to send its shard of version {version}")
+            if outcome.startswith("layout: "):
+                raise WeightLayoutError(f"trainer rank {rank}: {outcome.removeprefix('layout: ')}")
+            if outcome != "ok":
+                return WeightSyncError(f"trainer rank {rank}'s shard of version {version}: {outcome}")
+        return None
 
     def _wait_for_change(self, error: WeightSyncError) -> list[int]:
         """After a failed send: the roster to regroup once a generator of this one is
@@ -202,6 +278,71 @@ class ElasticSender:
             if time.monotonic() > deadline:
                 raise error
             time.sleep(0.1)
+
+
+class ShardFollower:
+    """A trainer rank > 0's side of the weight plane: sends its shard of every version in
+    the epoch trainer rank 0 names for each attempt, in a weight group of its own with
+    every generator of that epoch, and reports how it went (``ElasticSender`` leads)."""
+
+    def __init__(self, store: dist.Store, params: Sequence[tuple[str, torch.Tensor]], *, rank: int, ranks: int,
+                 timeout_s: float, should_stop: Callable[[], bool],
+                 device: torch.device = torch.device("cpu"), lead_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        if not 0 < rank < ranks:
+            raise ValueError(f"a shard follower is a trainer rank > 0, not {rank} of {ranks}")
+        self.store, self.plane = store, _plane_store(store)
+        self.params, self.rank, self.ranks = list(params), rank, ranks
+        self.timeout_s, self.should_stop, self.device = timeout_s, should_stop, device
+        self.lead_timeout_s = lead_timeout_s
+        """How long to wait for rank 0's next attempt or verdict (it may be waiting for
+        generators to start, or for a lost one to be taken out, or rebuilding groups)."""
+        self.epoch = 0
+        self.attempts = 0
+        self._sender: WeightSender | None = None
+        self._retired: list[WeightSender] = []  # as ElasticSender's: a destructor would wait
+
+    def start(self) -> None:
+        """Nothing to do before the first send: rank 0 names the first epoch then."""
+
+    def _join(self, epoch: int) -> None:
+        roster = json.loads(self.plane.get(names.weight_roster_key(epoch)))
+        if roster["senders"] != self.ranks:
+            raise WeightLayoutError(f"weight plane epoch {epoch} has {roster['senders']} trainer ranks "
+                                    f"sending; this is rank {self.rank} of {self.ranks}")
+        if self._sender is not None:
+            self._retired.append(self._sender)
+            self._sender = None
+        self.epoch = epoch
+        group = init_weight_group(self.store, rank=0, world_size=len(roster["generators"]) + 1,
+                                  device=self.device, timeout_s=self.timeout_s,
+                                  prefix=names.weight_epoch_prefix(epoch, self.rank), should_stop=self.should_stop)
+        self._sender = WeightSender(group, self.params, rank=self.rank, ranks=self.ranks)
+
+    def send(self, version: int) -> SyncStats:
+        stats = None
+        while True:
+            self.attempts += 1
+            epoch = _wait_for(self.plane, names.weight_attempt_key(self.attempts), self.lead_timeout_s,
+                              self.should_stop, f"trainer rank 0 to start sending version {version}")
+            if epoch.startswith("failed"):
+                raise WeightSyncError(f"trainer rank 0 gave up the weight sync of version {version}: {epoch}")
+            try:
+                if int(epoch) != self.epoch or self._sender is None:
+                    self._join(int(epoch))
+                stats = self._sender.send(version)
+                outcome = "ok"
+            except WeightLayoutError as e:
+                outcome = f"layout: {e}"
+            except WeightSyncError as e:
+                outcome = f"failed: {str(e).splitlines()[0][:300]}"
+            self.plane.set(names.weight_attempt_result_key(self.attempts, self.rank), outcome)
+            verdict = _wait_for(self.plane, names.weight_attempt_verdict_key(self.attempts), self.lead_timeout_s,
+                                self.should_stop, f"trainer rank 0's verdict on version {version}")
+            if verdict == "done":
+                return stats
+            if verdict != "retry":
+                raise WeightSyncError(f"trainer rank 0 gave up the weight sync of version {version}: {verdict}")
+            log.warning("weight sync of version %d: resending in a new epoch (%s)", version, outcome)
 
 
 class ElasticReceiver:
@@ -229,15 +370,15 @@ class ElasticReceiver:
     def _newest_epoch(self) -> int:
         return int(self.plane.get(names.WEIGHT_EPOCH_KEY)) if self.plane.check([names.WEIGHT_EPOCH_KEY]) else 0
 
-    def _wait_for_epoch(self, should_stop: Callable[[], bool]) -> tuple[int, list[int]]:
-        """The newest epoch after this one whose roster holds this generator."""
+    def _wait_for_epoch(self, should_stop: Callable[[], bool]) -> tuple[int, dict]:
+        """The newest epoch after this one whose roster holds this generator, and its roster."""
         deadline = time.monotonic() + self.join_timeout_s
         backoff = Backoff(first_s=0.005, max_s=0.05)
         while True:
             epoch = self._newest_epoch()
             if epoch > self.epoch:
                 roster = json.loads(self.plane.get(names.weight_roster_key(epoch)))
-                if self.replica in roster:
+                if self.replica in roster["generators"]:
                     return epoch, roster
             if should_stop():
                 raise Stopped("stopped while waiting to join the weight plane")
@@ -255,13 +396,10 @@ class ElasticReceiver:
                 self.epoch = epoch
                 next_roster = names.weight_roster_key(epoch + 1)  # epochs are consecutive
                 newer = lambda: self.plane.check([next_roster])  # noqa: E731
+                abandoned = threading.Event()  # one for all of the epoch's groups
                 try:
-                    group = init_weight_group(self.store, rank=roster.index(self.replica) + 1,
-                                              world_size=len(roster) + 1, device=self.device,
-                                              timeout_s=self.timeout_s, prefix=names.weight_epoch_prefix(epoch),
-                                              should_stop=lambda: stop() or newer())
-                    group.abandoned = threading.Event()
-                    receiver = WeightReceiver(group, self.params)
+                    receiver = WeightReceiver(self._groups(epoch, roster, lambda: stop() or newer(), abandoned),
+                                              self.params)
                 except WeightLayoutError:
                     raise
                 except (WeightSyncError, Stopped) as e:
@@ -276,7 +414,7 @@ class ElasticReceiver:
                 # trainer has left this group; a peer of it may be dead).
                 received = threading.Event()
                 watchdog = threading.Thread(target=self._abandon_when,
-                                            args=(group, lambda: stop() or newer(), received),
+                                            args=(abandoned, lambda: stop() or newer(), received),
                                             daemon=True, name=f"weight-plane-watch-{self.replica}")
                 watchdog.start()
                 try:
@@ -295,12 +433,25 @@ class ElasticReceiver:
         except BaseException as e:  # raised to the generator by swap_if_newer()
             self._error = e
 
+    def _groups(self, epoch: int, roster: dict, should_stop: Callable[[], bool],
+                abandoned: threading.Event) -> Iterator[WeightGroup]:
+        """The epoch's weight groups, one per trainer rank, each built as the receiver asks
+        for it: trainer rank r > 0 joins only once rank 0's group is through its layout
+        handshake, so a generator must not wait in group r's rendezvous before that."""
+        for sender in range(roster["senders"]):
+            group = init_weight_group(self.store, rank=roster["generators"].index(self.replica) + 1,
+                                      world_size=len(roster["generators"]) + 1, device=self.device,
+                                      timeout_s=self.timeout_s, prefix=names.weight_epoch_prefix(epoch, sender),
+                                      should_stop=should_stop)
+            group.abandoned = abandoned
+            yield group
+
     @staticmethod
-    def _abandon_when(group, condition: Callable[[], bool], received: threading.Event) -> None:
-        """Give ``group`` up once ``condition()``, unless its receive loop ended first."""
+    def _abandon_when(abandoned: threading.Event, condition: Callable[[], bool], received: threading.Event) -> None:
+        """Give the epoch's groups up once ``condition()``, unless its receive loop ended first."""
         while not received.wait(0.05):
             if condition():
-                group.abandoned.set()
+                abandoned.set()
                 return
 
     def _retire(self) -> None:

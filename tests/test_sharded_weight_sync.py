@@ -1,0 +1,215 @@
+"""Sharded weight sync, in real gloo processes on loopback: N trainer ranks (real FSDP2
+``fully_shard`` on CPU for N > 1, the plain flattened model for 1) each send their own
+shard straight to every generator through the elastic weight plane; the generators'
+weights equal the trainer's full state dict bit for bit. N = 3 gives uneven shards and
+a rank with no rows of some parameters; a lost generator is regrouped out with N = 2."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from app.transport import connect_store
+from app.weight_plane import ElasticReceiver, elastic_sender
+from app.weight_shards import SHARD_ALONE_BYTES
+from app.weight_sync import flatten_parameters_
+from role_processes import forkserver_context, loopback_store
+
+pytestmark = pytest.mark.integration
+
+DIED, DONE = "test/died", "test/done"
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.randn(7))  # 3 ranks: rows 3, 3, 1
+        self.proj = nn.Linear(8, 10)  # 3 ranks: rows 4, 4, 2
+        # Each rank's part is over SHARD_ALONE_BYTES: a bucket of its own, landing in place.
+        self.wide = nn.Linear(96, 3000, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.proj(h)).repeat(1, 10)[:, :96]
+        return h + self.wide(x)[:, :8] * self.norm[:1]
+
+
+class ShardedModel(nn.Module):
+    """Llama-like parts with awkward row counts: 2 embedding rows (3 ranks: 1, 1, none),
+    and a float64 head in a module of its own (FSDP2 gathers one dtype per group)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(2, 8)
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 5, dtype=torch.float64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h.double())
+
+
+def _wait(condition, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _trainer_model(store, rank: int, ranks: int) -> nn.Module:
+    """The trainer's model: flattened for one rank (as app.trainer), FSDP2 for several."""
+    model = ShardedModel(seed=0)
+    if ranks == 1:
+        flatten_parameters_(model)
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("test/trainer_group", store), rank=rank,
+                            world_size=ranks)
+    mesh = init_device_mesh("cpu", (ranks,))
+    for module in (*model.layers, model.head):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    ids = torch.tensor([[0, 1], [1, 1]]) if step % 2 else torch.tensor([[1, 0], [0, 0]])
+    optimizer.zero_grad()
+    model(ids.reshape(-1)).square().mean().backward()
+    optimizer.step()
+
+
+def _publish_full_state(store, model: nn.Module, version: int, rank: int) -> None:
+    """Every rank (``full_tensor`` is a collective); rank 0 publishes the raw bytes."""
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if rank == 0:
+            store.set(f"test/full/{version}/{name}", full.detach().contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _trainer(store, rank: int, ranks: int, generators: int, versions: int, lose_generator: bool) -> str:
+    model = _trainer_model(store, rank, ranks)
+    if ranks > 1:
+        big = dict(model.named_parameters())["layers.0.wide.weight"].to_local()
+        assert big.numel() * big.element_size() >= SHARD_ALONE_BYTES  # the in-place path is tested
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    gone = lambda: {"generator/1"} if store.check([DIED]) else set()  # noqa: E731  (app.membership's part)
+    sender = elastic_sender(store, list(model.named_parameters()), rank=rank, ranks=ranks,
+                            num_generators=generators, timeout_s=30.0, gone=gone if rank == 0 else None,
+                            should_stop=lambda: False)
+    sender.start()
+    sizes = []
+    for version in range(1, versions + 1):
+        _train_step(model, optimizer, version)
+        _publish_full_state(store, model, version, rank)
+        if lose_generator and version == 2:
+            _wait(lambda: store.check([DIED]), "generator 1 to die")
+        sizes.append(sender.send(version).bytes)
+        acks = [f"test/applied/{g}/{version}" for g in range(generators)
+                if not (lose_generator and g == 1 and version >= 2)]
+        _wait(lambda: store.check(acks), f"generators to apply version {version}")
+    if rank == 0:
+        store.set(DONE, "1")
+    out = f"sent {versions} versions, {sizes[0]} bytes each"
+    if rank == 0:
+        out += f"; epoch {sender.epoch} generators {sender.roster} regroups {sender.regroups}"
+    if ranks > 1:
+        dist.destroy_process_group()
+    return out
+
+
+def _generator(store, replica: int, until: int, die_after: int | None) -> str:
+    model = ShardedModel(seed=100 + replica)  # other weights than the trainer's
+    flatten_parameters_(model)
+    params = list(model.named_parameters())
+    receiver = ElasticReceiver(store, replica, params, timeout_s=30.0)
+    receiver.start_background(should_stop=lambda: store.check([DONE]))
+    applied = []
+    for version in range(1, until + 1):
+        def newest() -> bool:
+            if (v := receiver.swap_if_newer()) is not None:
+                applied.append(v)
+            return applied[-1:] == [version]
+
+        _wait(newest, f"generator {replica} to apply version {version}")
+        for name, p in params:
+            expected = store.get(f"test/full/{version}/{name}")
+            assert p.detach().contiguous().view(torch.uint8).numpy().tobytes() == expected, (version, name)
+        store.set(f"test/applied/{replica}/{version}", "1")
+        if version == die_after:
+            store.set(DIED, "1")
+            os._exit(0)  # no goodbye: a killed process
+    receiver.stop_background(timeout_s=30.0)
+    return f"applied {applied}, bit for bit"
+
+
+def _entry(role: str, index: int, port: int, results, ranks: int, generators: int, versions: int,
+           lose_generator: bool) -> None:
+    try:
+        torch.set_num_threads(1)
+        store = connect_store(f"127.0.0.1:{port}", timeout_s=30)
+        if role == "trainer":
+            out = _trainer(store, index, ranks, generators, versions, lose_generator)
+        else:
+            out = _generator(store, index, versions if not (lose_generator and index == 1) else 1,
+                             1 if lose_generator and index == 1 else None)
+        results.put((f"{role}/{index}", out))
+    except BaseException as e:
+        results.put((f"{role}/{index}", f"ERROR {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _run(ranks: int, generators: int, versions: int, lose_generator: bool = False) -> dict[str, str]:
+    store = loopback_store(timeout_s=120)
+    ctx = forkserver_context()
+    results = ctx.Queue()
+    roles = [("trainer", r) for r in range(ranks)] + [("generator", g) for g in range(generators)]
+    procs = [ctx.Process(target=_entry, args=(role, i, store.port, results, ranks, generators, versions,
+                                              lose_generator)) for role, i in roles]
+    for p in procs:
+        p.start()
+    out: dict[str, str] = {}
+    try:
+        for _ in range(len(roles) - (1 if lose_generator else 0)):  # a killed generator says nothing
+            who, text = results.get(timeout=240)
+            out[who] = text
+            if text.startswith("ERROR"):  # the others may wait for it forever: stop now
+                break
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+    assert not any(t.startswith("ERROR") for t in out.values()), "\n".join(out.values())
+    return out
+
+
+@pytest.mark.parametrize("generators", [1, 2])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_generators_hold_the_trainers_full_weights_bit_for_bit(ranks, generators):
+    out = _run(ranks, generators, versions=2)
+    for g in range(generators):
+        assert out[f"generator/{g}"] == "applied [1, 2], bit for bit", out
+    # Each rank sent its own part only: together the whole model once.
+    shard_bytes = [int(out[f"trainer/{r}"].split(", ")[1].split()[0]) for r in range(ranks)]
+    total = sum(p.numel() * p.element_size() for p in ShardedModel(seed=0).parameters())
+    assert sum(shard_bytes) == total, (shard_bytes, total)
+    assert f"epoch 1 generators {list(range(generators))} regroups 0" in out["trainer/0"], out
+
+
+def test_a_lost_generator_is_regrouped_out_with_two_trainer_ranks():
+    out = _run(ranks=2, generators=2, versions=3, lose_generator=True)
+    # Version 2's send fails on the dead generator; both trainer ranks resend it in
+    # epoch 2, to the survivor only, which gets versions 2 and 3 bit for bit.
+    assert out["generator/0"] == "applied [1, 2, 3], bit for bit", out
+    assert "epoch 2 generators [0] regroups 1" in out["trainer/0"], out
+    assert out["trainer/1"].startswith("sent 3 versions"), out
