@@ -49,7 +49,7 @@ from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
-from app.weight_plane import ElasticSender
+from app.weight_plane import elastic_sender
 from app.weight_sync import flatten_parameters_
 from pipelines.rollouts import RolloutStream
 
@@ -152,11 +152,15 @@ class Trainer:
             self.membership = membership.Membership(rt.store, {"generator": self.num_generators,
                                                                "reward": self.num_reward})
             self.membership.start()
-            self.sender = ElasticSender(rt.store, list(self.model.named_parameters()),
-                                        num_generators=self.num_generators, timeout_s=cfg.weight_sync_timeout_s,
-                                        gone=self.membership.gone, should_stop=rt.should_stop)
-            self.sender.start()
-            self._sync()
+        # Every trainer rank sends its own shard straight to every generator (no gather);
+        # rank 0 leads the plane's epochs (app.weight_plane).
+        self.sender = elastic_sender(rt.store, list(self.model.named_parameters()), rank=self.rank,
+                                     ranks=self.world, num_generators=self.num_generators,
+                                     timeout_s=cfg.weight_sync_timeout_s,
+                                     gone=self.membership.gone if self.membership else None,
+                                     should_stop=rt.should_stop)
+        self.sender.start()
+        self._sync()
         self.stream = RolloutStream(
             rt.queue(names.ROLLOUTS if inline else names.SCORED), reward=self.reward,
             reward_timeout_s=cfg.reward_timeout_s, groups_per_batch=cfg.prompts_per_step // self.world,
@@ -240,10 +244,14 @@ class Trainer:
         self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
 
     def _sync(self) -> None:
+        """Every rank: its shard of the current version to every generator; its bytes and
+        seconds are the dashboard's per-sender row (``trainer/<rank>``)."""
         with self.timeline.busy("weight_sync"):
             stats = self.sender.send(self.version)
-        self.rt.control.set_version(self.version)
-        self.rt.emit([metrics.weight_sync(stats.version, "trainer", stats.bytes, stats.seconds)])
+        if self.rank == 0:
+            self.rt.control.set_version(self.version)
+        self.rt.emit([metrics.weight_sync(stats.version, names.member("trainer", self.rank), stats.bytes,
+                                          stats.seconds)])
 
     def _drain_metrics(self) -> None:
         """Replica 0 writes its own events directly and everyone else's from the queue."""
@@ -344,6 +352,7 @@ class Trainer:
             save = (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
             if self.rank != 0:  # the other ranks' events travel to replica 0 in batches
                 self.rt.emit(events + self.timeline.drain())
+                self._sync()
                 if save:
                     self.save_checkpoint(step)
                 continue
