@@ -161,7 +161,11 @@ class ElasticSender:
             if time.monotonic() > deadline:
                 raise WeightSyncError(f"weight plane: generators {missing} did not join within {timeout_s:g} s")
             time.sleep(backoff.next())
-        self._regroup(alive)
+        try:
+            self._regroup(alive)
+        except BaseException as e:
+            self._fail_followers(e)
+            raise
 
     # --- epochs ------------------------------------------------------------------------
     def _regroup(self, roster: list[int]) -> None:
@@ -238,11 +242,16 @@ class ElasticSender:
                 self._regroup(left)
                 self._verdict("retry")
         except BaseException as e:
-            if self.ranks > 1:  # the followers wait on the attempt's verdict, or on the next attempt
-                why = f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
-                self._verdict(why)
-                self.plane.set(names.weight_attempt_key(self.attempts + 1), why)
+            self._fail_followers(e)
             raise
+
+    def _fail_followers(self, error: BaseException) -> None:
+        """Tell the other trainer ranks this rank gave up: they wait on the current
+        attempt's verdict, or on the next attempt."""
+        if self.ranks > 1:
+            why = f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+            self._verdict(why)
+            self.plane.set(names.weight_attempt_key(self.attempts + 1), why)
 
     def _verdict(self, verdict: str) -> None:
         key = names.weight_attempt_verdict_key(self.attempts)

@@ -18,7 +18,7 @@ from torch import nn
 from app.transport import connect_store
 from app.weight_plane import ElasticReceiver, elastic_sender
 from app.weight_shards import SHARD_ALONE_BYTES
-from app.weight_sync import flatten_parameters_
+from app.weight_sync import WeightLayoutError, WeightSyncError, flatten_parameters_
 from role_processes import forkserver_context, loopback_store
 
 pytestmark = pytest.mark.integration
@@ -213,3 +213,54 @@ def test_a_lost_generator_is_regrouped_out_with_two_trainer_ranks():
     assert out["generator/0"] == "applied [1, 2, 3], bit for bit", out
     assert "epoch 2 generators [0] regroups 1" in out["trainer/0"], out
     assert out["trainer/1"].startswith("sent 3 versions"), out
+
+
+def _mismatch_entry(role: str, index: int, port: int, results) -> None:
+    """Two trainer ranks (FSDP2) and one generator whose model has another shape."""
+    try:
+        torch.set_num_threads(1)
+        store = connect_store(f"127.0.0.1:{port}", timeout_s=30)
+        if role == "trainer":
+            model = _trainer_model(store, index, 2)
+            sender = elastic_sender(store, list(model.named_parameters()), rank=index, ranks=2, num_generators=1,
+                                    timeout_s=30.0, gone=set if index == 0 else None, should_stop=lambda: False)
+            try:
+                sender.start()
+                sender.send(1)
+            finally:
+                dist.destroy_process_group()
+            out = "no error"
+        else:
+            model = ShardedModel(seed=1)
+            model.layers[1].norm = nn.Parameter(torch.randn(8))  # another model config
+            flatten_parameters_(model)
+            receiver = ElasticReceiver(store, 0, list(model.named_parameters()), timeout_s=30.0)
+            receiver.start_background(should_stop=lambda: False)
+            _wait(lambda: receiver.latest_version() is not None, "an error")
+            out = "no error"
+        results.put((f"{role}/{index}", out))
+    except BaseException as e:
+        results.put((f"{role}/{index}", f"ERROR {type(e).__name__}: {e}"))
+
+
+def test_a_layout_mismatch_fails_every_trainer_rank_and_the_generator():
+    store = loopback_store(timeout_s=120)
+    ctx = forkserver_context()
+    results = ctx.Queue()
+    roles = [("trainer", 0), ("trainer", 1), ("generator", 0)]
+    procs = [ctx.Process(target=_mismatch_entry, args=(role, i, store.port, results)) for role, i in roles]
+    for p in procs:
+        p.start()
+    try:
+        out = dict(results.get(timeout=120) for _ in roles)
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+    # Rank 0 meets the generator's layout first; rank 1 is told rank 0 gave up, at once.
+    assert out["trainer/0"].startswith(f"ERROR {WeightLayoutError.__name__}"), out
+    assert "layers.1.norm" in out["trainer/0"] and "[7]" in out["trainer/0"], out
+    assert out["trainer/1"].startswith(f"ERROR {WeightSyncError.__name__}: trainer rank 0 gave up"), out
+    assert out["generator/0"].startswith(f"ERROR {WeightSyncError.__name__}"), out
+    assert "layers.1.norm" in out["generator/0"], out
