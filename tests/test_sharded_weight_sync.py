@@ -2,7 +2,8 @@
 ``fully_shard`` on CPU for N > 1, the plain flattened model for 1) each send their own
 shard straight to every generator through the elastic weight plane; the generators'
 weights equal the trainer's full state dict bit for bit. N = 3 gives uneven shards and
-a rank with no rows of some parameters; a lost generator is regrouped out with N = 2."""
+a rank with no rows of some parameters; with N = 2 a lost generator is regrouped out and
+a restarted one rejoins, and a layout mismatch fails every rank clearly."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from role_processes import forkserver_context, loopback_store
 
 pytestmark = pytest.mark.integration
 
-DIED, DONE = "test/died", "test/done"
+DIED, RESTARTED, V2_SENT, DONE = "test/died", "test/restarted", "test/v2_sent", "test/done"
 
 
 class Block(nn.Module):
@@ -98,12 +99,15 @@ def _publish_full_state(store, model: nn.Module, version: int, rank: int) -> Non
 
 
 def _trainer(store, rank: int, ranks: int, generators: int, versions: int, lose_generator: bool) -> str:
+    """``lose_generator``: generator 1 dies after version 1, version 2 goes to the
+    survivor, a restarted generator 1 rejoins for version 3."""
     model = _trainer_model(store, rank, ranks)
     if ranks > 1:
         big = dict(model.named_parameters())["layers.0.wide.weight"].to_local()
         assert big.numel() * big.element_size() >= SHARD_ALONE_BYTES  # the in-place path is tested
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    gone = lambda: {"generator/1"} if store.check([DIED]) else set()  # noqa: E731  (app.membership's part)
+    # app.membership's part, played by the test: gone from its death until its restart.
+    gone = lambda: {"generator/1"} if store.check([DIED]) and not store.check([RESTARTED]) else set()  # noqa: E731
     sender = elastic_sender(store, list(model.named_parameters()), rank=rank, ranks=ranks,
                             num_generators=generators, timeout_s=30.0, gone=gone if rank == 0 else None,
                             should_stop=lambda: False)
@@ -114,9 +118,12 @@ def _trainer(store, rank: int, ranks: int, generators: int, versions: int, lose_
         _publish_full_state(store, model, version, rank)
         if lose_generator and version == 2:
             _wait(lambda: store.check([DIED]), "generator 1 to die")
+        if lose_generator and version == 3 and rank == 0:
+            store.set(V2_SENT, "1")
+            _wait(lambda: 1 in sender.joiners(), "the restarted generator 1 to ask to join")
         sizes.append(sender.send(version).bytes)
         acks = [f"test/applied/{g}/{version}" for g in range(generators)
-                if not (lose_generator and g == 1 and version >= 2)]
+                if not (lose_generator and g == 1 and version == 2)]
         _wait(lambda: store.check(acks), f"generators to apply version {version}")
     if rank == 0:
         store.set(DONE, "1")
@@ -128,14 +135,14 @@ def _trainer(store, rank: int, ranks: int, generators: int, versions: int, lose_
     return out
 
 
-def _generator(store, replica: int, until: int, die_after: int | None) -> str:
+def _generator(store, replica: int, versions: list[int], die_after: int | None = None) -> str:
     model = ShardedModel(seed=100 + replica)  # other weights than the trainer's
     flatten_parameters_(model)
     params = list(model.named_parameters())
     receiver = ElasticReceiver(store, replica, params, timeout_s=30.0)
     receiver.start_background(should_stop=lambda: store.check([DONE]))
     applied = []
-    for version in range(1, until + 1):
+    for version in versions:
         def newest() -> bool:
             if (v := receiver.swap_if_newer()) is not None:
                 applied.append(v)
@@ -160,9 +167,14 @@ def _entry(role: str, index: int, port: int, results, ranks: int, generators: in
         store = connect_store(f"127.0.0.1:{port}", timeout_s=30)
         if role == "trainer":
             out = _trainer(store, index, ranks, generators, versions, lose_generator)
+        elif role == "restarted":
+            _wait(lambda: store.check([V2_SENT]), "version 2 to be sent")
+            store.set(RESTARTED, "1")
+            out = _generator(store, index, [3])
+        elif lose_generator and index == 1:
+            out = _generator(store, index, [1], die_after=1)
         else:
-            out = _generator(store, index, versions if not (lose_generator and index == 1) else 1,
-                             1 if lose_generator and index == 1 else None)
+            out = _generator(store, index, list(range(1, versions + 1)))
         results.put((f"{role}/{index}", out))
     except BaseException as e:
         results.put((f"{role}/{index}", f"ERROR {type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -173,6 +185,7 @@ def _run(ranks: int, generators: int, versions: int, lose_generator: bool = Fals
     ctx = forkserver_context()
     results = ctx.Queue()
     roles = [("trainer", r) for r in range(ranks)] + [("generator", g) for g in range(generators)]
+    roles += [("restarted", 1)] if lose_generator else []
     procs = [ctx.Process(target=_entry, args=(role, i, store.port, results, ranks, generators, versions,
                                               lose_generator)) for role, i in roles]
     for p in procs:
@@ -206,12 +219,14 @@ def test_generators_hold_the_trainers_full_weights_bit_for_bit(ranks, generators
     assert f"epoch 1 generators {list(range(generators))} regroups 0" in out["trainer/0"], out
 
 
-def test_a_lost_generator_is_regrouped_out_with_two_trainer_ranks():
+def test_a_lost_generator_is_regrouped_out_and_a_restarted_one_rejoins_with_two_trainer_ranks():
     out = _run(ranks=2, generators=2, versions=3, lose_generator=True)
     # Version 2's send fails on the dead generator; both trainer ranks resend it in
-    # epoch 2, to the survivor only, which gets versions 2 and 3 bit for bit.
+    # epoch 2, to the survivor only, which gets versions 2 and 3 bit for bit. The
+    # restarted generator 1 is taken in (epoch 3) for version 3.
     assert out["generator/0"] == "applied [1, 2, 3], bit for bit", out
-    assert "epoch 2 generators [0] regroups 1" in out["trainer/0"], out
+    assert out["restarted/1"] == "applied [3], bit for bit", out
+    assert "epoch 3 generators [0, 1] regroups 2" in out["trainer/0"], out
     assert out["trainer/1"].startswith("sent 3 versions"), out
 
 
