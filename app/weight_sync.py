@@ -339,14 +339,18 @@ class _SenderPlan:
     landing: Landing
 
     def __post_init__(self) -> None:
-        # One scratch buffer per run for the spans whose parts are not back to back in
-        # staging (packed small shards); none with one trainer rank.
+        # Where each run and bucket lands, fixed with the layout: a staging offset, or a
+        # place in one scratch buffer per run (the packed small parts, scattered after
+        # the receive; none with one trainer rank).
+        self._run_at = [self.landing.direct(run) for run in self.layout.runs]
+        self._bucket_at: dict[tuple[int, int], int | None] = {}
         self._scratch_at: dict[tuple[int, int], int] = {}
         self._scratch = []
         for k, run in enumerate(self.layout.runs):
             size = 0
             for b, bucket in enumerate(run.buckets):
-                if bucket.numel and self.landing.direct(bucket) is None:
+                self._bucket_at[(k, b)] = at = self.landing.direct(bucket)
+                if bucket.numel and at is None:
                     self._scratch_at[(k, b)] = size
                     size += bucket.numel
             self._scratch.append(torch.empty(size, dtype=run.dtype, device=self.group.device))
@@ -363,8 +367,7 @@ class _SenderPlan:
         works, scatters = [], []
         for k, (run, flat) in enumerate(zip(layout.runs, staging)):
             if whole >> k & 1:
-                at = self.landing.direct(run)
-                if at is None:
+                if (at := self._run_at[k]) is None:
                     raise WeightLayoutError(f"weight sync of version {version}: trainer rank "
                                             f"{self.shards.rank} sent a run whole that does not land whole")
                 works.append((g, g.broadcast(flat[at:at + run.numel])))
@@ -372,8 +375,7 @@ class _SenderPlan:
             for b, bucket in enumerate(run.buckets):
                 if bucket.numel == 0:
                     continue
-                at = self.landing.direct(bucket)
-                if at is not None:  # the bytes land where they belong as they come
+                if (at := self._bucket_at[(k, b)]) is not None:  # lands where it belongs as it comes
                     works.append((g, g.broadcast(flat[at:at + bucket.numel])))
                     continue
                 start = self._scratch_at[(k, b)]
