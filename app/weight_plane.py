@@ -39,10 +39,10 @@ from app import names
 from app.transport import Backoff, Stopped
 from app.weight_sync import (
     SyncStats,
+    WeightGroup,
     WeightLayoutError,
     WeightReceiver,
     WeightSender,
-    WeightGroup,
     WeightSyncError,
     init_weight_group,
     stop_thread,
