@@ -35,7 +35,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from app import names
+from app import devices, names
 from app.transport import Backoff, Stopped
 from app.weight_sync import (
     SyncStats,
@@ -61,6 +61,14 @@ class NoGeneratorsLeft(RuntimeError):
     """Every generator is gone: nothing can make rollouts any more."""
 
 
+def _device_of(params: list[tuple[str, torch.Tensor]]) -> torch.device:
+    """Where a member's weights live: what it tells the others when a group is built
+    (``init_weight_group`` picks NCCL or gloo from every member's)."""
+    if not params:
+        raise ValueError("the weight plane needs at least one parameter")
+    return params[0][1].device
+
+
 def _plane_store(store: dist.Store) -> dist.Store:
     return dist.PrefixStore(names.WEIGHT_PLANE_PREFIX, store)
 
@@ -81,10 +89,23 @@ def _wait_for(plane: dist.Store, key: str, timeout_s: float, should_stop: Callab
     return plane.get(key).decode()
 
 
+def _trainer_device_key(plane: dist.Store, rank: int, ranks: int, device: torch.device,
+                        should_stop: Callable[[], bool]) -> str:
+    """What the trainer, as one weight-plane member, tells every group it is in: the
+    devices of all its ranks (``devices.joint_key``), so that the groups of all trainer
+    ranks choose the same path. Every trainer rank publishes its own and reads the others'."""
+    mine = devices.device_key(device)
+    if ranks == 1:
+        return mine
+    plane.set(names.weight_trainer_device_key(rank), mine)
+    keys = [_wait_for(plane, names.weight_trainer_device_key(r), JOIN_TIMEOUT_S, should_stop,
+                      f"trainer rank {r} to say where its weights are") for r in range(ranks)]
+    return devices.joint_key(keys)
+
+
 def elastic_sender(store: dist.Store, params: Sequence[tuple[str, torch.Tensor]], *, rank: int, ranks: int,
                    num_generators: int, timeout_s: float, gone: Callable[[], set[str]] | None,
-                   should_stop: Callable[[], bool],
-                   device: torch.device = torch.device("cpu")) -> ElasticSender | ShardFollower:
+                   should_stop: Callable[[], bool]) -> ElasticSender | ShardFollower:
     """Trainer rank ``rank`` of ``ranks``'s side of the weight plane: the leader on rank 0
     (``gone``: the membership's lost members), a follower elsewhere. Every rank calls
     ``start()`` once and ``send(version)`` for every version, all ranks the same versions."""
@@ -92,9 +113,8 @@ def elastic_sender(store: dist.Store, params: Sequence[tuple[str, torch.Tensor]]
         if gone is None:
             raise ValueError("trainer rank 0 leads the weight plane: it needs the membership's gone()")
         return ElasticSender(store, params, num_generators=num_generators, timeout_s=timeout_s, gone=gone,
-                             should_stop=should_stop, device=device, ranks=ranks)
-    return ShardFollower(store, params, rank=rank, ranks=ranks, timeout_s=timeout_s,
-                         should_stop=should_stop, device=device)
+                             should_stop=should_stop, ranks=ranks)
+    return ShardFollower(store, params, rank=rank, ranks=ranks, timeout_s=timeout_s, should_stop=should_stop)
 
 
 class ElasticSender:
@@ -106,14 +126,15 @@ class ElasticSender:
 
     def __init__(self, store: dist.Store, params: Sequence[tuple[str, torch.Tensor]], *,
                  num_generators: int, timeout_s: float, gone: Callable[[], set[str]],
-                 should_stop: Callable[[], bool], device: torch.device = torch.device("cpu"),
-                 gone_wait_s: float = 15.0, ranks: int = 1) -> None:
+                 should_stop: Callable[[], bool], gone_wait_s: float = 15.0, ranks: int = 1) -> None:
         self.store, self.plane = store, _plane_store(store)
         self.ranks = ranks
         """Trainer ranks that send (each its shard); ranks > 0 follow this one's attempts."""
         self.attempts = 0
         self.params, self.num_generators, self.timeout_s = list(params), num_generators, timeout_s
-        self.gone, self.should_stop, self.device = gone, should_stop, device
+        self.gone, self.should_stop, self.device = gone, should_stop, _device_of(self.params)
+        self.device_key: str | None = None
+        """The trainer's devices as one weight-plane member (set by ``start``)."""
         self.gone_wait_s = gone_wait_s
         """After a failed send: how long to wait for the dead generator to be taken out."""
         self.epoch = 0
@@ -150,6 +171,7 @@ class ElasticSender:
     def start(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """The first epoch, once every generator still alive asked to join (one lost
         while starting is not waited for)."""
+        self.device_key = _trainer_device_key(self.plane, 0, self.ranks, self.device, self.should_stop)
         deadline = time.monotonic() + timeout_s
         backoff = Backoff(first_s=0.005, max_s=0.1)
         while True:
@@ -192,7 +214,7 @@ class ElasticSender:
             try:
                 group = init_weight_group(self.store, rank=0, world_size=len(roster) + 1, device=self.device,
                                           timeout_s=self.timeout_s, prefix=names.weight_epoch_prefix(self.epoch),
-                                          should_stop=self.should_stop)
+                                          should_stop=self.should_stop, device_key=self.device_key)
                 self._sender = WeightSender(group, self.params, rank=0, ranks=self.ranks)
             except WeightLayoutError:
                 raise
@@ -206,7 +228,8 @@ class ElasticSender:
                 self.regroups += 1
                 self.last_regroup_at = time.time()
             self.roster = roster
-            log.info("weight plane epoch %d: generators %s", self.epoch, roster)
+            log.info("weight plane epoch %d: generators %s, %s (%s)", self.epoch, roster,
+                     group.path.backend, group.path.reason)
             return
 
     def _present(self, roster: list[int]) -> list[int]:
@@ -297,12 +320,14 @@ class ShardFollower:
 
     def __init__(self, store: dist.Store, params: Sequence[tuple[str, torch.Tensor]], *, rank: int, ranks: int,
                  timeout_s: float, should_stop: Callable[[], bool],
-                 device: torch.device = torch.device("cpu"), lead_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+                 lead_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         if not 0 < rank < ranks:
             raise ValueError(f"a shard follower is a trainer rank > 0, not {rank} of {ranks}")
         self.store, self.plane = store, _plane_store(store)
         self.params, self.rank, self.ranks = list(params), rank, ranks
-        self.timeout_s, self.should_stop, self.device = timeout_s, should_stop, device
+        self.timeout_s, self.should_stop = timeout_s, should_stop
+        self.device = _device_of(self.params)
+        self.device_key: str | None = None
         self.lead_timeout_s = lead_timeout_s
         """How long to wait for rank 0's next attempt or verdict (it may be waiting for
         generators to start, or for a lost one to be taken out, or rebuilding groups)."""
@@ -312,7 +337,9 @@ class ShardFollower:
         self._retired: list[WeightSender] = []  # as ElasticSender's: a destructor would wait
 
     def start(self) -> None:
-        """Nothing to do before the first send: rank 0 names the first epoch then."""
+        """Where the trainer's weights are, with the other ranks; rank 0 names the first
+        epoch at the first send."""
+        self.device_key = _trainer_device_key(self.plane, self.rank, self.ranks, self.device, self.should_stop)
 
     def _join(self, epoch: int) -> None:
         roster = json.loads(self.plane.get(names.weight_roster_key(epoch)))
@@ -325,7 +352,8 @@ class ShardFollower:
         self.epoch = epoch
         group = init_weight_group(self.store, rank=0, world_size=len(roster["generators"]) + 1,
                                   device=self.device, timeout_s=self.timeout_s,
-                                  prefix=names.weight_epoch_prefix(epoch, self.rank), should_stop=self.should_stop)
+                                  prefix=names.weight_epoch_prefix(epoch, self.rank), should_stop=self.should_stop,
+                                  device_key=self.device_key)
         self._sender = WeightSender(group, self.params, rank=self.rank, ranks=self.ranks)
 
     def send(self, version: int) -> SyncStats:
@@ -359,12 +387,12 @@ class ElasticReceiver:
     """A generator's side of the weight plane, across epochs (see the module docstring)."""
 
     def __init__(self, store: dist.Store, replica: int, params: Sequence[tuple[str, torch.Tensor]], *,
-                 timeout_s: float, device: torch.device = torch.device("cpu"),
-                 join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+                 timeout_s: float, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         # Its own connection: the epoch polls never queue behind the generator's other calls.
         plane_conn = store.clone() if isinstance(store, dist.TCPStore) else store
         self.store, self.plane, self.replica = store, _plane_store(plane_conn), replica
-        self.params, self.timeout_s, self.device = list(params), timeout_s, device
+        self.params, self.timeout_s = list(params), timeout_s
+        self.device = _device_of(self.params)
         self.join_timeout_s = join_timeout_s
         self.epoch = 0
         """The newest epoch this generator was in (0: none yet)."""
