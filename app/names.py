@@ -142,9 +142,10 @@ def weight_rank_present_key(rank: int) -> str:
     return f"present/{rank}"
 
 
-def weight_epoch_prefix(epoch: int) -> str:
-    """The weight group of membership epoch ``epoch`` rendezvouses under this prefix."""
-    return f"{WEIGHT_PLANE_PREFIX}/{int(epoch)}"
+def weight_epoch_prefix(epoch: int, sender: int = 0) -> str:
+    """The weight group of membership epoch ``epoch`` whose sender is trainer rank
+    ``sender`` (one group per trainer rank) rendezvouses under this prefix."""
+    return f"{WEIGHT_PLANE_PREFIX}/{int(epoch)}/{int(sender)}"
 
 
 WEIGHT_EPOCH_KEY = "epoch"
@@ -152,8 +153,33 @@ WEIGHT_EPOCH_KEY = "epoch"
 
 
 def weight_roster_key(epoch: int) -> str:
-    """Inside the weight plane's prefix: the generators of epoch ``epoch``, in rank order (JSON)."""
+    """Inside the weight plane's prefix: epoch ``epoch``'s members, JSON
+    ``{"generators": [replicas, in rank order], "senders": trainer ranks}``."""
     return f"roster/{int(epoch)}"
+
+
+def weight_trainer_device_key(rank: int) -> str:
+    """Inside the weight plane's prefix: where trainer rank ``rank``'s weights are
+    (``devices.device_key``); the trainer ranks join them into one (``devices.joint_key``)."""
+    return f"trainer_devices/{int(rank)}"
+
+
+def weight_attempt_key(attempt: int) -> str:
+    """Inside the weight plane's prefix: the epoch trainer rank 0 sends sync attempt
+    ``attempt`` (1-based, counting resends) in; the other trainer ranks follow it."""
+    return f"attempts/{int(attempt)}"
+
+
+def weight_attempt_result_key(attempt: int, rank: int) -> str:
+    """Inside the weight plane's prefix: trainer rank ``rank``'s outcome of an attempt
+    (``ok``, or ``failed: <why>``, or ``layout: <why>``)."""
+    return f"attempts/{int(attempt)}/rank/{int(rank)}"
+
+
+def weight_attempt_verdict_key(attempt: int) -> str:
+    """Inside the weight plane's prefix: trainer rank 0's verdict on an attempt for all
+    ranks: ``done``, ``retry`` (the next attempt resends, in a new epoch) or ``failed: <why>``."""
+    return f"attempts/{int(attempt)}/verdict"
 
 
 def weight_joins_key(replica: int) -> str:

@@ -19,9 +19,10 @@ config and policy, is the only writer of the metrics database, sends weights to 
 generators after every step, watches every role's health, and ends the run. With
 ``nproc_per_node > 1`` the policy is sharded over the trainer ranks with FSDP2
 (``app.sharding``); each rank pulls its share of groups from the same queue, and a step
-is the one a single process would take on all the ranks' groups. Replica 0 also keeps a
-whole copy of the policy, gathered from the shards after every step: what it sends to the
-generators, evaluates and saves as the Hugging Face policy.
+is the one a single process would take on all the ranks' groups. Every rank sends its
+own shard straight to every generator after every step (``app.weight_plane``). Replica 0
+also keeps a whole copy of the policy, gathered from the shards on the steps that need
+it: what it evaluates and saves as the Hugging Face policy.
 
 Checkpoints (``--save-every``) hold the policy and the training state
 (``app.train_state``); ``--resume`` continues a run from its newest one. The run's
@@ -53,8 +54,8 @@ from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
 from app.seen_groups import REPLAY, Admission, SeenIds, taken_by_other_ranks
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
-from app.weight_plane import ElasticSender
 from app.weight_layout import DEFAULT_BUCKET_MB, Layout
+from app.weight_plane import elastic_sender
 from app.weight_sync import flatten_parameters_
 from pipelines.rollouts import RolloutStream
 
@@ -154,13 +155,18 @@ class Trainer:
             self.membership = membership.Membership(rt.signed, {"generator": self.num_generators,
                                                                "reward": self.num_reward})
             self.membership.start()
-            self.params = list(self.full_model.named_parameters())  # what the weight sync sends
+            # The weight digest is of the whole copy (what a generator assembles).
+            self.params = list(self.full_model.named_parameters())
             self.digest_layout = Layout(self.params, int(DEFAULT_BUCKET_MB * 2**20))
-            self.sender = ElasticSender(rt.signed, self.params,
-                                        num_generators=self.num_generators, timeout_s=cfg.weight_sync_timeout_s,
-                                        gone=self.membership.gone, should_stop=rt.should_stop)
-            self.sender.start()
-            self._sync()
+        # Every trainer rank sends its own shard straight to every generator (no gather);
+        # rank 0 leads the plane's epochs (app.weight_plane).
+        self.sender = elastic_sender(rt.signed, list(self.model.named_parameters()), rank=self.rank,
+                                     ranks=self.world, num_generators=self.num_generators,
+                                     timeout_s=cfg.weight_sync_timeout_s,
+                                     gone=self.membership.gone if self.membership else None,
+                                     should_stop=rt.should_stop)
+        self.sender.start()
+        self._sync()
         self.stream = RolloutStream(
             rt.queue(names.ROLLOUTS if inline else names.SCORED), reward=self.reward,
             reward_timeout_s=cfg.reward_timeout_s, groups_per_batch=cfg.prompts_per_step // self.world,
@@ -174,14 +180,14 @@ class Trainer:
 
     def _shard(self) -> None:
         """One rank trains the model itself. Several shard it with FSDP2, and replica 0
-        first keeps a whole copy (``full_model``), refreshed from the shards after every
-        step (``_gather_full_model``): it is what the weight sync sends, what held-out
-        evaluation samples from (so no rank waits in a sharded forward pass that the
-        others never run) and what the Hugging Face policy of a checkpoint is written from.
-        It costs replica 0 one more copy of the weights (not of gradients or optimizer
-        state); the sharded weight sync, each rank sending its own shard, will not need it
-        for the sync. The whole model's parameters are views of one flat buffer per dtype,
-        so the weight sync sends each as one broadcast with no packing."""
+        first keeps a whole copy (``full_model``), refreshed from the shards on the steps
+        that evaluate or save (``_gather_full_model``): it is what held-out evaluation
+        samples from (so no rank waits in a sharded forward pass that the others never
+        run) and what the Hugging Face policy of a checkpoint is written from. It costs
+        replica 0 one more copy of the weights (not of gradients or optimizer state); the
+        weight sync does not use it: every rank sends its own shard. The whole model's
+        parameters are views of one flat buffer per dtype (with one rank, the weight sync
+        sends each as one broadcast with no packing)."""
         self.ranks: sharding.Ranks | None = None
         if self.world == 1:
             self.full_model = self.model
@@ -194,7 +200,7 @@ class Trainer:
 
     def _gather_full_model(self) -> None:
         """Every rank (a collective with several): the shards' current values into replica
-        0's whole copy (``sharding.gather_full_weights``, the weight sync's gather path)."""
+        0's whole copy (``sharding.gather_full_weights``)."""
         if self.world == 1:
             return
         with self.timeline.busy("weight_gather"):
@@ -296,7 +302,11 @@ class Trainer:
         self.rt.signed.put(names.dropped_key(names.member("trainer", self.rank)), self.freed_slots)
 
     def _sync(self) -> None:
-        if self.cfg.weight_digest:  # before the send: a generator checks what it received
+        """Every rank: its shard of the current version to every generator; its bytes and
+        seconds are the dashboard's per-sender row (``trainer/<rank>``). Replica 0 first
+        publishes the version's digest, of its whole copy (with several ranks, gathered
+        before every sync while the digest is on)."""
+        if self.cfg.weight_digest and self.rank == 0:  # before the send: a generator checks what it received
             with self.timeline.busy("weight_digest"):
                 t0 = time.perf_counter()
                 weight_digest.publish(self.rt.store, self.rt.secret, self.version, weight_digest.digest(
@@ -305,8 +315,10 @@ class Trainer:
                                          step=self.version))
         with self.timeline.busy("weight_sync"):
             stats = self.sender.send(self.version)
-        self.rt.control.set_version(self.version)
-        self.rt.emit([metrics.weight_sync(stats.version, "trainer", stats.bytes, stats.seconds)])
+        if self.rank == 0:
+            self.rt.control.set_version(self.version)
+        self.rt.emit([metrics.weight_sync(stats.version, names.member("trainer", self.rank), stats.bytes,
+                                          stats.seconds)])
 
     def _drain_metrics(self) -> None:
         """Replica 0 writes its own events directly and everyone else's from the queue."""
@@ -416,7 +428,10 @@ class Trainer:
                                           pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model,
                                           ranks=self.ranks) or None  # {}: no rank had a rollout
             t_train = time.time() - t0
-            self._gather_full_model()
+            save = (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
+            # The whole copy's uses: evaluation, checkpoints, and the weight digest.
+            if step % cfg.eval_every == 0 or step == cfg.steps or save or cfg.weight_digest:
+                self._gather_full_model()
             consumed_version = self.version
             self.version += 1
             step_s, t_prev = time.time() - t_prev, time.time()
@@ -430,9 +445,9 @@ class Trainer:
             events, values = steps.step_events(step, groups, values, consumed_version=consumed_version,
                                                reward_names=self.reward_names, role="trainer",
                                                replica=self.rank)
-            save = (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
             if self.rank != 0:  # the other ranks' events travel to replica 0 in batches
                 self.rt.emit(events + self.timeline.drain())
+                self._sync()
                 if save:
                     self.save_checkpoint(step)
                 continue

@@ -6,9 +6,9 @@ parameter of one dtype laid end to end. A run whose parameters already lie back 
 in one storage (what ``flatten_parameters_`` makes) is sent as one view of it, with no
 copy. A run that does not (parameters allocated one by one, or a trainer rank's shards
 of them) goes bucket by bucket, each bucket about ``bucket_bytes`` of consecutive
-parameters: a bucket that is one contiguous tensor (any parameter larger than a bucket)
-is sent as it is, the others are packed, so packing needs a bucket or two of extra
-memory at most. Either way a run's bytes are the same, so the receiver stages every run
+parameters: a parameter of ``alone_bytes`` or more (by default a bucket's worth) is a
+bucket of its own and is sent as it is when it is one contiguous tensor, the others are
+packed, so packing needs a bucket or two of extra memory at most. Either way a run's bytes are the same, so the receiver stages every run
 as one flat buffer and copies it into the live model in one go.
 """
 
@@ -66,7 +66,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 class Layout:
     """The runs and buckets of ``params``, fixed once, with a fingerprint peers compare."""
 
-    def __init__(self, params: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> None:
+    def __init__(self, params: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 alone_bytes: int | None = None) -> None:
         if not params:
             raise ValueError("weight sync needs at least one parameter")
         names = [n for n, _ in params]
@@ -76,29 +77,41 @@ class Layout:
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, (_, p) in enumerate(params):
             by_dtype.setdefault(p.dtype, []).append(i)
-        self.runs = [self._run(dtype, [(i, params[i][1]) for i in indices], bucket_bytes)
+        alone_bytes = bucket_bytes if alone_bytes is None else alone_bytes
+        self.runs = [self._run(dtype, [(i, params[i][1]) for i in indices], bucket_bytes, alone_bytes)
                      for dtype, indices in by_dtype.items()]
         if len(self.runs) > 63:
             raise ValueError("weight sync handles at most 63 dtypes (one header bit each)")
         self.nbytes = sum(run.nbytes for run in self.runs)
-        self.bucket_bytes = bucket_bytes
-        blob = json.dumps({"params": self.entries, "bucket_bytes": bucket_bytes}).encode()
+        self.bucket_bytes, self.alone_bytes = bucket_bytes, alone_bytes
+        blob = json.dumps({"params": self.entries, "bucket_bytes": bucket_bytes,
+                           "alone_bytes": alone_bytes}).encode()
         # 63 bits so it fits a (signed) int64 header slot.
         self.fingerprint = int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 1
 
     @staticmethod
-    def _run(dtype: torch.dtype, params: list[tuple[int, torch.Tensor]], bucket_bytes: int) -> Run:
+    def _run(dtype: torch.dtype, params: list[tuple[int, torch.Tensor]], bucket_bytes: int,
+             alone_bytes: int) -> Run:
         cap = max(1, bucket_bytes // _itemsize(dtype))
+        alone = max(1, alone_bytes // _itemsize(dtype))
         slots: list[Slot] = []
         buckets: list[Span] = []
         start = offset = bucket_offset = 0  # the open bucket: slots[start:], from bucket_offset
-        for i, p in params:
-            if len(slots) > start and offset + p.numel() - bucket_offset > cap:
+
+        def close() -> None:
+            nonlocal start, bucket_offset
+            if len(slots) > start:
                 buckets.append(Span(dtype, tuple(slots[start:]), bucket_offset, offset - bucket_offset))
                 start, bucket_offset = len(slots), offset
+
+        for i, p in params:
+            if p.numel() >= alone or offset + p.numel() - bucket_offset > cap:
+                close()
             slots.append(Slot(i, tuple(p.shape), offset, p.numel()))
             offset += p.numel()
-        buckets.append(Span(dtype, tuple(slots[start:]), bucket_offset, offset - bucket_offset))
+            if p.numel() >= alone:
+                close()
+        close()
         return Run(dtype, tuple(slots), 0, offset, tuple(buckets))
 
     @property
@@ -107,14 +120,11 @@ class Layout:
 
     def describe(self) -> str:
         return json.dumps({"fingerprint": self.fingerprint, "bucket_bytes": self.bucket_bytes,
-                           "params": self.entries})
+                           "alone_bytes": self.alone_bytes, "params": self.entries})
 
 
-def first_difference(mine: dict, theirs: dict) -> str:
-    """Where two ``Layout.describe()`` documents (parsed) first differ, in words."""
-    if mine["bucket_bytes"] != theirs["bucket_bytes"]:
-        return f"bucket_bytes {mine['bucket_bytes']} vs {theirs['bucket_bytes']}"
-    a, b = mine["params"], theirs["params"]
+def first_difference(a: list, b: list) -> str:
+    """Where two lists of ``Layout.entries`` first differ, in words."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return f"parameter #{i}: {x} vs {y}"

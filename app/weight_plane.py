@@ -1,16 +1,19 @@
 """The weight plane across membership changes: one weight group per epoch.
 
 ``app.weight_sync`` is one fixed process group: a member that dies breaks it for good
-(gloo and NCCL groups cannot shrink). Here the trainer builds a new group whenever the
-generators change, an *epoch*: the roster of epoch N (the generators, in rank order) is
-published under ``weights/roster/<N>`` and the group rendezvouses under
-``weights/<N>`` (``names.weight_epoch_prefix``), so no key of an old group is read by a
-new one. The epoch, the rosters and the join requests are records signed by their
-writer (``app.signed``): a roster or epoch someone else wrote moves no generator. The
-group's own rendezvous (gloo's and NCCL's keys, the layout handshake) is not: the weight
+(gloo and NCCL groups cannot shrink). Here the trainer builds new groups whenever the
+generators change, an *epoch*: the roster of epoch N (the generators, in rank order, and
+the number of trainer ranks that send) is published under ``weights/roster/<N>`` and the
+group of trainer rank r rendezvouses under ``weights/<N>/<r>`` (``names.weight_epoch_prefix``),
+so no key of an old group is read by a new one. With N trainer ranks (FSDP2) each sends
+its own shard in its own group; every generator is in all of them. The epoch, the rosters,
+the join requests and the trainer ranks' attempts, results and verdicts are records
+signed by their writer (``app.signed``): one someone else wrote moves no member. The
+groups' own rendezvous (gloo's and NCCL's keys, the layout handshake) is not: the weight
 plane belongs on a private network (README, Security).
 
-- ``ElasticSender`` (trainer replica 0): ``send(version)``. When a send fails it waits
+- ``ElasticSender`` (trainer replica 0, the only one that knows who is alive):
+  ``send(version)``. When a send fails it waits
   until ``app.membership`` has taken the dead generator out (or a generator asked to
   rejoin), builds the next epoch among the survivors and sends the same version again.
   A generator that asks to join (a restarted replica, or a survivor whose receive broke)
@@ -30,16 +33,17 @@ import logging
 import secrets
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from app import names
+from app import devices, names
 from app.signed import CONTROLLER, SignedStore
 from app.transport import Backoff, Stopped
 from app.weight_sync import (
     SyncStats,
+    WeightGroup,
     WeightLayoutError,
     WeightReceiver,
     WeightSender,
@@ -50,7 +54,7 @@ from app.weight_sync import (
 
 log = logging.getLogger("llamarl")
 
-__all__ = ["ElasticReceiver", "ElasticSender", "NoGeneratorsLeft"]
+__all__ = ["ElasticReceiver", "ElasticSender", "NoGeneratorsLeft", "ShardFollower", "elastic_sender"]
 
 JOIN_TIMEOUT_S = 900.0
 """A generator waits this long for an epoch that takes it in (the trainer may still be
@@ -73,6 +77,46 @@ def _plane_store(signed: SignedStore) -> SignedStore:
     return signed.prefixed(names.WEIGHT_PLANE_PREFIX)
 
 
+def _wait_for(plane: SignedStore, key: str, timeout_s: float, should_stop: Callable[[], bool],
+              what: str, writer: str) -> str:
+    """The value ``writer`` signed at ``key`` once it is there: ``WeightSyncError`` after
+    ``timeout_s``, ``Stopped`` once ``should_stop()``."""
+    try:
+        # At most 10 ms late: the ranks meet here on every sync, right after sending.
+        return str(plane.wait(key, timeout_s, what, writers=(writer,), should_stop=should_stop, poll_s=0.01))
+    except TimeoutError:
+        raise WeightSyncError(f"weight plane: waited {timeout_s:g} s for {what}") from None
+
+
+def _trainer_device_key(plane: SignedStore, rank: int, ranks: int, device: torch.device,
+                        should_stop: Callable[[], bool]) -> str:
+    """What the trainer, as one weight-plane member, tells every group it is in: the
+    devices of all its ranks (``devices.joint_key``), so that the groups of all trainer
+    ranks choose the same path. Every trainer rank publishes its own and reads the others'."""
+    mine = devices.device_key(device)
+    if ranks == 1:
+        return mine
+    plane.put(names.weight_trainer_device_key(rank), mine)
+    keys = [_wait_for(plane, names.weight_trainer_device_key(r), JOIN_TIMEOUT_S, should_stop,
+                      f"trainer rank {r} to say where its weights are", names.member("trainer", r))
+            for r in range(ranks)]
+    return devices.joint_key(keys)
+
+
+def elastic_sender(signed: SignedStore, params: Sequence[tuple[str, torch.Tensor]], *, rank: int, ranks: int,
+                   num_generators: int, timeout_s: float, gone: Callable[[], set[str]] | None,
+                   should_stop: Callable[[], bool]) -> ElasticSender | ShardFollower:
+    """Trainer rank ``rank`` of ``ranks``'s side of the weight plane: the leader on rank 0
+    (``gone``: the membership's lost members), a follower elsewhere. Every rank calls
+    ``start()`` once and ``send(version)`` for every version, all ranks the same versions."""
+    if rank == 0:
+        if gone is None:
+            raise ValueError("trainer rank 0 leads the weight plane: it needs the membership's gone()")
+        return ElasticSender(signed, params, num_generators=num_generators, timeout_s=timeout_s, gone=gone,
+                             should_stop=should_stop, ranks=ranks)
+    return ShardFollower(signed, params, rank=rank, ranks=ranks, timeout_s=timeout_s, should_stop=should_stop)
+
+
 class ElasticSender:
     """Trainer replica 0's side of the weight plane, over as many epochs as it takes.
 
@@ -82,10 +126,15 @@ class ElasticSender:
 
     def __init__(self, signed: SignedStore, params: Sequence[tuple[str, torch.Tensor]], *,
                  num_generators: int, timeout_s: float, gone: Callable[[], set[str]],
-                 should_stop: Callable[[], bool], gone_wait_s: float = 15.0) -> None:
+                 should_stop: Callable[[], bool], gone_wait_s: float = 15.0, ranks: int = 1) -> None:
         self.store, self.plane = signed.store, _plane_store(signed)
+        self.ranks = ranks
+        """Trainer ranks that send (each its shard); ranks > 0 follow this one's attempts."""
+        self.attempts = 0
         self.params, self.num_generators, self.timeout_s = list(params), num_generators, timeout_s
         self.gone, self.should_stop, self.device = gone, should_stop, _device_of(self.params)
+        self.device_key: str | None = None
+        """The trainer's devices as one weight-plane member (set by ``start``)."""
         self.gone_wait_s = gone_wait_s
         """After a failed send: how long to wait for the dead generator to be taken out."""
         self.epoch = 0
@@ -122,6 +171,7 @@ class ElasticSender:
     def start(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
         """The first epoch, once every generator still alive asked to join (one lost
         while starting is not waited for)."""
+        self.device_key = _trainer_device_key(self.plane, 0, self.ranks, self.device, self.should_stop)
         deadline = time.monotonic() + timeout_s
         backoff = Backoff(first_s=0.005, max_s=0.1)
         while True:
@@ -134,7 +184,11 @@ class ElasticSender:
             if time.monotonic() > deadline:
                 raise WeightSyncError(f"weight plane: generators {missing} did not join within {timeout_s:g} s")
             time.sleep(backoff.next())
-        self._regroup(alive)
+        try:
+            self._regroup(alive)
+        except BaseException as e:
+            self._fail_followers(e)
+            raise
 
     # --- epochs ------------------------------------------------------------------------
     def _regroup(self, roster: list[int]) -> None:
@@ -154,13 +208,13 @@ class ElasticSender:
                 self._retired.append(self._sender)
                 self._sender = None
             self.epoch += 1
-            self.plane.put(names.weight_roster_key(self.epoch), roster)
+            self.plane.put(names.weight_roster_key(self.epoch), {"generators": roster, "senders": self.ranks})
             self.plane.put(names.WEIGHT_EPOCH_KEY, self.epoch, keep=True)  # re-published if overwritten
             try:
                 group = init_weight_group(self.store, rank=0, world_size=len(roster) + 1, device=self.device,
                                           timeout_s=self.timeout_s, prefix=names.weight_epoch_prefix(self.epoch),
-                                          should_stop=self.should_stop)
-                self._sender = WeightSender(group, self.params)
+                                          should_stop=self.should_stop, device_key=self.device_key)
+                self._sender = WeightSender(group, self.params, rank=0, ranks=self.ranks)
             except WeightLayoutError:
                 raise
             except WeightSyncError as e:
@@ -179,25 +233,69 @@ class ElasticSender:
 
     def _present(self, roster: list[int]) -> list[int]:
         """The generators of ``roster`` that reached the current epoch's rendezvous."""
-        group_store = dist.PrefixStore(names.weight_epoch_prefix(self.epoch), self.store)
+        group_store = dist.PrefixStore(names.weight_epoch_prefix(self.epoch, 0), self.store)
         return [r for i, r in enumerate(roster) if group_store.check([names.weight_rank_present_key(i + 1)])]
 
     def send(self, version: int) -> SyncStats:
-        """Broadcast ``version`` to every generator in the plane, regrouping first when one
-        asked to join, and again (then resending) when a generator is lost mid-send."""
-        if joiners := self.joiners():
-            log.info("generators %s join the weight plane at version %d", joiners, version)
-            self._regroup(self.roster + joiners)
-        while True:
-            try:
-                return self._sender.send(version)
-            except WeightLayoutError:
-                raise
-            except WeightSyncError as e:
-                left = self._wait_for_change(e)
+        """Broadcast ``version`` (this rank's shard of it) to every generator in the plane,
+        regrouping first when one asked to join, and again (then resending) when a
+        generator is lost mid-send; with several trainer ranks, for all of them."""
+        try:
+            if joiners := self.joiners():
+                log.info("generators %s join the weight plane at version %d", joiners, version)
+                self._regroup(self.roster + joiners)
+            while True:
+                self.attempts += 1
+                if self.ranks > 1:
+                    self.plane.put(names.weight_attempt_key(self.attempts), str(self.epoch))
+                try:
+                    stats = self._sender.send(version)
+                    error = None
+                except WeightLayoutError:
+                    raise
+                except WeightSyncError as e:
+                    error = e
+                error = self._followers_outcome(version) or error
+                if error is None:
+                    self._verdict("done")
+                    return stats
+                left = self._wait_for_change(error)
                 log.warning("weight sync of version %d failed (%s); regrouping among generators %s",
-                            version, str(e).splitlines()[0][:200], left)
+                            version, str(error).splitlines()[0][:200], left)
                 self._regroup(left)
+                self._verdict("retry")
+        except BaseException as e:
+            self._fail_followers(e)
+            raise
+
+    def _fail_followers(self, error: BaseException) -> None:
+        """Tell the other trainer ranks this rank gave up: they wait on the current
+        attempt's verdict, or on the next attempt."""
+        if self.ranks > 1:
+            why = f"failed: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+            self._verdict(why)
+            self.plane.put(names.weight_attempt_key(self.attempts + 1), why)
+
+    def _verdict(self, verdict: str) -> None:
+        key = names.weight_attempt_verdict_key(self.attempts)
+        if self.ranks > 1 and self.attempts and self.plane.record(key, writers=(CONTROLLER,)) is None:
+            self.plane.put(key, verdict)
+
+    def _followers_outcome(self, version: int) -> WeightSyncError | None:
+        """The other trainer ranks' outcome of the current attempt: ``None`` when each sent
+        its shard, else the first failure (``WeightLayoutError`` raised at once)."""
+        for rank in range(1, self.ranks):
+            # A rank's send fails at the latest at its group's timeout; building its group
+            # for a new epoch may take another one.
+            outcome = _wait_for(self.plane, names.weight_attempt_result_key(self.attempts, rank),
+                                2 * self.timeout_s + 30.0, self.should_stop,
+                                f"trainer rank {rank} to send its shard of version {version}",
+                                names.member("trainer", rank))
+            if outcome.startswith("layout: "):
+                raise WeightLayoutError(f"trainer rank {rank}: {outcome.removeprefix('layout: ')}")
+            if outcome != "ok":
+                return WeightSyncError(f"trainer rank {rank}'s shard of version {version}: {outcome}")
+        return None
 
     def _wait_for_change(self, error: WeightSyncError) -> list[int]:
         """After a failed send: the roster to regroup once a generator of this one is
@@ -213,6 +311,76 @@ class ElasticSender:
             if time.monotonic() > deadline:
                 raise error
             time.sleep(0.1)
+
+
+class ShardFollower:
+    """A trainer rank > 0's side of the weight plane: sends its shard of every version in
+    the epoch trainer rank 0 names for each attempt, in a weight group of its own with
+    every generator of that epoch, and reports how it went (``ElasticSender`` leads)."""
+
+    def __init__(self, signed: SignedStore, params: Sequence[tuple[str, torch.Tensor]], *, rank: int, ranks: int,
+                 timeout_s: float, should_stop: Callable[[], bool],
+                 lead_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        if not 0 < rank < ranks:
+            raise ValueError(f"a shard follower is a trainer rank > 0, not {rank} of {ranks}")
+        self.store, self.plane = signed.store, _plane_store(signed)
+        self.params, self.rank, self.ranks = list(params), rank, ranks
+        self.timeout_s, self.should_stop = timeout_s, should_stop
+        self.device = _device_of(self.params)
+        self.device_key: str | None = None
+        self.lead_timeout_s = lead_timeout_s
+        """How long to wait for rank 0's next attempt or verdict (it may be waiting for
+        generators to start, or for a lost one to be taken out, or rebuilding groups)."""
+        self.epoch = 0
+        self.attempts = 0
+        self._sender: WeightSender | None = None
+        self._retired: list[WeightSender] = []  # as ElasticSender's: a destructor would wait
+
+    def start(self) -> None:
+        """Where the trainer's weights are, with the other ranks; rank 0 names the first
+        epoch at the first send."""
+        self.device_key = _trainer_device_key(self.plane, self.rank, self.ranks, self.device, self.should_stop)
+
+    def _join(self, epoch: int) -> None:
+        roster = self.plane.get(names.weight_roster_key(epoch), writers=(CONTROLLER,))
+        if not isinstance(roster, dict) or roster.get("senders") != self.ranks:
+            raise WeightLayoutError(f"weight plane epoch {epoch} has {roster['senders']} trainer ranks "
+                                    f"sending; this is rank {self.rank} of {self.ranks}")
+        if self._sender is not None:
+            self._retired.append(self._sender)
+            self._sender = None
+        self.epoch = epoch
+        group = init_weight_group(self.store, rank=0, world_size=len(roster["generators"]) + 1,
+                                  device=self.device, timeout_s=self.timeout_s,
+                                  prefix=names.weight_epoch_prefix(epoch, self.rank), should_stop=self.should_stop,
+                                  device_key=self.device_key)
+        self._sender = WeightSender(group, self.params, rank=self.rank, ranks=self.ranks)
+
+    def send(self, version: int) -> SyncStats:
+        stats = None
+        while True:
+            self.attempts += 1
+            epoch = _wait_for(self.plane, names.weight_attempt_key(self.attempts), self.lead_timeout_s,
+                              self.should_stop, f"trainer rank 0 to start sending version {version}", CONTROLLER)
+            if epoch.startswith("failed"):
+                raise WeightSyncError(f"trainer rank 0 gave up the weight sync of version {version}: {epoch}")
+            try:
+                if int(epoch) != self.epoch or self._sender is None:
+                    self._join(int(epoch))
+                stats = self._sender.send(version)
+                outcome = "ok"
+            except WeightLayoutError as e:
+                outcome = f"layout: {e}"
+            except WeightSyncError as e:
+                outcome = f"failed: {str(e).splitlines()[0][:300]}"
+            self.plane.put(names.weight_attempt_result_key(self.attempts, self.rank), outcome)
+            verdict = _wait_for(self.plane, names.weight_attempt_verdict_key(self.attempts), self.lead_timeout_s,
+                                self.should_stop, f"trainer rank 0's verdict on version {version}", CONTROLLER)
+            if verdict == "done":
+                return stats
+            if verdict != "retry":
+                raise WeightSyncError(f"trainer rank 0 gave up the weight sync of version {version}: {verdict}")
+            log.warning("weight sync of version %d: resending in a new epoch (%s)", version, outcome)
 
 
 class ElasticReceiver:
@@ -243,20 +411,21 @@ class ElasticReceiver:
         epoch = self.plane.get(names.WEIGHT_EPOCH_KEY, writers=(CONTROLLER,), default=0)
         return epoch if isinstance(epoch, int) else 0
 
-    def _roster(self, epoch: int) -> list[int] | None:
-        """The controller's roster of ``epoch``, once it is there."""
+    def _roster(self, epoch: int) -> dict | None:
+        """The controller's roster of ``epoch`` (its generators and sending trainer ranks),
+        once it is there."""
         roster = self.plane.get(names.weight_roster_key(epoch), writers=(CONTROLLER,))
-        return roster if isinstance(roster, list) else None
+        return roster if isinstance(roster, dict) and isinstance(roster.get("generators"), list) else None
 
-    def _wait_for_epoch(self, should_stop: Callable[[], bool]) -> tuple[int, list[int]]:
-        """The newest epoch after this one whose roster holds this generator."""
+    def _wait_for_epoch(self, should_stop: Callable[[], bool]) -> tuple[int, dict]:
+        """The newest epoch after this one whose roster holds this generator, and its roster."""
         deadline = time.monotonic() + self.join_timeout_s
         backoff = Backoff(first_s=0.005, max_s=0.05)
         while True:
             epoch = self._newest_epoch()
             if epoch > self.epoch:
                 roster = self._roster(epoch)
-                if roster is not None and self.replica in roster:
+                if roster is not None and self.replica in roster["generators"]:
                     return epoch, roster
             if should_stop():
                 raise Stopped("stopped while waiting to join the weight plane")
@@ -274,13 +443,10 @@ class ElasticReceiver:
                 epoch, roster = self._wait_for_epoch(stop)
                 self.epoch = epoch
                 newer = lambda: self._roster(epoch + 1) is not None  # noqa: E731  (epochs are consecutive)
+                abandoned = threading.Event()  # one for all of the epoch's groups
                 try:
-                    group = init_weight_group(self.store, rank=roster.index(self.replica) + 1,
-                                              world_size=len(roster) + 1, device=self.device,
-                                              timeout_s=self.timeout_s, prefix=names.weight_epoch_prefix(epoch),
-                                              should_stop=lambda: stop() or newer())
-                    group.abandoned = threading.Event()
-                    receiver = WeightReceiver(group, self.params, verify=self.verify)
+                    receiver = WeightReceiver(self._groups(epoch, roster, lambda: stop() or newer(), abandoned),
+                                              self.params, verify=self.verify)
                 except WeightLayoutError:
                     raise
                 except (WeightSyncError, Stopped) as e:
@@ -295,7 +461,7 @@ class ElasticReceiver:
                 # trainer has left this group; a peer of it may be dead).
                 received = threading.Event()
                 watchdog = threading.Thread(target=self._abandon_when,
-                                            args=(group, lambda: stop() or newer(), received),
+                                            args=(abandoned, lambda: stop() or newer(), received),
                                             daemon=True, name=f"weight-plane-watch-{self.replica}")
                 watchdog.start()
                 try:
@@ -314,12 +480,25 @@ class ElasticReceiver:
         except BaseException as e:  # raised to the generator by swap_if_newer()
             self._error = e
 
+    def _groups(self, epoch: int, roster: dict, should_stop: Callable[[], bool],
+                abandoned: threading.Event) -> Iterator[WeightGroup]:
+        """The epoch's weight groups, one per trainer rank, each built as the receiver asks
+        for it: trainer rank r > 0 joins only once rank 0's group is through its layout
+        handshake, so a generator must not wait in group r's rendezvous before that."""
+        for sender in range(roster["senders"]):
+            group = init_weight_group(self.store, rank=roster["generators"].index(self.replica) + 1,
+                                      world_size=len(roster["generators"]) + 1, device=self.device,
+                                      timeout_s=self.timeout_s, prefix=names.weight_epoch_prefix(epoch, sender),
+                                      should_stop=should_stop)
+            group.abandoned = abandoned
+            yield group
+
     @staticmethod
-    def _abandon_when(group, condition: Callable[[], bool], received: threading.Event) -> None:
-        """Give ``group`` up once ``condition()``, unless its receive loop ended first."""
+    def _abandon_when(abandoned: threading.Event, condition: Callable[[], bool], received: threading.Event) -> None:
+        """Give the epoch's groups up once ``condition()``, unless its receive loop ended first."""
         while not received.wait(0.05):
             if condition():
-                group.abandoned.set()
+                abandoned.set()
                 return
 
     def _retire(self) -> None:

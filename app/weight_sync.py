@@ -3,16 +3,23 @@
 This is the DDMA idea of LlamaRL (docs/architecture.md, "Planes"): no files and no parameter
 server, just collectives in a process group of its own:
 
-- rank 0 is the trainer rank that holds the full weights, ranks 1..G the generators;
-- it rendezvouses over ``PrefixStore("weights", control_store)`` and is built from the
-  backend class directly, so it lives beside the trainer's torchrun default group
-  without touching it: NCCL when every member is on a GPU of its own, gloo otherwise
-  (``app.devices.weight_plane_backend``); on gloo, weights that live on a GPU are staged
-  through host memory (a trainer and a generator sharing one GPU, a CPU generator).
+- rank 0 is a trainer rank, ranks 1..G the generators. With one trainer rank that rank
+  sends the full weights; with N (FSDP2) there is one such group per trainer rank, and
+  each rank broadcasts its own shard in its own group (no gather on trainer rank 0):
+  every generator is in all N groups and receives the N shards at once, each landing
+  in place in its staging (``app.weight_shards``);
+- each group rendezvouses over ``PrefixStore("weights/...", control_store)`` and is built
+  from the backend class directly, so it lives beside the trainer's torchrun default
+  group without touching it: NCCL when every member is on a GPU of its own, gloo
+  otherwise (``app.devices.weight_plane_backend``; the trainer ranks count as one member,
+  ``devices.joint_key``, so all their groups choose alike); on gloo, weights that live on
+  a GPU are staged through host memory (a trainer and a generator sharing one GPU, a CPU
+  generator).
 
-The parameter layout (``app.weight_layout``: names, shapes, dtypes, runs, buckets) is
-fixed when the sender and receivers are built, and checked once across all ranks then,
-so a sync carries no per-tensor metadata: one small int64 header (version, layout
+The parameter layout (``app.weight_layout``: names, shapes, dtypes, runs, buckets, and
+each trainer rank's part of every parameter) is fixed when the sender and receivers are
+built, and checked once across all ranks then (the layout handshake: JSON documents in
+the store; a generator rebuilds each sender's buckets from its document), so a sync carries no per-tensor metadata: one small int64 header (version, layout
 fingerprint, which runs go whole) followed by the runs' bytes. A run that is one slice
 of a ``flatten_parameters_`` buffer goes out as one broadcast with no copy (what the
 trainer does); any other run goes bucket by bucket, packing those that are not one
@@ -34,7 +41,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +56,7 @@ from app.weight_layout import (  # flatten_parameters_: part of this plane's API
     pack,
     span_view,
 )
+from app.weight_shards import SHARD_ALONE_BYTES, Landing, Shards, check_tiling, local_parts, meta_params
 
 __all__ = ["DEFAULT_BUCKET_MB", "SyncStats", "WeightGroup", "WeightLayoutError", "WeightReceiver",
            "WeightSender", "WeightSyncError", "flatten_parameters_", "init_weight_group"]
@@ -209,11 +217,12 @@ def _wait_for_ranks(store: dist.Store, rank: int, world_size: int, timeout_s: fl
     return [v.decode() for v in store.multi_get(keys)]
 
 
-def _handshake(group: WeightGroup, layout: Layout) -> None:
-    """Every rank publishes its layout; mismatches fail on every rank with the same story."""
+def _handshake(group: WeightGroup, doc: dict) -> list[dict]:
+    """Every rank publishes its layout document; the peers' (every generator's on rank 0,
+    the trainer rank's on a generator), parsed. Nothing is unpickled: JSON."""
     g = group
     g.handshakes += 1  # every rank builds its senders/receivers in the same order
-    g.store.set(names.weight_layout_key(g.handshakes, g.rank), layout.describe())
+    g.store.set(names.weight_layout_key(g.handshakes, g.rank), json.dumps(doc))
     peers = range(1, g.world_size) if g.rank == 0 else [0]
     keys = [names.weight_layout_key(g.handshakes, r) for r in peers]
     deadline = time.monotonic() + g.timeout_s
@@ -222,48 +231,80 @@ def _handshake(group: WeightGroup, layout: Layout) -> None:
             raise WeightSyncError(f"weight sync layout handshake: rank {g.rank} waited "
                                   f"{g.timeout_s:g} s for ranks {list(peers)} to publish theirs")
         time.sleep(0.005)
-    mine = json.loads(layout.describe())
-    for r, raw in zip(peers, g.store.multi_get(keys)):
-        theirs = json.loads(raw)
-        if theirs["fingerprint"] != mine["fingerprint"]:
-            who = "trainer (rank 0)" if r == 0 else f"generator rank {r}"
-            raise WeightLayoutError(
-                f"weight layout mismatch between this rank ({g.rank}) and the {who}: "
-                f"{first_difference(mine, theirs)}; both sides must build the same model "
-                f"(names, shapes, dtypes) and the same bucket_mb")
+    return [json.loads(raw) for raw in g.store.multi_get(keys)]
+
+
+def _check_same_model(group: WeightGroup, mine: list, theirs: list, peer: int) -> None:
+    """Both sides hold the same parameters (names, full shapes, dtypes, in order)."""
+    if mine != theirs:
+        who = "trainer (rank 0)" if peer == 0 else f"generator rank {peer}"
+        raise WeightLayoutError(
+            f"weight layout mismatch between this rank ({group.rank}) and the {who}: "
+            f"{first_difference(mine, theirs)}; both sides must build the same model "
+            f"(names, shapes, dtypes)")
+
+
+def _full_entries(layout: Layout, shards: Shards) -> list:
+    """``layout.entries`` with each parameter's full shape (a sender's layout holds its parts)."""
+    return [[name, list(shape), dtype] for (name, _, dtype), shape in zip(layout.entries, shards.full_shapes)]
 
 
 # --------------------------------------------------------------------------- sender
 
 
 class WeightSender:
-    """Rank 0 of the weight group: broadcasts ``params`` (the live tensors) on ``send``.
+    """Rank 0 of a weight group: broadcasts this trainer rank's part of ``params`` on ``send``.
 
     ``params`` are kept as given (not detached copies), so a sync always reads the tensors'
     current storage: a run is sent from its flat buffer while it is one, packed otherwise.
+    With ``ranks`` > 1 trainer ranks, each rank has a group of its own to every generator
+    and sends only its shard (``app.weight_shards``: FSDP2's DTensors, sharded on dim 0);
+    the generators assemble the full weights. One rank sends the full tensors.
     """
 
     def __init__(self, group: WeightGroup, params: Sequence[tuple[str, torch.Tensor]],
-                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+                 bucket_mb: float = DEFAULT_BUCKET_MB, *, rank: int = 0, ranks: int = 1) -> None:
         if group.rank != 0:
             raise ValueError(f"the weight sender must be rank 0 of the weight group, not {group.rank}")
         self.group = group
         self.params = list(params)
-        self.layout = Layout(self.params, int(bucket_mb * 2**20))
-        _handshake(group, self.layout)
+        self.rank, self.ranks = rank, ranks
+        local, self.shards = local_parts(self.params, rank, ranks)
+        bucket_bytes = int(bucket_mb * 2**20)
+        self.layout = Layout(local, bucket_bytes,
+                             alone_bytes=bucket_bytes if ranks == 1 else min(bucket_bytes, SHARD_ALONE_BYTES))
+        full_entries = _full_entries(self.layout, self.shards)
+        landing = Landing(self.layout, self.shards, Layout(meta_params(full_entries), bucket_bytes))
+        # A run goes whole only where the generators can take it as it is (one trainer rank).
+        self._whole_ok = [landing.direct(run) is not None for run in self.layout.runs]
+        doc = {"fingerprint": self.layout.fingerprint, "bucket_bytes": self.layout.bucket_bytes,
+               "alone_bytes": self.layout.alone_bytes, "params": self.layout.entries,
+               "shards": self.shards.describe()}
+        for r, theirs in enumerate(_handshake(group, doc), start=1):
+            _check_same_model(group, full_entries, theirs["params"], r)
         # Packing buffers, grown to the largest bucket packed so far (a flattened model
         # never packs, so they stay empty).
         self._ring = [_host_or_device(group, 0, torch.uint8) for _ in range(_RING)]
         self.zero_copy_buckets = 0
         """Buckets of the last sync that went out without packing (for tests and benchmarks)."""
 
+    def _local(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's current part of each parameter (DTensors' local tensors move)."""
+        local, shards = local_parts(self.params, self.rank, self.ranks)
+        if shards != self.shards or [list(t.shape) for _, t in local] != [e[1] for e in self.layout.entries]:
+            raise WeightLayoutError("weight sync: the trainer's parameters changed shape or sharding "
+                                    "since the sender was built")
+        return local
+
     def send(self, version: int) -> SyncStats:
-        """Broadcast the current values of the params as ``version``; returns its stats."""
+        """Broadcast the current values of this rank's part as ``version``; returns its stats."""
         g, layout = self.group, self.layout
         t0 = time.perf_counter()
         try:
+            params = self._local()
             g.store.set(names.weight_sync_announce_key(g.syncs + 1), str(version))
-            views = [span_view(run, self.params, g.device) for run in layout.runs]
+            views = [span_view(run, params, g.device) if ok else None
+                     for run, ok in zip(layout.runs, self._whole_ok)]
             whole = sum(1 << r for r, view in enumerate(views) if view is not None)
             header = torch.tensor([version, layout.fingerprint, whole], dtype=torch.int64,
                                   device=g.device)
@@ -276,19 +317,23 @@ class WeightSender:
                     zero_copy += len(run.buckets)
                     continue
                 for bucket in run.buckets:
+                    if bucket.numel == 0:  # this rank holds none of these parameters
+                        continue
                     # One tensor of its own (a parameter larger than a bucket) needs no packing.
-                    if (flat := span_view(bucket, self.params, g.device)) is not None:
+                    if (flat := span_view(bucket, params, g.device)) is not None:
                         works.append(g.broadcast(flat))
                         zero_copy += 1
                         continue
                     k = packed % _RING
                     if ring_works[k] is not None:
                         g.wait(ring_works[k])  # that buffer is still being sent
-                    ring_works[k] = g.broadcast(pack(bucket, self.params, self._buffer(k, bucket.nbytes)))
+                    ring_works[k] = g.broadcast(pack(bucket, params, self._buffer(k, bucket.nbytes)))
                     packed += 1
             for work in works + [w for w in ring_works if w is not None]:
                 g.wait(work)
             g.synchronize()
+        except WeightLayoutError:
+            raise
         except (dist.DistError, RuntimeError) as e:
             raise WeightSyncError(
                 f"weight sync of version {version} to {g.world_size - 1} generator(s) failed "
@@ -309,33 +354,113 @@ class WeightSender:
 # --------------------------------------------------------------------------- receiver
 
 
+@dataclass
+class _SenderPlan:
+    """What a generator receives from one trainer rank, and where it puts it."""
+
+    group: WeightGroup
+    layout: Layout
+    """The trainer rank's layout (its parts of the parameters), rebuilt from its document."""
+    shards: Shards
+    landing: Landing
+
+    def __post_init__(self) -> None:
+        # Where each run and bucket lands, fixed with the layout: a staging offset, or a
+        # place in one scratch buffer per run (the packed small parts, scattered after
+        # the receive; none with one trainer rank).
+        self._run_at = [self.landing.direct(run) for run in self.layout.runs]
+        self._bucket_at: dict[tuple[int, int], int | None] = {}
+        self._scratch_at: dict[tuple[int, int], int] = {}
+        self._scratch = []
+        for k, run in enumerate(self.layout.runs):
+            size = 0
+            for b, bucket in enumerate(run.buckets):
+                self._bucket_at[(k, b)] = at = self.landing.direct(bucket)
+                if bucket.numel and at is None:
+                    self._scratch_at[(k, b)] = size
+                    size += bucket.numel
+            self._scratch.append(_host_or_device(self.group, size, run.dtype))
+
+    def post(self, header: list[int], staging: list[torch.Tensor]):
+        """Start receiving one sync whose header is ``header``; the started works
+        ``(group, work)`` and the copies ``(scratch view, staging view)`` to make after them."""
+        g, layout = self.group, self.layout
+        version, fingerprint, whole = header
+        if fingerprint != layout.fingerprint:
+            raise WeightLayoutError(
+                f"weight sync of version {version}: trainer rank {self.shards.rank}'s layout "
+                f"(fingerprint {fingerprint}) differs from the one it announced ({layout.fingerprint})")
+        works, scatters = [], []
+        for k, (run, flat) in enumerate(zip(layout.runs, staging)):
+            if whole >> k & 1:
+                if (at := self._run_at[k]) is None:
+                    raise WeightLayoutError(f"weight sync of version {version}: trainer rank "
+                                            f"{self.shards.rank} sent a run whole that does not land whole")
+                works.append((g, g.broadcast(flat[at:at + run.numel])))
+                continue
+            for b, bucket in enumerate(run.buckets):
+                if bucket.numel == 0:
+                    continue
+                if (at := self._bucket_at[(k, b)]) is not None:  # lands where it belongs as it comes
+                    works.append((g, g.broadcast(flat[at:at + bucket.numel])))
+                    continue
+                start = self._scratch_at[(k, b)]
+                scratch = self._scratch[k][start:start + bucket.numel]
+                works.append((g, g.broadcast(scratch)))
+                scatters += [(scratch[src:src + n], flat[dst:dst + n]) for src, dst, n in self.landing.pieces(bucket)]
+        return works, scatters
+
+
 class WeightReceiver:
     """A generator rank: receives each version on a background thread, applies it between
     decode batches.
+
+    ``groups``: one weight group per trainer rank, in trainer-rank order (a single group
+    for one trainer rank). Each trainer rank's part of a version lands in the one staging
+    buffer per run (``app.weight_shards.Landing``), all ranks' parts at once.
 
     ``start_background()`` once, then ``swap_if_newer()`` between decode batches. There is
     one staging buffer per run, so a ``swap_if_newer`` that finds a receive in progress
     returns ``None`` at once and the next call picks the version up.
 
     ``params`` must be laid out by ``flatten_parameters_`` (as the generator's model is),
-    so applying a version is one copy per run. ``verify(version, staging)``, when given,
-    is asked after each receive whether to take it (``app.weight_digest.DigestCheck``); a
-    version it refuses is never applied: the model keeps the version it has.
+    so applying a version is one copy per run. The buckets are the senders' (read in the
+    layout handshake); ``bucket_mb`` only cuts this side's own layout document.
+    ``verify(version, staging)``, when given, is asked after each receive whether to take
+    it (``app.weight_digest.DigestCheck``); a version it refuses is never applied: the
+    model keeps the version it has.
     """
 
-    def __init__(self, group: WeightGroup, params: Sequence[tuple[str, torch.Tensor]],
+    def __init__(self, groups: WeightGroup | Iterable[WeightGroup], params: Sequence[tuple[str, torch.Tensor]],
                  bucket_mb: float = DEFAULT_BUCKET_MB,
                  verify: Callable[[int, list[torch.Tensor]], bool] | None = None) -> None:
-        if group.rank == 0:
-            raise ValueError("rank 0 of the weight group is the sender, not a receiver")
-        self.group = group
         self.params = list(params)  # as given: a later .data rebinding is caught at a swap
         self.layout = Layout(self.params, int(bucket_mb * 2**20))
-        # The model's device; staging is on the group's (the host when weights are staged).
-        self.device = self.params[0][1].device if self.params else group.device
-        self._live_views()  # fail here, not at the first swap
-        _handshake(group, self.layout)
-        self._staging = [_host_or_device(group, run.numel, run.dtype) for run in self.layout.runs]
+        self.groups: list[WeightGroup] = []
+        self._senders: list[_SenderPlan] = []
+        # Group by group, each through its handshake before the next is asked for: a lazy
+        # iterable may build the next one only then (``app.weight_plane``).
+        for rank, group in enumerate([groups] if isinstance(groups, WeightGroup) else groups):
+            if group.rank == 0:
+                raise ValueError("rank 0 of a weight group is its sender, not a receiver")
+            self.groups.append(group)
+            if rank == 0:
+                self.group = group
+                # The model's device; staging is on the group's (the host when weights are staged).
+                self.device = self.params[0][1].device
+                self._live_views()  # fail here, not at the first swap
+            self._senders.append(self._sender_plan(group, rank))
+        if not self.groups:
+            raise ValueError("a weight receiver needs one weight group per trainer rank")
+        if any(p.shards.ranks != len(self.groups) for p in self._senders):
+            raise WeightLayoutError(f"weight sync: the trainer ranks say they are "
+                                    f"{sorted({p.shards.ranks for p in self._senders})} ranks; "
+                                    f"this generator has a weight group for each of {len(self.groups)}")
+        try:
+            check_tiling([(p.shards, p.layout) for p in self._senders], self.params)
+        except ValueError as e:
+            raise WeightLayoutError(str(e)) from None
+        self._staging = [_host_or_device(self.group, run.numel, run.dtype) for run in self.layout.runs]
         self.verify = verify
         self._staged_version: int | None = None
         self._applied_version: int | None = None
@@ -345,6 +470,27 @@ class WeightReceiver:
         self._error: BaseException | None = None
         self._stats: list[SyncStats] = []
         self._stats_lock = threading.Lock()  # not _lock: that one is held for a whole receive
+
+    def _sender_plan(self, group: WeightGroup, rank: int) -> _SenderPlan:
+        """Handshake with trainer rank ``rank`` over ``group``: its layout rebuilt from its
+        document, checked against this model, and where each of its spans lands."""
+        mine = json.loads(self.layout.describe())
+        doc = _handshake(group, mine)[0]
+        try:
+            sent = Layout(meta_params(doc["params"]), int(doc["bucket_bytes"]), int(doc["alone_bytes"]))
+            sh = doc["shards"]
+            shards = Shards(rank=int(sh["rank"]), ranks=int(sh["ranks"]),
+                            full_shapes=tuple(tuple(int(d) for d in s) for s in sh["full_shapes"]),
+                            starts=tuple(int(x) for x in sh["starts"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightLayoutError(f"weight sync: trainer rank {rank}'s layout document is not one this "
+                                    f"generator reads ({type(e).__name__}: {e})") from None
+        _check_same_model(group, mine["params"], _full_entries(sent, shards), 0)
+        if sent.fingerprint != doc["fingerprint"] or shards.rank != rank:
+            raise WeightLayoutError(f"weight sync: weight group {rank} is trainer rank {shards.rank}'s "
+                                    f"(fingerprint {doc['fingerprint']}, rebuilt {sent.fingerprint}); "
+                                    f"this generator expected trainer rank {rank}'s")
+        return _SenderPlan(group, sent, shards, Landing(sent, shards, self.layout))
 
     def _live_views(self) -> list[torch.Tensor]:
         views = [span_view(run, self.params, self.device) for run in self.layout.runs]
@@ -357,45 +503,53 @@ class WeightReceiver:
 
     # -- receiving -----------------------------------------------------------------------
     def _wait_announced(self, should_stop: Callable[[], bool] | None) -> bool:
-        """True once the next sync is announced, False when told to stop first."""
-        key = names.weight_sync_announce_key(self.group.syncs + 1)
+        """True once every trainer rank announced the next sync, False when told to stop first."""
+        pending = list(self.groups)
         backoff = Backoff(max_s=_POLL_MAX_S)
-        while not self.group.store.check([key]):
+        while pending:
+            pending = [g for g in pending if not g.store.check([names.weight_sync_announce_key(g.syncs + 1)])]
+            if not pending:
+                break
             if self._stop.is_set() or (should_stop is not None and should_stop()):
                 return False
             time.sleep(backoff.next())
         return True
 
     def _receive(self) -> SyncStats:
-        g, layout = self.group, self.layout
         t0 = time.perf_counter()
         version: int | str = "?"
+        g = self.group
         try:
-            header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=g.device)
-            g.wait(g.broadcast(header))
-            version, fingerprint, whole = header.tolist()
-            if fingerprint != layout.fingerprint:
-                raise WeightLayoutError(
-                    f"weight sync of version {version}: the trainer's layout (fingerprint "
-                    f"{fingerprint}) differs from this generator's ({layout.fingerprint})")
-            works = []
-            for r, (run, flat) in enumerate(zip(layout.runs, self._staging)):
-                if whole >> r & 1:
-                    works.append(g.broadcast(flat))
-                else:  # bucket by bucket; the bytes land where they would have whole
-                    works += [g.broadcast(flat[b.offset:b.offset + b.numel]) for b in run.buckets]
-            for work in works:
-                g.wait(work)
-            g.synchronize()
+            headers = [torch.zeros(_HEADER_LEN, dtype=torch.int64, device=g.device) for _ in self.groups]
+            for group, work in [(group, group.broadcast(h)) for group, h in zip(self.groups, headers)]:
+                group.wait(work)
+            versions = {h[0].item() for h in headers}
+            version = headers[0][0].item()
+            if len(versions) > 1:
+                raise WeightSyncError(f"weight sync: the trainer ranks sent versions {sorted(versions)} "
+                                      "in one sync")
+            works, scatters = [], []
+            for plan, header in zip(self._senders, headers):
+                w, sc = plan.post(header.tolist(), self._staging)
+                works += w
+                scatters += sc
+            for group, work in works:
+                group.wait(work)
+            for group in self.groups:
+                group.synchronize()
+            with torch.no_grad():
+                for src, dst in scatters:
+                    dst.copy_(src)
         except WeightLayoutError:
             raise
         except (dist.DistError, RuntimeError) as e:
             raise WeightSyncError(
                 f"weight sync of version {version}: receiving on generator rank {g.rank} failed "
-                f"after {time.perf_counter() - t0:.1f} s (group timeout {g.timeout_s:g} s): the "
-                f"trainer or another generator of the weight group is gone. Cause: {e}") from None
-        g.syncs += 1
-        return SyncStats(version=int(version), bytes=layout.nbytes, seconds=time.perf_counter() - t0)
+                f"after {time.perf_counter() - t0:.1f} s (group timeout {g.timeout_s:g} s): a "
+                f"trainer rank or another generator of the weight group is gone. Cause: {e}") from None
+        for group in self.groups:
+            group.syncs += 1
+        return SyncStats(version=int(version), bytes=self.layout.nbytes, seconds=time.perf_counter() - t0)
 
     def start_background(self, should_stop: Callable[[], bool] | None = None) -> None:
         """Receive every new version into staging on a daemon thread, as soon as it is sent."""

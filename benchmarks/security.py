@@ -160,7 +160,7 @@ def weight_role(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -
 
 
 def bench_weights(args: argparse.Namespace) -> dict:
-    store = host_store(0, None, timeout_s=600, host="127.0.0.1")
+    store = host_store(0, None, timeout_s=600, bind="127.0.0.1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=weight_role, args=(r, store.port, args, out)) for r in range(2)]

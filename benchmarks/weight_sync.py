@@ -19,6 +19,13 @@ number to trust on a host other work is also loading:
   plus a copy into the live params by every generator.
 
     python benchmarks/weight_sync.py --json out.json [--params 100e6]
+
+With ``--trainer-ranks 1 2 4`` it compares instead, for each number N of trainer ranks,
+the sharded sync (each rank sends its own FSDP2 shard to every generator), gather-then-
+broadcast and a raw broadcast of the same bytes (``benchmarks/sharded_sync.py``); the
+JSON then holds ``by_trainer_ranks["N"] = {sharded_s, gather_s, raw_s, ...}``:
+
+    python benchmarks/weight_sync.py --trainer-ranks 1 2 4 --json benchmarks/results/weight_sync_sharded.json
 """
 
 from __future__ import annotations
@@ -28,10 +35,14 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.sharded_sync from this checkout
 
 from app.transport import connect_store, host_store
 from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
@@ -200,7 +211,13 @@ def main() -> None:
     ap.add_argument("--packed-bucket-mb", type=float, default=16.0,
                     help="bucket size of the packed (unflattened) comparison; 0 skips it")
     ap.add_argument("--dir", default=None, help="directory for the file round trip (default: a temp dir)")
+    ap.add_argument("--trainer-ranks", type=int, nargs="+", default=None,
+                    help="compare the sharded sync, gather-then-broadcast and a raw broadcast for each "
+                         "of these numbers of trainer ranks (instead of the one-trainer comparison)")
     args = ap.parse_args()
+    if args.trainer_ranks:
+        sharded_comparison(args)
+        return
 
     tmp = None
     if args.dir is None:
@@ -266,6 +283,28 @@ def main() -> None:
     print(f"best bucket {summary['best_bucket_mb']:g} MB: ratio vs raw {summary['ratio_vs_raw']:.2f} "
           f"(paired per round {summary['paired_ratio_vs_raw']:.2f}), "
           f"vs files {summary['ratio_vs_files']:.2f}")
+    with open(args.json, "w") as f:
+        json.dump(summary, f, indent=2)
+
+
+def sharded_comparison(args: argparse.Namespace) -> None:
+    from benchmarks import sharded_sync
+
+    print(f"weight sync, ~{args.params / 1e6:.0f} M fp32 params to {args.generators} generators, gloo "
+          f"loopback, {os.cpu_count()} CPUs, median of {args.repeats} rounds after a warm-up:", flush=True)
+    torch.manual_seed(0)
+    params = llama_like_params(args.params)
+    nbytes = sum(p.numel() * p.element_size() for _, p in params)
+    del params
+    by_ranks = sharded_sync.main(args)
+    print(f"\n{'trainer ranks':<15}{'sharded s':>11}{'gather s':>10}{'raw s':>8}{'p2p s':>8}{'sharded/gather':>16}"
+          f"{'sharded/raw':>13}{'paired s/g':>12}{'paired s/r':>12}")
+    for n, r in by_ranks.items():
+        print(f"{n:<15}{r['sharded_s']:>11.3f}{r['gather_s']:>10.3f}{r['raw_s']:>8.3f}{r['p2p_s']:>8.3f}"
+              f"{r['sharded_vs_gather']:>16.2f}{r['sharded_vs_raw']:>13.2f}"
+              f"{r['paired_sharded_vs_gather']:>12.2f}{r['paired_sharded_vs_raw']:>12.2f}")
+    summary = {"by_trainer_ranks": by_ranks, "bytes": nbytes, "generators": args.generators,
+               "repeats": args.repeats, "torch": torch.__version__, "cpus": os.cpu_count()}
     with open(args.json, "w") as f:
         json.dump(summary, f, indent=2)
 

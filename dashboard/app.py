@@ -166,10 +166,15 @@ def staleness_tab(run: data.Run) -> None:
 
 
 def weight_sync_tab(run: data.Run) -> None:
-    chart(charts.weight_sync_figure(run.weight_sync()), "sync-versions")
+    chart_pair((charts.weight_sync_figure(run.weight_sync()), "sync-versions"),
+               (charts.weight_sync_senders_figure(run.weight_sync_by_sender()), "sync-senders"))
     receivers = run.weight_sync_receivers()
     if not receivers.empty:
         st.dataframe(receivers, hide_index=True)
+    senders = run.weight_sync_senders()
+    if not senders.empty:
+        st.caption("Senders: each trainer rank sends its own shard straight to every generator.")
+        st.dataframe(senders, hide_index=True)
 
 
 def resume_markers(run: data.Run) -> list[tuple[float, str]]:

@@ -250,6 +250,20 @@ def weight_sync_figure(df: pd.DataFrame, title: str = "Weight sync per version")
     return fig
 
 
+def weight_sync_senders_figure(df: pd.DataFrame, title: str = "Weight sync per sender") -> go.Figure:
+    """Seconds each trainer rank spent sending its shard, per weight version
+    (``Run.weight_sync_by_sender``); the hover gives its bytes."""
+    if df.empty:
+        return empty_figure(title, "no sender recorded yet")
+    fig = go.Figure()
+    for sender, g in df.groupby("sender"):
+        fig.add_trace(go.Scatter(x=g["version"], y=g["seconds"], mode="lines+markers", name=str(sender),
+                                 customdata=g["bytes"] / 1e6, hovertemplate="%{y:.3f} s, %{customdata:.1f} MB"))
+    fig.update_layout(title=title, xaxis_title="policy version", yaxis_title="seconds", **_LAYOUT)
+    fig.update_yaxes(rangemode="tozero")
+    return fig
+
+
 def rewards_figure(df: pd.DataFrame, title: str = "Reward per component") -> go.Figure:
     """Mean score of each reward component over time (``Run.rewards``)."""
     if df.empty:

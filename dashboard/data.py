@@ -47,6 +47,9 @@ MAX_POINTS = 600
 # How many of each table's newest rows are searched for the newest event time.
 TAIL_ROWS = 5000
 _UNSET = object()
+# weight_sync rows of a sender (a trainer rank: ``trainer/<rank>``; ``trainer`` in runs
+# from before the sharded sync) rather than a receiver.
+_SENDER = "(receiver = 'trainer' OR receiver LIKE 'trainer/%')"
 
 
 # --------------------------------------------------------------------------- errors
@@ -586,7 +589,8 @@ class Run:
     # ---- weight sync
 
     def weight_sync(self, *, max_points: int = MAX_POINTS) -> pd.DataFrame:
-        """Per weight version (grouped into strides past ``max_points`` versions).
+        """Per weight version (grouped into strides past ``max_points`` versions), over the
+        receivers (the generators; the senders' rows are ``weight_sync_by_sender``'s).
 
         Columns: ``version, t, receivers, bytes`` (payload of one receiver),
         ``total_bytes`` (all receivers), ``seconds_mean``, ``seconds_max``,
@@ -599,13 +603,30 @@ class Run:
             "SUM(bytes) / COUNT(DISTINCT version) AS total_bytes, "
             "AVG(seconds) AS seconds_mean, MAX(seconds) AS seconds_max, "
             "MAX(bytes) / NULLIF(MAX(seconds), 0) / 1e9 AS gbytes_per_s "
-            "FROM weight_sync GROUP BY (version - ?) / ? ORDER BY version", [self.t0, lo or 0, stride])
+            f"FROM weight_sync WHERE NOT {_SENDER} GROUP BY (version - ?) / ? ORDER BY version",
+            [self.t0, lo or 0, stride])
 
     def weight_sync_receivers(self) -> pd.DataFrame:
         """Per receiver: ``receiver, syncs, mean_s, max_s, bytes`` (total)."""
         return self._frame("SELECT receiver, COUNT(*) AS syncs, AVG(seconds) AS mean_s, "
                            "MAX(seconds) AS max_s, SUM(bytes) AS bytes FROM weight_sync "
-                           "GROUP BY receiver ORDER BY receiver")
+                           f"WHERE NOT {_SENDER} GROUP BY receiver ORDER BY receiver")
+
+    def weight_sync_senders(self) -> pd.DataFrame:
+        """Per trainer rank that sends (its shard, with several ranks): ``sender, syncs,
+        bytes_per_sync, mean_s, max_s, gbytes_per_s`` (its bytes over its mean time)."""
+        return self._frame("SELECT receiver AS sender, COUNT(*) AS syncs, AVG(bytes) AS bytes_per_sync, "
+                           "AVG(seconds) AS mean_s, MAX(seconds) AS max_s, "
+                           "AVG(bytes) / NULLIF(AVG(seconds), 0) / 1e9 AS gbytes_per_s FROM weight_sync "
+                           f"WHERE {_SENDER} GROUP BY receiver ORDER BY receiver")
+
+    def weight_sync_by_sender(self, *, max_points: int = MAX_POINTS) -> pd.DataFrame:
+        """Per version (strided as ``weight_sync``) and sender: ``version, sender, bytes, seconds``."""
+        lo, stride = self._stride("weight_sync", "version", max_points)
+        return self._frame(
+            "SELECT MAX(version) AS version, receiver AS sender, AVG(bytes) AS bytes, AVG(seconds) AS seconds "
+            f"FROM weight_sync WHERE {_SENDER} GROUP BY (version - ?) / ?, receiver ORDER BY version, receiver",
+            [lo or 0, stride])
 
     # ---- rewards
 

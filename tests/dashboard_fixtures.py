@@ -237,8 +237,10 @@ def simulate(mode: Mode, *, steps: int, n_generators: int, t_start: float, seed:
                 events.append({**m.reward("correctness", float(rng.random() < accuracy), step=step), "t": end})
             events.append({**m.reward("format", 0.5 + 0.5 * min(1.0, 2 * progress) * rng.random(), step=step),
                            "t": end})
-        for receiver in ["trainer", *(f"generator{i}" for i in range(n_generators))]:
-            events.append({**m.weight_sync(step, receiver, param_bytes, sync_s * (0.9 + 0.2 * rng.random())),
+        for receiver in ["trainer/0", "trainer/1", *(f"generator{i}" for i in range(n_generators))]:
+            # Two trainer ranks, each sending its half (its shard) to every generator.
+            nbytes = param_bytes // 2 if receiver.startswith("trainer") else param_bytes
+            events.append({**m.weight_sync(step, receiver, nbytes, sync_s * (0.9 + 0.2 * rng.random())),
                            "t": end})
 
         tokens = rollouts_per_step * tokens_per_rollout

@@ -117,6 +117,9 @@ def test_two_sharded_trainer_ranks(tiny_policy, tmp_path, max_staleness):
         assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
         db = app.db()
         assert rows(db, "SELECT DISTINCT replica FROM intervals WHERE role = 'trainer' ORDER BY replica") == [(0,), (1,)]
+        # Both ranks take part in every weight sync (each its own shard), initial weights included.
+        assert rows(db, "SELECT receiver, count(*) FROM weight_sync WHERE receiver LIKE 'trainer/%' "
+                        "GROUP BY receiver ORDER BY receiver") == [("trainer/0", 3), ("trainer/1", 3)]
         used = rows(db, "SELECT count(*) FROM staleness WHERE used = 1")[0][0]
         assert used == 2 * PROMPTS_PER_STEP * GROUP_SIZE
         assert f"run finished: finished 2 steps" in app.log("trainer")

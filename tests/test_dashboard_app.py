@@ -55,7 +55,7 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
         drawn[tab] = charts(at)
     # Executors: idle share, idle over time, timeline, GPU utilisation and memory (this run's
     # executors are on GPUs; a CPU run has no GPU charts: test_cpu_runs_draw_no_gpu_charts).
-    assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 2, "Weight sync": 1, "Learning": 6,
+    assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 2, "Weight sync": 2, "Learning": 6,
                      "Queues": 2, "Security": 1, "All scalars": 0}
 
 

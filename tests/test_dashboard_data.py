@@ -182,14 +182,20 @@ def test_weight_sync_rewards_and_queues(runs_root):
         sync = run.weight_sync()
         strided = run.weight_sync(max_points=8)
         receivers = run.weight_sync_receivers()
+        senders = run.weight_sync_senders()
+        by_sender = run.weight_sync_by_sender()
         rewards = run.rewards()
         reasons = run.quarantine_reasons()
         queues = run.queue_depths()
         names = run.scalar_names()
-    assert list(sync["version"]) == list(range(1, 41)) and (sync["receivers"] == 3).all()
+    assert list(sync["version"]) == list(range(1, 41)) and (sync["receivers"] == 2).all()
     assert (sync["seconds_max"] >= sync["seconds_mean"]).all() and (sync["gbytes_per_s"] > 0).all()
     assert len(strided) <= 8
-    assert set(receivers["receiver"]) == {"trainer", "generator0", "generator1"}
+    assert set(receivers["receiver"]) == {"generator0", "generator1"}
+    # Per sender: each trainer rank's shard, half the model each, every version.
+    assert list(senders["sender"]) == ["trainer/0", "trainer/1"] and (senders["syncs"] == 40).all()
+    assert senders["bytes_per_sync"].sum() == sync["bytes"].iloc[0]
+    assert len(by_sender) == 80 and set(by_sender["sender"]) == {"trainer/0", "trainer/1"}
     assert set(rewards["component"]) == {"correctness", "format"}
     nulls = raw(run_dir, "SELECT COUNT(*) AS n FROM rewards WHERE value IS NULL")["n"][0]
     assert rewards["quarantined"].sum() == reasons["n"].sum() == nulls

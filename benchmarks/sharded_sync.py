@@ -1,0 +1,269 @@
+"""Sharded weight sync vs gather-then-broadcast vs raw broadcast, per trainer-rank count.
+
+Run by ``benchmarks/weight_sync.py --trainer-ranks 1 2 4``. For each N, N trainer
+processes hold a ~``--params`` fp32 Llama-like model the way FSDP2 holds it (DTensors
+sharded on dim 0 over a gloo group of the N ranks, each rank's chunks allocations of
+their own) and ``--generators`` generator processes hold the full model, flattened as
+the generator does. Every trainer rank has a weight group of its own with every
+generator (what ``app.weight_plane`` builds). The methods, timed round-robin (one of each
+per round, so load from other processes lands on all alike), median of ``--repeats``
+after a warm-up round, from the moment every process is ready until every generator
+holds the bytes (and every trainer rank is done):
+
+- ``sharded``: every trainer rank ``WeightSender(rank, ranks).send`` its own shard;
+  each generator's ``WeightReceiver`` over the N groups lands all of them in staging;
+- ``gather``: the gather-then-broadcast path: every rank ``full_tensor()`` (the
+  all-gather of an FSDP2 full state dict), rank 0 copies the result into its flat
+  full-model buffer and sends it (the one-rank path, zero-copy) in its group;
+- ``raw``: every trainer rank one bare broadcast of a flat buffer of its shard's byte
+  count in its group, all at once: the same traffic with no layout, the floor for
+  ``sharded`` (for N = 1, one broadcast of the whole model);
+- ``p2p``: the other design for the same traffic: one group of all N + G processes in
+  which every trainer rank sends its flat shard to each generator point to point (the
+  bytes only, like ``raw``): what one group instead of a group per trainer rank costs.
+
+The first ``sharded`` round is checked: the generators' staging equals the trainer's
+full weights bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from app.transport import connect_store, host_store
+from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
+from benchmarks.weight_sync import llama_like_params
+
+METHODS = ("sharded", "gather", "raw", "p2p")
+TIMEOUT_S = 900.0
+
+
+class _Barrier:
+    """Store counters that line every process up around each timed step; trainer rank 0 times."""
+
+    def __init__(self, store, participants: int) -> None:
+        self.store, self.others = store, participants - 1
+
+    def _wait(self, condition, what: str) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"benchmark: waited {TIMEOUT_S:g} s for {what}")
+            time.sleep(0.0005)
+
+    def arrive(self, key: str) -> None:
+        self.store.add(key, 1)
+
+    def wait_others(self, key: str) -> None:
+        self._wait(lambda: int(self.store.add(key, 0)) >= self.others, f"everyone at {key!r}")
+
+    def wait_key(self, key: str) -> None:
+        self._wait(lambda: self.store.check([key]), f"{key!r}")
+
+
+def _sharded_params(full: list[tuple[str, torch.Tensor]], rank: int, ranks: int):
+    """``full`` as FSDP2 holds it on ``rank``: dim-0 DTensors whose local chunks are
+    allocations of their own (``fully_shard`` copies them out likewise)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from app.weight_shards import chunk_rows
+
+    mesh = init_device_mesh("cpu", (ranks,))
+    out = []
+    for name, t in full:
+        start, stop = chunk_rows(t.shape[0], ranks, rank)
+        out.append((name, DTensor.from_local(t[start:stop].clone(), mesh, [Shard(0)], run_check=False,
+                                             shape=t.shape, stride=t.stride())))
+    return out
+
+
+def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -> None:
+    torch.set_num_threads(1)  # N + G processes on a few cores: no oversubscription
+    store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
+    barrier = _Barrier(store, ranks + generators)
+    if ranks > 1:
+        dist.init_process_group("gloo", store=dist.PrefixStore("bench/trainer", store), rank=rank,
+                                world_size=ranks)
+    group = init_weight_group(store, 0, generators + 1, torch.device("cpu"), timeout_s=600,
+                              prefix=f"bench/weights/{rank}")
+    one_group = init_weight_group(store, rank, ranks + generators, torch.device("cpu"), timeout_s=600,
+                                  prefix="bench/one_group")
+    torch.manual_seed(0)  # every rank the same full model: its chunks are consistent
+    full = llama_like_params(args.params)
+    params = _sharded_params(full, rank, ranks) if ranks > 1 else full
+    sharded = WeightSender(group, params, rank=rank, ranks=ranks)
+    if rank == 0:
+        flat_full = [(n, t.clone()) for n, t in full]
+        flatten_parameters_([t for _, t in flat_full])
+        gather_sender = WeightSender(group, flat_full)
+    del full
+    raw = torch.randn(sharded.layout.nbytes // 4)
+
+    def gather(rep: int) -> None:
+        gathered = [p.full_tensor() if ranks > 1 else p for _, p in params]
+        if rank == 0:
+            with torch.no_grad():
+                for (_, dst), src in zip(flat_full, gathered):
+                    dst.copy_(src)
+            gather_sender.send(rep)
+
+    per_sender: list[float] = []
+
+    def send_shard(rep: int) -> None:
+        stats = sharded.send(rep)
+        if rep >= 0:
+            per_sender.append(stats.seconds)
+
+    def send_p2p(rep: int) -> None:
+        works = [one_group.backend.send([raw], ranks + g, rank) for g in range(generators)]
+        for work in works:
+            one_group.wait(work)
+
+    methods = {"sharded": send_shard, "gather": gather, "raw": lambda rep: group.wait(group.broadcast(raw)),
+               "p2p": send_p2p}
+    result: dict[str, list[float]] = {}
+    for rep in range(-1, args.repeats):
+        for name, fn in methods.items():
+            key = f"bench/{ranks}/{name}/{rep}"
+            if rank == 0:
+                barrier.wait_others(key + "/ready")
+                store.set(key + "/go", "1")
+                t0 = time.perf_counter()
+                fn(rep)
+                barrier.wait_others(key + "/done")
+                if rep >= 0:
+                    result.setdefault(name, []).append(time.perf_counter() - t0)
+            else:
+                barrier.arrive(key + "/ready")
+                barrier.wait_key(key + "/go")
+                fn(rep)
+                barrier.arrive(key + "/done")
+    out.put((f"trainer/{rank}", {"result": result, "per_sender_s": per_sender, "bytes": sharded.layout.nbytes}))
+    if ranks > 1:
+        dist.destroy_process_group()
+
+
+def generator_role(replica: int, ranks: int, generators: int, port: int, args, out) -> None:
+    torch.set_num_threads(1)
+    store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
+    barrier = _Barrier(store, ranks + generators)
+    groups = [init_weight_group(store, replica + 1, generators + 1, torch.device("cpu"), timeout_s=600,
+                                prefix=f"bench/weights/{r}") for r in range(ranks)]
+    one_group = init_weight_group(store, ranks + replica, ranks + generators, torch.device("cpu"), timeout_s=600,
+                                  prefix="bench/one_group")
+    torch.manual_seed(100 + replica)
+    params = llama_like_params(args.params)
+    flatten_parameters_([p for _, p in params])
+    sharded = WeightReceiver(groups, params)
+    gather = WeightReceiver(groups[0], params)
+    shard_bytes = [int(x) for x in store.get(f"bench/{ranks}/shard_bytes").decode().split()] \
+        if ranks > 1 else [sharded.layout.nbytes]
+    raw = torch.empty(sum(shard_bytes) // 4)
+    raw_parts = list(raw.split([b // 4 for b in shard_bytes]))
+
+    def receive_with(receiver: WeightReceiver):
+        def receive(rep: int) -> None:
+            # One receiver thread at a time: both would answer group 0's next sync.
+            receiver.start_background()
+            barrier._wait(lambda: receiver.latest_version() == rep, f"version {rep}")
+            receiver.stop_background()
+        return receive
+
+    def receive_raw(rep: int) -> None:
+        works = [(g, g.broadcast(part)) for g, part in zip(groups, raw_parts)]
+        for g, work in works:
+            g.wait(work)
+
+    def receive_p2p(rep: int) -> None:
+        works = [one_group.backend.recv([part], r, r) for r, part in enumerate(raw_parts)]
+        for work in works:
+            one_group.wait(work)
+
+    methods = {"sharded": receive_with(sharded), "gather": receive_with(gather), "raw": receive_raw,
+               "p2p": receive_p2p}
+    checked = False
+    for rep in range(-1, args.repeats):
+        for name, fn in methods.items():
+            key = f"bench/{ranks}/{name}/{rep}"
+            barrier.arrive(key + "/ready")
+            fn(rep)
+            barrier.arrive(key + "/done")
+            if name == "sharded" and not checked:  # outside the timed window
+                torch.manual_seed(0)
+                expected = torch.cat([t.reshape(-1) for _, t in llama_like_params(args.params)])
+                if not torch.equal(sharded._staging[0], expected):
+                    raise RuntimeError(f"benchmark: generator {replica} staged other weights than the trainer's")
+                checked = True
+                del expected
+    out.put((f"generator/{replica}", {"checked": checked}))
+
+
+def _publish_shard_bytes(store, ranks: int, args) -> None:
+    """Each rank's shard byte count, for the generators' raw buffers (from the same rule)."""
+    from app.weight_shards import chunk_rows
+
+    torch.manual_seed(0)
+    shapes = [tuple(t.shape) for _, t in llama_like_params(args.params)]
+    sizes = []
+    for rank in range(ranks):
+        n = 0
+        for shape in shapes:
+            start, stop = chunk_rows(shape[0], ranks, rank)
+            row = 1
+            for d in shape[1:]:
+                row *= d
+            n += (stop - start) * row * 4
+        sizes.append(n)
+    store.set(f"bench/{ranks}/shard_bytes", " ".join(map(str, sizes)))
+
+
+def run(ranks: int, args) -> dict:
+    """One N: its processes, their timings; the per-method medians and paired ratios."""
+    store = host_store(0, None, timeout_s=600, bind="127.0.0.1")
+    _publish_shard_bytes(store, ranks, args)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=trainer_role, args=(r, ranks, args.generators, store.port, args, out))
+             for r in range(ranks)]
+    procs += [ctx.Process(target=generator_role, args=(g, ranks, args.generators, store.port, args, out))
+              for g in range(args.generators)]
+    for p in procs:
+        p.start()
+    reports = dict(out.get(timeout=TIMEOUT_S * 2) for _ in procs)
+    for p in procs:
+        p.join(60)
+    times = reports["trainer/0"]["result"]
+    med = {m: statistics.median(times[m]) for m in METHODS}
+    # Each round runs every method back to back: the ratio inside a round cancels most of
+    # the load that other processes put on a shared host.
+    paired = {m: statistics.median(t / r for t, r in zip(times[m], times["raw"])) for m in METHODS}
+    paired_vs_gather = statistics.median(s / g for s, g in zip(times["sharded"], times["gather"]))
+    return {
+        "sharded_s": med["sharded"], "gather_s": med["gather"], "raw_s": med["raw"], "p2p_s": med["p2p"],
+        "sharded_vs_gather": med["sharded"] / med["gather"], "sharded_vs_raw": med["sharded"] / med["raw"],
+        "paired_sharded_vs_gather": paired_vs_gather, "paired_sharded_vs_raw": paired["sharded"],
+        "paired_gather_vs_raw": paired["gather"], "paired_p2p_vs_raw": paired["p2p"],
+        "per_sender_s": {r: statistics.median(reports[f"trainer/{r}"]["per_sender_s"]) for r in range(ranks)},
+        "shard_bytes": {r: reports[f"trainer/{r}"]["bytes"] for r in range(ranks)},
+        "checked_bit_for_bit": all(reports[f"generator/{g}"]["checked"] for g in range(args.generators)),
+        "all_seconds": times,
+    }
+
+
+def main(args: argparse.Namespace) -> dict:
+    by_ranks = {}
+    for ranks in args.trainer_ranks:
+        load = os.getloadavg()[0]
+        by_ranks[str(ranks)] = {**run(ranks, args), "load_avg_1min_before": load}
+        r = by_ranks[str(ranks)]
+        print(f"  {ranks} trainer rank(s): sharded {r['sharded_s']:.3f} s, gather {r['gather_s']:.3f} s, "
+              f"raw {r['raw_s']:.3f} s, p2p {r['p2p_s']:.3f} s (load {load:.1f})", flush=True)
+    return by_ranks
