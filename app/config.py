@@ -13,7 +13,7 @@ from typing import Literal
 
 from app.answers import AnswerFormat
 from app.rl import StepConfig
-from app.sampling import SamplingParams
+from app.sampling import GEN_PRECISIONS, GenPrecision, SamplingParams
 from app.tasks import PROMPT_TEMPLATE
 
 
@@ -192,8 +192,16 @@ class GeneratorConfig:
     """Sampling seed (each generator replica adds its index)."""
     gen_threads: int = 0
     """torch threads of each generator process (0 keeps torch's default)."""
+    gen_precision: GenPrecision = "fp32"
+    """Precision of the generators' linear layers (LM head excepted): fp32, bf16, int8
+    (CPU) or fp8 (CUDA, compute capability >= 8.9). Each generator quantizes the
+    full-precision weights it receives, at every version; the log-probs it records are
+    the quantized model's, so AIPO's ratio carries the mismatch. One the machine cannot
+    run is refused at start-up, naming those it can (see README, Quantized generators)."""
 
     def __post_init__(self) -> None:
+        if self.gen_precision not in GEN_PRECISIONS:
+            raise ValueError(f"gen_precision must be one of {', '.join(GEN_PRECISIONS)}, got {self.gen_precision!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature}")
         if self.gen_batch_prompts < 1:

@@ -28,6 +28,7 @@ from app import data, health, membership, metrics, names, rl, runtime, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import to_message
 from app.policy import load_policy
+from app.sampling import GenWeights, quantize_
 from app.train_state import SlotLedger
 from app.weight_plane import ElasticReceiver
 from app.weight_sync import WeightSyncError, flatten_parameters_
@@ -76,13 +77,16 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
     prompts = data.load(trainer_cfg, tokenizer, log=log.info)
     data.check_published(rt, prompts, config_timeout_s)
     flatten_parameters_(model)  # WeightReceiver needs it: a swap is then one copy per dtype
+    # Linear layers at --gen-precision (refused here, naming what this device runs, when it
+    # cannot): the same parameters, so the receiver below writes into them as at fp32.
+    gen_weights = quantize_(model, gen_cfg.gen_precision)
     # Joins the weight plane's current epoch; after a break (another generator lost) or a
     # restart of this replica it joins the next one.
     receiver = ElasticReceiver(store, rt.replica, list(model.named_parameters()),
                                timeout_s=trainer_cfg.weight_sync_timeout_s)
     receiver.start_background(should_stop=rt.should_stop)
     try:
-        _generate_forever(rt, model, tokenizer, receiver, prompts, trainer_cfg, gen_cfg)
+        _generate_forever(rt, model, tokenizer, receiver, prompts, trainer_cfg, gen_cfg, gen_weights)
     finally:
         # The receiver thread must leave gloo before the interpreter exits, or the process
         # aborts; it can only be stuck in a sync when the run is failing anyway.
@@ -93,7 +97,8 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
 
 
 def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticReceiver,
-                      prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig) -> None:
+                      prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig,
+                      gen_weights: GenWeights | None) -> None:
     store = rt.store
     timeline = metrics.Timeline("generator", rt.replica)
     ledger = SlotLedger.from_state(json.loads(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger")))
@@ -105,12 +110,18 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
     held = membership.HeldSlots(store, names.member("generator", rt.replica))
     version: int | None = None
     sent = 0  # this generator's groups so far: the sequence half of their ids
+    quantized: list[dict] = []  # quantization times, sent with the next weight-sync events
     while True:
         with timeline.idle("wait_weights"):
             while (new := receiver.swap_if_newer()) is None and version is None:
                 if rt.should_stop():
                     raise transport.Stopped("stop requested")
                 time.sleep(0.005)
+        if new is not None and gen_weights is not None:
+            with timeline.busy("quantize"):
+                seconds = gen_weights.refresh()
+            quantized += metrics.scalars({names.WEIGHTS_QUANTIZE_S: seconds}, role="generator",
+                                         replica=rt.replica, step=new)
         version = new if new is not None else version
         # Slots lost with a dead executor first (outside the counter: it counted them
         # already), then new ones within the staleness bound.
@@ -145,7 +156,8 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
                                  role="generator", replica=rt.replica)
         events += [metrics.weight_sync(s.version, f"generator/{rt.replica}", s.bytes, s.seconds)
                    for s in receiver.pop_stats()]
-        rt.emit(events + timeline.drain(), flush=True)
+        rt.emit(events + quantized + timeline.drain(), flush=True)
+        quantized = []
 
 
 LOST_SLOTS_POLL_S = 0.1

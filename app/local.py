@@ -23,6 +23,7 @@ from app import cli, data, metrics, names, rl, steps
 from app.config import GeneratorConfig, TrainerConfig
 from app.policy import load_policy
 from app.rewards import build_reward
+from app.sampling import quantize_
 
 
 @dataclass
@@ -41,6 +42,10 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
     model, tokenizer = load_policy(data.resolve_policy(cfg.policy, log=log))
     prompts = data.prepare(sources, cfg, tokenizer, log=log)
     ref_model = copy.deepcopy(model).eval() if cfg.kl_coef > 0 else None
+    # Below fp32, rollouts come from a quantized copy, refreshed from the trained weights
+    # before every step: the same behaviour policy as a generator at --gen-precision.
+    gen_model = copy.deepcopy(model).eval() if gen.gen_precision != "fp32" else model
+    gen_weights = quantize_(gen_model, gen.gen_precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     reward = build_reward(cfg.rewards, timeout_s=cfg.reward_timeout_s)
     reward.load()
@@ -68,8 +73,14 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
         for step in range(1, cfg.steps + 1):
             t0 = time.time()
             B = cfg.prompts_per_step
+            if gen_weights is not None:
+                with timeline.busy("quantize"), torch.no_grad():
+                    for dst, src in zip(gen_model.parameters(), model.parameters()):
+                        dst.copy_(src)
+                    writer.write(metrics.scalars({names.WEIGHTS_QUANTIZE_S: gen_weights.refresh()},
+                                                 role="generator", step=step - 1))
             with timeline.busy("generate"):
-                groups = rl.generate_groups(model, tokenizer, prompts.order.take(B),
+                groups = rl.generate_groups(gen_model, tokenizer, prompts.order.take(B),
                                             group_size=cfg.group_size, params=sampling,
                                             version=step - 1, rng=rng, first_seq=(step - 1) * B,
                                             format_prompt=prompts.format_prompt)

@@ -156,6 +156,9 @@ METRICS = "metrics"
 GEN_TOKENS_PER_S = "gen/tokens_per_s"
 GEN_SEQS_PER_S = "gen/seqs_per_s"
 GEN_VERSION = "gen/version"
+WEIGHTS_QUANTIZE_S = "weights/quantize_s"
+"""Seconds a generator spent quantizing one weight version to ``--gen-precision``
+(``step`` is the version), recorded with its weight syncs; none at fp32."""
 
 # Trainer: throughput and step time.
 TRAIN_TOKENS_PER_S = "train/tokens_per_s"

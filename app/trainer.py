@@ -48,6 +48,7 @@ from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
+from app.sampling.precision import check_precision
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
 from app.weight_plane import ElasticSender
 from app.weight_sync import flatten_parameters_
@@ -102,6 +103,9 @@ class Trainer:
             # Bad input stops the run here, before the warm start and before anything trains;
             # the store is up, so the error is the app's failure cause for every role.
             cfg = self.cfg = data.absolute_paths(cfg)
+            # The generators' precision, against this machine's kind of device; each
+            # generator checks its own device again before it loads weights.
+            check_precision(self.gen.gen_precision, "cuda" if torch.cuda.is_available() else "cpu")
             if cfg.tensorboard:
                 summary_writer_class()  # a missing package fails here, before the run directory
             resume = train_state.find_resume(cfg.runs_dir, cfg.run_id, cfg.resume)

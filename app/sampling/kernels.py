@@ -1,0 +1,139 @@
+"""Linear kernels: ``y = x @ W^T`` for one weight matrix, at one precision.
+
+A kernel is built once from a full-precision weight ``W`` (``(out, in)``, ``nn.Linear``'s
+layout) and called many times: the sampler's Llama fast path holds one per fused matrix,
+``precision.QuantizedLinear`` one per linear layer of the model's own forward. Inputs and
+outputs are fp32 whatever the kernel computes in, so the residual stream, norms,
+attention and logits stay in full precision and only the matmuls change.
+
+- ``DenseKernel``: fp32 (the weight itself, no copy) or bf16 (a copy), any device.
+- ``Int8DynamicKernel``: CPU. Weights int8, symmetric per output channel, prepacked once
+  (``torch.ops.quantized.linear_prepack``); activations quantized per call, per tensor,
+  inside ``torch.ops.quantized.linear_dynamic`` (fbgemm/x86 or qnnpack).
+- ``Fp8Kernel``: CUDA with compute capability >= 8.9. Weights and activations e4m3 with
+  one scale per tensor, ``torch._scaled_mm``.
+
+Why ``linear_dynamic`` for int8 on CPU (torch 2.13, measured by
+``benchmarks/linear_kernels.py`` on this project's 2-core AMD EPYC, one thread; figures in
+the README): at the decode shapes of a 30M-parameter Llama (8-64 rows, 512 x 1536 to 512 x
+3584) it ran 3.5-6x faster than fp32 ``torch.mm``; hand-written dynamic quantization
+around ``torch._int_mm`` 1.5-3x; torchao 0.18's int8 dynamic-activation config was slower
+than fp32 at 8 rows and 1.6-1.8x faster at 64, its int8 weight-only config and
+``torch._weight_int8pack_mm`` slower than fp32 (the latter 100x); oneDNN's
+``qlinear_pointwise`` 2x at best, with a host sync per call for its activation scale. The
+price: prepacking needs a ``qint8`` tensor, whose creation torch 2.13 marks deprecated
+(the warning is silenced where it is made). Revisit when the pinned torch moves.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Protocol
+
+import torch
+
+INT8_ENGINES = ("x86", "fbgemm", "qnnpack")
+"""Quantized engines with a dynamic int8 linear kernel."""
+FP8_MIN_CAPABILITY = (8, 9)
+"""CUDA compute capability from which ``torch._scaled_mm`` runs e4m3 (Ada, Hopper and later)."""
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+
+
+class LinearKernel(Protocol):
+    def __call__(self, x_NK: torch.Tensor) -> torch.Tensor:
+        """``x_NK @ W^T``, fp32 ``(N, M)``."""
+        ...
+
+    def add_to_(self, h_NM: torch.Tensor, x_NK: torch.Tensor) -> None:
+        """``h_NM += x_NK @ W^T`` in place (the residual add of a decoder layer)."""
+        ...
+
+
+class DenseKernel:
+    """The matmul in ``dtype``: fp32 uses the weight as given (a transposed view, no
+    copy: ``torch.mm`` and ``addmm_`` as the fp32 fast path always did); bf16 a copy."""
+
+    def __init__(self, weight_MK: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        self.w_KM = (weight_MK if weight_MK.dtype == dtype else weight_MK.to(dtype)).t()
+
+    def __call__(self, x_NK: torch.Tensor) -> torch.Tensor:
+        if x_NK.dtype == self.w_KM.dtype:
+            return torch.mm(x_NK, self.w_KM)
+        return torch.mm(x_NK.to(self.w_KM.dtype), self.w_KM).to(x_NK.dtype)
+
+    def add_to_(self, h_NM: torch.Tensor, x_NK: torch.Tensor) -> None:
+        if x_NK.dtype == self.w_KM.dtype == h_NM.dtype:
+            h_NM.addmm_(x_NK, self.w_KM)  # the add fused into the matmul
+        else:
+            h_NM.add_(self(x_NK))
+
+
+def int8_engine() -> str | None:
+    """The quantized engine ``Int8DynamicKernel`` runs on, or None when this build has none."""
+    engine = torch.backends.quantized.engine
+    return engine if engine in INT8_ENGINES else None
+
+
+def int8_per_channel(weight_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``(q_MK, scale_M)`` with ``W ~= q * scale``,
+    ``|q| <= 127`` (a zero row gets scale 1, so nothing divides by 0)."""
+    w_MK = weight_MK.detach().float()
+    amax_M = w_MK.abs().amax(dim=1)
+    scale_M = torch.where(amax_M > 0, amax_M / 127.0, torch.ones_like(amax_M))
+    q_MK = torch.round(w_MK / scale_M[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q_MK, scale_M
+
+
+class Int8DynamicKernel:
+    """int8 weights (per output channel) prepacked once; activations quantized per call
+    by ``linear_dynamic`` (per tensor, asymmetric uint8). See the module docstring."""
+
+    def __init__(self, weight_MK: torch.Tensor) -> None:
+        engine = int8_engine()
+        if engine is None or weight_MK.device.type != "cpu":
+            raise ValueError(f"int8 runs on CPU with a quantized engine among {INT8_ENGINES}; "
+                             f"here: device {weight_MK.device}, engine {torch.backends.quantized.engine}")
+        q_MK, scale_M = int8_per_channel(weight_MK)
+        zero_M = torch.zeros(q_MK.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # qint8 tensors are deprecated in torch 2.13: see above
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch._make_per_channel_quantized_tensor(q_MK, scale_M.double(), zero_M, 0)
+        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        # Without VNNI, fbgemm adds pairs of uint8 x int8 products in int16: 7-bit
+        # activations keep that from saturating. With VNNI (and on qnnpack) the products
+        # accumulate in int32, and the 8th bit halves the activations' rounding error.
+        self.reduce_range = engine in ("x86", "fbgemm") and not torch.cpu._is_vnni_supported()
+
+    def __call__(self, x_NK: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x_NK, self.packed, self.reduce_range)
+
+    def add_to_(self, h_NM: torch.Tensor, x_NK: torch.Tensor) -> None:
+        h_NM.add_(self(x_NK))
+
+
+class Fp8Kernel:
+    """e4m3 weights and activations with one scale per tensor (rowwise scales need
+    Hopper; one scale runs from Ada on), fp32 accumulation in ``torch._scaled_mm``.
+    Both dimensions of the weight must be multiples of 16 (cuBLASLt's fp8 rule)."""
+
+    def __init__(self, weight_MK: torch.Tensor) -> None:
+        M, K = weight_MK.shape
+        if weight_MK.device.type != "cuda" or M % 16 or K % 16:
+            raise ValueError(f"fp8 needs a CUDA weight with both dimensions multiples of 16, got "
+                             f"{tuple(weight_MK.shape)} on {weight_MK.device}")
+        w_MK = weight_MK.detach().float()
+        self.w_scale = (w_MK.abs().amax().clamp(min=1e-12) / FP8_MAX).reshape(())
+        self.w_MK = (w_MK / self.w_scale).to(FP8_DTYPE)  # row-major (M, K): .t() is column-major
+
+    def __call__(self, x_NK: torch.Tensor) -> torch.Tensor:
+        x_NK = x_NK.float()
+        x_scale = (x_NK.abs().amax().clamp(min=1e-12) / FP8_MAX).reshape(())
+        x8_NK = (x_NK / x_scale).to(FP8_DTYPE)
+        # bf16 out: every cuBLASLt fp8 configuration offers it (accumulation is fp32 either way).
+        y_NM = torch._scaled_mm(x8_NK, self.w_MK.t(), scale_a=x_scale, scale_b=self.w_scale,
+                                out_dtype=torch.bfloat16)
+        return y_NM.float()
+
+    def add_to_(self, h_NM: torch.Tensor, x_NK: torch.Tensor) -> None:
+        h_NM.add_(self(x_NK))
