@@ -42,6 +42,10 @@ class TrainerConfig:
     """Policy loss: AIPO (truncated importance weights) or PPO-clip."""
     rho_max: float = 4.0
     """AIPO truncation of the importance ratio pi/mu (2 to 10 in the paper)."""
+    ratio_correction: bool = True
+    """AIPO: weigh each token by its truncated importance ratio min(pi/mu, rho_max);
+    --no-ratio-correction weighs it by 1 instead (the on-policy gradient applied to mu's
+    samples, which ignores staleness and the generators' precision), for comparison."""
     clip_eps: float = 0.2
     """PPO-clip epsilon (loss=ppo only)."""
     normaliser: Literal["token", "sequence"] = "token"
@@ -133,6 +137,8 @@ class TrainerConfig:
             raise ValueError("lr, rho_max and clip_eps must be > 0")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if not self.ratio_correction and self.loss != "aipo":
+            raise ValueError("--no-ratio-correction is AIPO's (PPO-clip's ratio is its objective)")
         if self.weight_sync_timeout_s <= 0:
             raise ValueError(f"weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")
         if self.kl_coef < 0:
@@ -170,7 +176,8 @@ class TrainerConfig:
     def step_config(self, gen: GeneratorConfig) -> StepConfig:
         """The step's knobs; ``gen``'s temperature and top-p, so that the trainer's
         log-probs are those of the distribution the generator sampled from."""
-        return StepConfig(loss=self.loss, rho_max=self.rho_max, clip_eps=self.clip_eps,
+        return StepConfig(loss=self.loss, rho_max=self.rho_max, ratio_correction=self.ratio_correction,
+                          clip_eps=self.clip_eps,
                           normaliser=self.normaliser, kl_coef=self.kl_coef,
                           temperature=gen.temperature, top_p=gen.top_p,
                           micro_batch=self.micro_batch)

@@ -94,7 +94,8 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
                 rl.set_group_advantages(trained, normalize_std=cfg.normalize_std)
                 with timeline.busy("train"):
                     train = rl.train_step(model, optimizer, trained, step_cfg,
-                                          pad_id=tokenizer.pad_token_id, ref_model=ref_model)
+                                          pad_id=tokenizer.pad_token_id, ref_model=ref_model,
+                                          policy_version=step - 1)
             t_train, step_s = time.time() - t1, time.time() - t0
             rollouts = [r for g in groups for r in g.rollouts]
             values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,

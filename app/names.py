@@ -185,6 +185,17 @@ AIPO_STATS = {"ratio_mean": AIPO_RATIO_MEAN, "ratio_max": AIPO_RATIO_MAX,
               "frac_truncated": AIPO_FRAC_TRUNCATED}
 """``train_step``'s ratio statistics -> their stored names."""
 
+# Train/inference mismatch (``app.mismatch``), split by lag.
+MISMATCH_PREFIX = "mismatch/"
+MISMATCH_STATS = ("ratio_mean", "ratio_max", "frac_truncated", "kl")
+
+
+def mismatch_metric(lag: int, stat: str) -> str:
+    """pi/mu statistic ``stat`` (one of ``MISMATCH_STATS``) over the step's tokens from
+    rollouts ``lag`` versions behind; at lag 0 only the generator's precision differs."""
+    return f"{MISMATCH_PREFIX}lag{int(lag)}/{stat}"
+
+
 # Staleness.
 STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"

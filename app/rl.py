@@ -14,7 +14,7 @@ from typing import Callable, Literal, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from app import answers, losses, tasks
+from app import answers, losses, mismatch, tasks
 from app.contract import GroupId, Rollout, RolloutGroup
 from app.policy import encode_prompts
 from app.rewards import CompositeReward, RewardResult
@@ -27,6 +27,7 @@ class StepConfig:
 
     loss: Literal["aipo", "ppo"] = "aipo"
     rho_max: float = 4.0
+    ratio_correction: bool = True
     clip_eps: float = 0.2
     normaliser: losses.Normaliser = "token"
     kl_coef: float = 0.0
@@ -98,7 +99,8 @@ def _padded(rows: list[list[float]], T: int, device: torch.device) -> torch.Tens
 
 def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollouts: list[Rollout],
                cfg: StepConfig, *, pad_id: int, ref_model: PreTrainedModel | None = None,
-               reduce_grads: Callable[[list[torch.Tensor]], None] | None = None) -> dict[str, float]:
+               reduce_grads: Callable[[list[torch.Tensor]], None] | None = None,
+               policy_version: int | None = None) -> dict[str, float]:
     """One optimizer step on ``rollouts`` (advantages already set), in micro-batches.
 
     The loss of each micro-batch is weighted by its share of the batch's normaliser
@@ -112,6 +114,9 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     ``reduce_grads`` (data parallel) is called once with every parameter's gradient after
     the last backward, whatever the number of micro-batches this rank ran; a data-parallel
     rank with no usable rollout this step still joins it with a zero gradient.
+
+    ``policy_version`` (the version of ``model``'s weights) adds the train/inference
+    mismatch of the tokens passed through, by lag (``app.mismatch``).
     """
     if not rollouts and reduce_grads is None:
         raise ValueError("train_step needs at least one rollout")
@@ -127,15 +132,21 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     sums: dict[str, float] = {"loss": 0.0}
     weights = 0.0
     ratio_max = 1.0
+    tokens: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # log pi, log mu, lag
     for i in range(0, len(active), cfg.micro_batch):
         chunk = active[i: i + cfg.micro_batch]
         logp_BT, mask_BT = completion_logprobs(model, chunk, pad_id=pad_id,
                                                temperature=cfg.temperature, top_p=cfg.top_p)
         mu_BT = _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device)
         adv_B = torch.tensor([r.advantage for r in chunk], dtype=torch.float32, device=logp_BT.device)
+        if policy_version is not None:
+            lag_BT = torch.tensor([policy_version - r.version for r in chunk], device=logp_BT.device
+                                  )[:, None].expand_as(mask_BT)
+            kept_BT = mask_BT.bool()
+            tokens.append((logp_BT.detach()[kept_BT], mu_BT[kept_BT], lag_BT[kept_BT]))
         if cfg.loss == "aipo":
             loss, m = losses.aipo_loss(logp_BT, mu_BT, adv_B, mask_BT, rho_max=cfg.rho_max,
-                                       normaliser=cfg.normaliser)
+                                       normaliser=cfg.normaliser, correction=cfg.ratio_correction)
         else:
             loss, m = losses.ppo_clip_loss(logp_BT, mu_BT, adv_B, mask_BT, clip_eps=cfg.clip_eps,
                                            normaliser=cfg.normaliser)
@@ -157,6 +168,9 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
             else:
                 sums[k] = sums.get(k, 0.0) + v * share
     stats = {k: (v if k == "loss" else v / weights) for k, v in sums.items()}
+    if tokens:
+        logp_N, mu_N, lag_N = (torch.cat(t) for t in zip(*tokens))
+        stats.update(mismatch.mismatch_by_lag(logp_N, mu_N, lag_N, rho_max=cfg.rho_max))
     if not active:  # an all-zero gradient, as the full pass would have given
         for p in model.parameters():
             p.grad = torch.zeros_like(p)

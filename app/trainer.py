@@ -332,7 +332,8 @@ class Trainer:
                 with self.timeline.busy("train"):
                     train = rl.train_step(self.model, self.optimizer, steps.usable(groups), step_cfg,
                                           pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model,
-                                          reduce_grads=average_across_ranks if self.world > 1 else None)
+                                          reduce_grads=average_across_ranks if self.world > 1 else None,
+                                          policy_version=self.version)
             t_train = time.time() - t0
             consumed_version = self.version
             self.version += 1

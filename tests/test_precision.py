@@ -58,10 +58,10 @@ def test_generator_config_refuses_an_unknown_precision():
 def test_int8_per_channel_by_hand():
     # Row 0: amax 1 -> scale 1/127; 0.5 * 127 = 63.5 rounds to even (64), 0.25 * 127 = 31.75 -> 32.
     # Row 1 is all zeros: scale 1, nothing divided by 0.
-    q, scale = int8_per_channel(torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0]]))
-    assert q.dtype == torch.int8
-    assert q.tolist() == [[64, -127, 32], [0, 0, 0]]
-    assert torch.allclose(scale, torch.tensor([1 / 127, 1.0]))
+    q = int8_per_channel(torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0]]))
+    assert q.dtype == torch.qint8
+    assert q.int_repr().tolist() == [[64, -127, 32], [0, 0, 0]]
+    assert q.q_per_channel_scales().tolist() == pytest.approx([1 / 127, 1.0])
 
 
 @needs_int8
@@ -72,8 +72,7 @@ def test_int8_kernel_is_within_the_activation_rounding_bound():
     torch.manual_seed(0)
     w, x = torch.randn(48, 32) * 0.1, torch.randn(5, 32)
     kernel = Int8DynamicKernel(w)
-    q, scale = int8_per_channel(w)
-    w_dq = q.float() * scale[:, None]
+    w_dq = int8_per_channel(w).dequantize()
     levels = 127 if kernel.reduce_range else 255
     step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / levels
     bound_M = step / 2 * w_dq.abs().sum(1) + 1e-5

@@ -75,14 +75,17 @@ def int8_engine() -> str | None:
     return engine if engine in INT8_ENGINES else None
 
 
-def int8_per_channel(weight_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: ``(q_MK, scale_M)`` with ``W ~= q * scale``,
-    ``|q| <= 127`` (a zero row gets scale 1, so nothing divides by 0)."""
+def int8_per_channel(weight_MK: torch.Tensor) -> torch.Tensor:
+    """Symmetric per-output-channel int8, as a ``qint8`` tensor: ``W ~= q * scale``,
+    ``|q| <= 127`` (a zero row gets scale 1, so nothing divides by 0). Two passes over
+    the weight (its row maxima, then the quantization), since this runs at every version."""
     w_MK = weight_MK.detach().float()
-    amax_M = w_MK.abs().amax(dim=1)
-    scale_M = torch.where(amax_M > 0, amax_M / 127.0, torch.ones_like(amax_M))
-    q_MK = torch.round(w_MK / scale_M[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q_MK, scale_M
+    amax_M = torch.linalg.vector_norm(w_MK, ord=float("inf"), dim=1)
+    scale_M = torch.where(amax_M > 0, amax_M / 127.0, torch.ones_like(amax_M)).double()
+    with warnings.catch_warnings():  # qint8 tensors are deprecated in torch 2.13: see above
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_channel(w_MK, scale_M, torch.zeros_like(scale_M, dtype=torch.long), 0,
+                                          torch.qint8)
 
 
 class Int8DynamicKernel:
@@ -94,12 +97,7 @@ class Int8DynamicKernel:
         if engine is None or weight_MK.device.type != "cpu":
             raise ValueError(f"int8 runs on CPU with a quantized engine among {INT8_ENGINES}; "
                              f"here: device {weight_MK.device}, engine {torch.backends.quantized.engine}")
-        q_MK, scale_M = int8_per_channel(weight_MK)
-        zero_M = torch.zeros(q_MK.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # qint8 tensors are deprecated in torch 2.13: see above
-            warnings.simplefilter("ignore", UserWarning)
-            qweight = torch._make_per_channel_quantized_tensor(q_MK, scale_M.double(), zero_M, 0)
-        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.packed = torch.ops.quantized.linear_prepack(int8_per_channel(weight_MK), None)
         # Without VNNI, fbgemm adds pairs of uint8 x int8 products in int16: 7-bit
         # activations keep that from saturating. With VNNI (and on qnnpack) the products
         # accumulate in int32, and the 8th bit halves the activations' rounding error.
