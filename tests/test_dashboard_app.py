@@ -52,7 +52,7 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
         assert_no_exception(at)
         assert not at.error
         drawn[tab] = charts(at)
-    assert drawn == {"Throughput": 4, "Executors": 3, "Off-policy": 2, "Weight sync": 1, "Learning": 6,
+    assert drawn == {"Throughput": 4, "Executors": 3, "Off-policy": 4, "Weight sync": 2, "Learning": 6,
                      "Queues": 2, "All scalars": 0}
 
 
