@@ -97,6 +97,15 @@ def _padded(rows: list[list[float]], T: int, device: torch.device) -> torch.Tens
     return out
 
 
+def _token_triples(rollouts: list[Rollout], logp_BT: torch.Tensor, mu_BT: torch.Tensor, mask_BT: torch.Tensor,
+                   policy_version: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log pi, log mu and lag (``policy_version`` - the rollout's) of every completion
+    token of ``rollouts``, flat: what ``mismatch.mismatch_by_lag`` takes."""
+    lag_BT = torch.tensor([policy_version - r.version for r in rollouts], device=logp_BT.device)
+    kept_BT = mask_BT.bool()
+    return logp_BT.detach()[kept_BT], mu_BT[kept_BT], lag_BT[:, None].expand_as(mask_BT)[kept_BT]
+
+
 def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollouts: list[Rollout],
                cfg: StepConfig, *, pad_id: int, ref_model: PreTrainedModel | None = None,
                reduce_grads: Callable[[list[torch.Tensor]], None] | None = None,
@@ -116,7 +125,8 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     rank with no usable rollout this step still joins it with a zero gradient.
 
     ``policy_version`` (the version of ``model``'s weights) adds the train/inference
-    mismatch of the tokens passed through, by lag (``app.mismatch``).
+    mismatch of the tokens passed through, by lag (``app.mismatch``); when none is (every
+    advantage 0), of one micro-batch run forward without gradient for it.
     """
     if not rollouts and reduce_grads is None:
         raise ValueError("train_step needs at least one rollout")
@@ -140,10 +150,7 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
         mu_BT = _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device)
         adv_B = torch.tensor([r.advantage for r in chunk], dtype=torch.float32, device=logp_BT.device)
         if policy_version is not None:
-            lag_BT = torch.tensor([policy_version - r.version for r in chunk], device=logp_BT.device
-                                  )[:, None].expand_as(mask_BT)
-            kept_BT = mask_BT.bool()
-            tokens.append((logp_BT.detach()[kept_BT], mu_BT[kept_BT], lag_BT[kept_BT]))
+            tokens.append(_token_triples(chunk, logp_BT, mu_BT, mask_BT, policy_version))
         if cfg.loss == "aipo":
             loss, m = losses.aipo_loss(logp_BT, mu_BT, adv_B, mask_BT, rho_max=cfg.rho_max,
                                        normaliser=cfg.normaliser, correction=cfg.ratio_correction)
@@ -168,6 +175,15 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
             else:
                 sums[k] = sums.get(k, 0.0) + v * share
     stats = {k: (v if k == "loss" else v / weights) for k, v in sums.items()}
+    if policy_version is not None and not tokens and rollouts:
+        # No rollout went through the pass (every advantage 0): one forward without
+        # gradient over a micro-batch of them, so that every step measures the mismatch.
+        chunk = rollouts[: cfg.micro_batch]
+        with torch.no_grad():
+            logp_BT, mask_BT = completion_logprobs(model, chunk, pad_id=pad_id, temperature=cfg.temperature,
+                                                   top_p=cfg.top_p)
+        mu_BT = _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device)
+        tokens.append(_token_triples(chunk, logp_BT, mu_BT, mask_BT, policy_version))
     if tokens:
         logp_N, mu_N, lag_N = (torch.cat(t) for t in zip(*tokens))
         stats.update(mismatch.mismatch_by_lag(logp_N, mu_N, lag_N, rho_max=cfg.rho_max))

@@ -89,3 +89,22 @@ def test_train_step_reports_mismatch_by_lag(tiny_model):
     assert not any(k.startswith(names.MISMATCH_PREFIX) for k in
                    rl.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), rollouts,
                                  rl.StepConfig(), pad_id=0))
+
+
+def test_a_step_without_signal_still_measures_the_mismatch(tiny_model):
+    """Every advantage 0: no rollout needs the training pass, one forward without
+    gradient measures them (pi == mu here: ratio 1)."""
+    g = torch.Generator().manual_seed(1)
+    rollouts = [rl.Rollout(prompt_ids=torch.randint(3, 40, (3,), generator=g).tolist(),
+                           completion_ids=torch.randint(3, 40, (4,), generator=g).tolist(),
+                           behaviour_logprobs=[], version=0, group_id=GroupId(0, 0), advantage=0.0)
+                for _ in range(2)]
+    with torch.no_grad():
+        own_BT, _ = rl.completion_logprobs(tiny_model, rollouts, pad_id=0)
+    for r, own_T in zip(rollouts, own_BT):
+        r.behaviour_logprobs = own_T.tolist()
+    model = copy.deepcopy(tiny_model)
+    m = rl.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), rollouts, rl.StepConfig(),
+                      pad_id=0, policy_version=0)
+    assert m["frac_skipped"] == 1.0
+    assert m["mismatch/lag0/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
