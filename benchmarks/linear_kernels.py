@@ -22,6 +22,7 @@ import json
 import statistics
 import time
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -133,8 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"device": "cpu", "torch": torch.__version__, "torch_threads": 1,
               "quantized_engine": torch.backends.quantized.engine, "repeats": args.repeats, "runs": runs}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(args.json).write_text(json.dumps(result, indent=2))
     return result
 
 

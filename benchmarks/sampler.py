@@ -43,6 +43,7 @@ import time
 from typing import Callable
 
 import copy
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
@@ -248,12 +249,12 @@ def compare_precisions(args: argparse.Namespace) -> dict:
                 print(f"{config:<8}{n_params / 1e6:>7.1f}M {len(repeated):>5} rows {name:<5} "
                       f"{runs[-1]['tokens_per_s']:>9.0f} tok/s {speedup:>7}  (quantize {quantize_s[name]:.3f} s, "
                       f"{res[name]['median_tokens']:.0f} tokens)", flush=True)
-    result = {"device": next(default.parameters()).device.type, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+    result = {"device": next(default.parameters()).device.type, "torch": torch.__version__,
+              "torch_threads": torch.get_num_threads(),
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "group_size": G,
               "policy": args.policy, "runs": runs}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        Path(args.json).write_text(json.dumps(result, indent=2))
     return result
 
 

@@ -128,6 +128,18 @@ def test_sampling_before_refresh_is_refused():
         sample(model, PROMPTS, SamplingParams(max_new_tokens=2), eos_id=-1, pad_id=PAD)
 
 
+def prefill_logits(model, fp32, device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per prompt, the next-token logits of the quantized ``model``'s fast path, of its own
+    forward, and of the ``fp32`` model's forward."""
+    P = max(len(p) for p in PROMPTS)
+    prompts = sorted(PROMPTS, key=len)
+    with torch.inference_mode():
+        fast = LlamaFastPath(model, P + 1, precision.fast_linears(model))
+        logits_UV, _, _ = fast.prefill(prompts, new_cache(model, P + 1)[0])
+        return [(logits_UV[i], model(input_ids=torch.tensor([p], device=device)).logits[0, -1],
+                 fp32(input_ids=torch.tensor([p], device=device)).logits[0, -1]) for i, p in enumerate(prompts)]
+
+
 @needs_int8
 @pytest.mark.parametrize("name", ["int8", "bf16"])
 def test_llama_fast_path_and_model_forward_sample_from_the_quantized_model(name):
@@ -135,16 +147,9 @@ def test_llama_fast_path_and_model_forward_sample_from_the_quantized_model(name)
     quantization noise, and differ from fp32's by more than the fast path's 1e-4."""
     fp32, model = llama(tied=True), llama(tied=True)
     precision.quantize_(model, name).refresh()
-    P = max(len(p) for p in PROMPTS)
-    prompts = sorted(PROMPTS, key=len)
-    with torch.inference_mode():
-        fast = LlamaFastPath(model, P + 1, precision.fast_linears(model))
-        logits_UV, _, _ = fast.prefill(prompts, new_cache(model, P + 1)[0])
-        for i, p in enumerate(prompts):
-            own_V = model(input_ids=torch.tensor([p])).logits[0, -1]
-            ref_V = fp32(input_ids=torch.tensor([p])).logits[0, -1]
-            assert (logits_UV[i] - own_V).abs().max() < 0.05
-            assert (own_V - ref_V).abs().max() > 1e-4
+    for fast_V, own_V, ref_V in prefill_logits(model, fp32):
+        assert (fast_V - own_V).abs().max() < 0.05
+        assert (own_V - ref_V).abs().max() > 1e-4
 
 
 def test_recorded_logprobs_are_the_quantized_models():

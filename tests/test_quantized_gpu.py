@@ -8,14 +8,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from app.sampling import LlamaFastPath, SamplingParams, new_cache, precision, sample
+from app.sampling import SamplingParams, precision, sample
 from app.sampling.kernels import FP8_MIN_CAPABILITY, DenseKernel, Fp8Kernel
+from test_precision import PAD, PROMPTS, prefill_logits
 
 pytestmark = pytest.mark.gpu
-
-PAD = 0
-PROMPTS = [[5, 9, 3, 7], [11, 2], [4, 4, 8, 1, 6, 2]]
-
 
 def has_fp8() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= FP8_MIN_CAPABILITY
@@ -69,16 +66,9 @@ def test_quantized_llama_samples_on_cuda_through_both_paths(name):
     fp32, model = llama(), llama()
     weights = precision.quantize_(model, name)
     assert weights.refresh() > 0.0
-    P = max(len(p) for p in PROMPTS)
-    prompts = sorted(PROMPTS, key=len)
-    with torch.inference_mode():
-        fast = LlamaFastPath(model, P + 1, precision.fast_linears(model))
-        logits_UV, _, _ = fast.prefill(prompts, new_cache(model, P + 1)[0])
-        for i, p in enumerate(prompts):
-            own_V = model(input_ids=torch.tensor([p], device="cuda")).logits[0, -1]
-            ref_V = fp32(input_ids=torch.tensor([p], device="cuda")).logits[0, -1]
-            assert (logits_UV[i] - own_V).abs().max() < 0.1
-            assert (own_V - ref_V).abs().max() > 1e-5
+    for fast_V, own_V, ref_V in prefill_logits(model, fp32, "cuda"):
+        assert (fast_V - own_V).abs().max() < 0.1
+        assert (own_V - ref_V).abs().max() > 1e-5
     out = sample(model, PROMPTS, SamplingParams(max_new_tokens=8), eos_id=-1, pad_id=PAD,
                  generator=torch.Generator(device="cuda").manual_seed(0))
     assert out.tokens_BT.shape == (3, 8) and torch.isfinite(out.logprobs_BT).all()
