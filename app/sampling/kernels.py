@@ -13,16 +13,20 @@ attention and logits stay in full precision and only the matmuls change.
 - ``Fp8Kernel``: CUDA with compute capability >= 8.9. Weights and activations e4m3 with
   one scale per tensor, ``torch._scaled_mm``.
 
-Why ``linear_dynamic`` for int8 on CPU (torch 2.13, measured by
-``benchmarks/linear_kernels.py`` on this project's 2-core AMD EPYC, one thread; figures in
-the README): at the decode shapes of a 30M-parameter Llama (8-64 rows, 512 x 1536 to 512 x
-3584) it ran 3.5-6x faster than fp32 ``torch.mm``; hand-written dynamic quantization
-around ``torch._int_mm`` 1.5-3x; torchao 0.18's int8 dynamic-activation config was slower
-than fp32 at 8 rows and 1.6-1.8x faster at 64, its int8 weight-only config and
-``torch._weight_int8pack_mm`` slower than fp32 (the latter 100x); oneDNN's
-``qlinear_pointwise`` 2x at best, with a host sync per call for its activation scale. The
-price: prepacking needs a ``qint8`` tensor, whose creation torch 2.13 marks deprecated
-(the warning is silenced where it is made). Revisit when the pinned torch moves.
+Why ``linear_dynamic`` for int8 on CPU (torch 2.13; ``benchmarks/linear_kernels.py``, one
+thread, at the decode shapes of the fast path's fused matrices, on this project's shared
+2-core AMD EPYC; figures in the README): at the 30M-parameter Llama's shapes it was the
+fastest int8 kernel at 8 rows and among the fastest at 32-64, 3.5-6x fp32 ``torch.mm`` in
+a quiet probe (1.2-12x under heavy load). The others: dynamic quantization written by
+hand around ``torch._int_mm``, 1.5-3x (slower than ``linear_dynamic`` at 8 rows, once
+ahead at 32 under load); torchao 0.18's int8 dynamic-activation config, slower than fp32
+at 8 rows and at most 1.8x at 64; int8 weight-only (torchao's, and
+``torch._weight_int8pack_mm``, 10-1000x slower here), no faster than fp32; oneDNN's
+``qlinear_pointwise``, 0.5-3.5x, with a host sync per call for its activation scale. At
+the default policy's 128-wide matrices no int8 kernel beats fp32 (0.4-0.9x): int8 pays
+off from a few hundred columns on. The price: prepacking needs a ``qint8`` tensor, whose
+creation torch 2.13 marks deprecated (the warning is silenced where it is made), so this
+is to be measured again when the pinned torch moves.
 """
 
 from __future__ import annotations
