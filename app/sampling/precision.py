@@ -87,7 +87,7 @@ def make_kernel(weight_MK: torch.Tensor, precision: str) -> LinearKernel:
 class QuantizedLinear(nn.Module):
     """Stands in for an ``nn.Linear`` (or transformers' ``Conv1D``, which stores its
     weight transposed) of the generator's model: the same weight and bias parameters,
-    a forward through a kernel that ``refresh`` builds from them."""
+    a forward through a kernel built from them after each ``refresh``."""
 
     def __init__(self, layer: nn.Linear | Conv1D, precision: str) -> None:
         super().__init__()
@@ -95,16 +95,25 @@ class QuantizedLinear(nn.Module):
         self.register_parameter("bias", layer.bias)
         self.transposed = isinstance(layer, Conv1D)
         self.precision = precision
+        self.refreshed = False
         self.kernel: LinearKernel | None = None
 
     @torch.no_grad()
-    def refresh(self) -> None:
+    def refresh(self, *, lazy: bool = False) -> None:
+        """Rebuild the kernel from the current weights, now or (``lazy``) at the next forward."""
+        self.refreshed, self.kernel = True, None
+        if not lazy:
+            self._build()
+
+    def _build(self) -> None:
         weight = self.weight.detach()
         self.kernel = make_kernel(weight.t() if self.transposed else weight, self.precision)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is None:
+        if not self.refreshed:
             raise RuntimeError("QuantizedLinear.refresh() must run before the first forward")
+        if self.kernel is None:
+            self._build()
         y = self.kernel(x.reshape(-1, x.shape[-1]).contiguous())
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
@@ -122,11 +131,15 @@ class GenWeights:
 
     @torch.no_grad()
     def refresh(self) -> float:
-        """Quantize the current weights; returns the seconds it took."""
+        """Quantize the current weights; returns the seconds it took. A Llama model samples
+        through the fast path's fused kernels alone, so its layers' own wait until the
+        model's forward is called (half the work at every version); any other model's
+        are built here."""
         t0 = time.perf_counter()
+        fast = LlamaFastPath.supports(self.model)
         for layer in self.layers:
-            layer.refresh()
-        if LlamaFastPath.supports(self.model):
+            layer.refresh(lazy=fast)
+        if fast:
             self.fast_linears = fused_linears(self.model, lambda w: make_kernel(w, self.precision))
         device = next(self.model.parameters()).device
         if device.type == "cuda":
