@@ -18,8 +18,8 @@ time, the generators' median quantization time per version, and the train/infere
 mismatch by lag (``app.mismatch``): the mean over steps of the mean ratio, the largest
 ratio, the mean share truncated and the mean KL(mu || pi). At lag 0 the weights are the
 same version, so for fp32 the ratio is 1 to float noise and for int8 the gap is the
-precision's. One run each: a figure is a single sample, and the JSON keeps each run's
-per-step series.
+precision's. ``--repeats`` rounds of the three runs (alternating, so load hits them
+alike); the table shows each run, the JSON keeps every run's per-step series too.
 """
 
 from __future__ import annotations
@@ -66,27 +66,32 @@ def main() -> None:
     parser.add_argument("--policy", default="warmstart")
     parser.add_argument("--runs-dir", default="runs/bench-quantized")
     parser.add_argument("--timeout-s", type=float, default=1800)
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of the three runs")
     args = parser.parse_args()
     if args.policy == "warmstart":  # trained once up front, outside the runs
         from app.warmstart import ensure_warmstart
         args.policy = str(ensure_warmstart().resolve())
-    results = {}
-    for name, flags in RUNS.items():
-        run_dir = launch(name, 1, args, extra=flags)
-        results[name] = {**summarise(run_dir), **mismatch_figures(run_dir), "flags": flags}
-    se = math.sqrt(max(1e-9, results["fp32"]["acc"] * (1 - results["fp32"]["acc"])) / args.eval_size)
+    results: dict[str, list[dict]] = {name: [] for name in RUNS}
+    for _ in range(args.repeats):
+        for name, flags in RUNS.items():
+            run_dir = launch(name, 1, args, extra=flags)
+            results[name].append({**summarise(run_dir), **mismatch_figures(run_dir), "flags": flags})
+    acc = statistics.mean(r["acc"] for r in results["fp32"])
+    se = math.sqrt(acc * (1 - acc) / args.eval_size)
     out = {"device": "cpu", "runs": results, "accuracy_standard_error": se,
+           "mean_accuracy": {name: statistics.mean(r["acc"] for r in runs) for name, runs in results.items()},
            "details": {"steps": args.steps, "generators": args.generators, "eval_size": args.eval_size,
                        "max_staleness": 1, "policy": args.policy}}
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"{'run':<20}{'acc start':>10}{'acc end':>9}{'step s':>8}{'quant s':>9}"
           f"{'lag0 ratio':>11}{'lag0 max':>9}{'lag0 trunc':>11}{'lag0 KL':>10}")
-    for name, r in results.items():
-        lag0 = r["mismatch"].get("lag0", {})
-        quant = f"{r['quantize_s_median']:.3f}" if r["quantize_s_median"] is not None else "-"
-        print(f"{name:<20}{r['acc_start']:>10.3f}{r['acc']:>9.3f}{r['median_step_s']:>8.2f}{quant:>9}"
-              f"{lag0.get('ratio_mean', float('nan')):>11.4f}{lag0.get('ratio_max', float('nan')):>9.3f}"
-              f"{lag0.get('frac_truncated', float('nan')):>11.5f}{lag0.get('kl', float('nan')):>10.2e}")
+    for name, runs in results.items():
+        for r in runs:
+            lag0 = r["mismatch"].get("lag0", {})
+            quant = f"{r['quantize_s_median']:.3f}" if r["quantize_s_median"] is not None else "-"
+            print(f"{name:<20}{r['acc_start']:>10.3f}{r['acc']:>9.3f}{r['median_step_s']:>8.2f}{quant:>9}"
+                  f"{lag0.get('ratio_mean', float('nan')):>11.4f}{lag0.get('ratio_max', float('nan')):>9.3f}"
+                  f"{lag0.get('frac_truncated', float('nan')):>11.5f}{lag0.get('kl', float('nan')):>10.2e}")
     print(f"held-out accuracy standard error ~{se:.3f} ({args.eval_size} problems); wrote {args.json}",
           file=sys.stderr)
 

@@ -121,6 +121,21 @@ def test_refresh_requantizes_weights_written_in_place():
 
 
 @needs_int8
+def test_a_llama_builds_its_layers_kernels_only_when_its_own_forward_runs():
+    """The sampler runs a Llama through the fast path's fused kernels: refresh builds
+    those; the layers' own are built by the model's forward, from the same weights."""
+    model = llama()
+    weights = precision.quantize_(model, "int8")
+    weights.refresh()
+    assert weights.fast_linears is not None and all(layer.kernel is None for layer in weights.layers)
+    sample(model, PROMPTS, SamplingParams(max_new_tokens=2), eos_id=-1, pad_id=PAD)
+    assert all(layer.kernel is None for layer in weights.layers)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([PROMPTS[0]]))
+    assert all(layer.kernel is not None for layer in weights.layers)
+
+
+@needs_int8
 def test_sampling_before_refresh_is_refused():
     model = llama()
     precision.quantize_(model, "int8")
