@@ -92,3 +92,13 @@ def parse(argv: Sequence[str] | None, *classes: type, description: str = "") -> 
 
 def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
+
+
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """The control store's flags of the trainer role (``app.launch`` reads them too)."""
+    parser.add_argument("--store-port", type=int, default=0,
+                        help="port of the control store on replica 0 (0: derived from --app-id)")
+    parser.add_argument("--app-id", default="", help="the TorchX app id, published on the control store")
+    parser.add_argument("--store-host", default="127.0.0.1",
+                        help="host of trainer replica 0, where trainer ranks > 0 reach the control store "
+                             "(app.launch sets it for a trainer of several nodes)")

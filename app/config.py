@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.answers import AnswerFormat
+from app.devices import DeviceChoice, TrainPrecision
 from app.rl import StepConfig
 from app.sampling import GEN_PRECISIONS, GenPrecision, SamplingParams
 from app.tasks import PROMPT_TEMPLATE
@@ -102,6 +103,12 @@ class TrainerConfig:
     """Held-out problems per evaluation."""
     micro_batch: int = 64
     """Rollouts per forward/backward pass (gradient accumulation above it)."""
+    trainer_pass: Literal["packed", "padded"] = "packed"
+    """How the trainer feeds a micro-batch: packed (a row per prompt: the prompt once,
+    then its completions back to back, a block mask keeping them apart; no completion
+    padded to the longest) or padded (the prompts, then the completions padded to the
+    longest, on the prompts' KV cache). The same log-probs up to float rounding; padded
+    for attention that takes no 4-D mask (flash_attention_2)."""
     runs_dir: str = "runs"
     """Where run directories are created."""
     run_id: str = ""
@@ -126,6 +133,17 @@ class TrainerConfig:
     """Seed of the data order and of the reference loop's sampler."""
     threads: int = 0
     """torch threads for this process (0 keeps torch's default)."""
+    device: DeviceChoice = "auto"
+    """Where each trainer rank computes: 'auto' is cuda:<LOCAL_RANK> when CUDA is
+    available, else the CPU; 'cpu' forces the CPU; 'cuda' requires a GPU (an error names
+    why there is none). The TorchX component passes 'cpu' when --trainer_gpu is 0.
+    (app.local: the device of its one process.)"""
+    train_precision: TrainPrecision = "auto"
+    """The trainer's compute precision: 'bf16' autocasts the forward and backward passes
+    over fp32 weights (optimizer, gradients and the weights sent to generators stay fp32;
+    log-probs are taken from fp32 logits); 'fp32' does not. 'auto': bf16 on a GPU that
+    runs it (compute capability >= 8.0), fp32 on the CPU. bf16 on a GPU that cannot run
+    it is refused."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "eval_every", "eval_size", "micro_batch"):
@@ -180,7 +198,7 @@ class TrainerConfig:
                           clip_eps=self.clip_eps,
                           normaliser=self.normaliser, kl_coef=self.kl_coef,
                           temperature=gen.temperature, top_p=gen.top_p,
-                          micro_batch=self.micro_batch)
+                          micro_batch=self.micro_batch, trainer_pass=self.trainer_pass)
 
 
 @dataclass(kw_only=True)
@@ -196,7 +214,8 @@ class GeneratorConfig:
     gen_batch_prompts: int = 8
     """Prompts per decode batch of a distributed generator (each sampled group_size times)."""
     gen_seed: int = 0
-    """Sampling seed (each generator replica adds its index)."""
+    """Sampling seed, mixed with the first slot of each decode batch (``app.generator.batch_seed``):
+    a batch draws the same whichever generator samples it, resumed runs included."""
     gen_threads: int = 0
     """torch threads of each generator process (0 keeps torch's default)."""
     gen_precision: GenPrecision = "fp32"

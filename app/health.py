@@ -9,6 +9,11 @@
   structured error (``torchx run`` prints it last when the app fails).
 - ``enable_crash_reports`` and ``watch_parent``: an interpreter crash leaves a Python
   traceback; a trainer rank whose torchrun agent is gone does not outlive it.
+- ``sibling_failure``: what the store cannot say. Under TorchX's local scheduler every
+  replica of the app has a directory of its own beside the others' (its error file and
+  its ``stderr.log``): a role that failed before it reached the store, or crashed, is
+  found and named there. Other schedulers end the whole job when one role fails, and
+  keep no such shared directory; there this finds nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 from app.transport import Control
@@ -33,6 +39,11 @@ HEARTBEAT_TIMEOUT_S = 10.0
 is gone: long enough for a loaded 2-core machine, short enough to end the app in seconds."""
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 """Where TorchX's local, SLURM and Kubernetes schedulers expect a replica's error file."""
+REPLICA_ERROR_FILE_ENV = "LLAMARL_REPLICA_ERROR_FILE"
+"""The scheduler's error file of this replica, for the trainer ranks, whose own
+``$TORCHELASTIC_ERROR_FILE`` is torchrun's (set by ``app.launch``)."""
+CRASH_LOG_TAIL_BYTES = 64 * 1024
+"""How much of a sibling's ``stderr.log`` is read for a faulthandler report."""
 ORPHAN_GRACE_S = 30.0
 """A rank whose parent died exits at the latest this long after it noticed."""
 
@@ -50,10 +61,14 @@ def check_health(control: Control, timeout_s: float = HEARTBEAT_TIMEOUT_S) -> No
     if failures:
         who, err = next(iter(failures.items()))
         raise AppFailed(f"{who} failed: {err}")
+    if (failed := sibling_failure()) is not None:  # failed before it reached the store
+        raise AppFailed(failed)
     gone = control.gone()
     stale = sorted(m for m, age in control.last_heartbeats().items() if age > timeout_s and m not in gone)
     if stale:
-        raise AppFailed(f"no heartbeat for {timeout_s:g} s from {', '.join(stale)}: the process is gone "
+        crashes = [c for m in stale if (c := sibling_crash(m)) is not None]
+        raise AppFailed("; ".join(crashes) if crashes else
+                        f"no heartbeat for {timeout_s:g} s from {', '.join(stale)}: the process is gone "
                         "(killed, out of memory, or its node was lost)")
 
 
@@ -181,3 +196,43 @@ def watch_parent(on_orphaned: Callable[[int], None]) -> threading.Thread:
     thread = threading.Thread(target=watch, daemon=True, name="parent-watch")
     thread.start()
     return thread
+
+
+def sibling_replica_dirs() -> dict[str, Path]:
+    """``{"generator/1": dir}`` for every other replica of this app, from the layout of
+    TorchX's local scheduler (``<app log dir>/<role>/<replica>/error.json``); empty when
+    this replica's error file is not laid out so (other schedulers, a role started by hand)."""
+    own = os.environ.get(REPLICA_ERROR_FILE_ENV) or os.environ.get(ERROR_FILE_ENV)
+    if not own or not own.endswith("/error.json"):
+        return {}
+    replica_dir = Path(own).parent
+    if not replica_dir.name.isdigit():
+        return {}
+    app_dir = replica_dir.parent.parent
+    return {f"{d.parent.name}/{d.name}": d for d in sorted(app_dir.glob("*/*"))
+            if d.name.isdigit() and d != replica_dir and d.is_dir()}
+
+
+def sibling_failure() -> str | None:
+    """The cause another replica of this app wrote to its error file (it failed), or
+    ``None``. Roles that merely stopped write none (``reported``)."""
+    for member, d in sibling_replica_dirs().items():
+        message = read_error_file(str(d / "error.json"))
+        if message is not None:  # app.launch's already says "trainer failed: ..."
+            return f"{member} failed: {message.removeprefix(member.split('/')[0] + ' failed: ')}"
+    return None
+
+
+def sibling_crash(member: str) -> str | None:
+    """``describe_crash`` of ``member``'s faulthandler report in its ``stderr.log``, or ``None``."""
+    d = sibling_replica_dirs().get(member)
+    if d is None:
+        return None
+    try:
+        with open(d / "stderr.log", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - CRASH_LOG_TAIL_BYTES))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    report = tail[tail.rfind("Fatal Python error:"):] if "Fatal Python error:" in tail else None
+    return describe_crash(member, report) if report else None

@@ -2,6 +2,7 @@
 cause as the last line.
 
     python -m app.launch --nproc-per-node 2 --num-generators 2 --steps 30 ...
+    python -m app.launch --nnodes 2 --node-rank K --rdzv-host HOST0 --nproc-per-node 2 ...
 
 torchrun ends a failed run with its ``ChildFailedError`` banner, which names the exit code
 of a worker, not why it failed. This wrapper gives torchrun its own error file, into
@@ -20,14 +21,49 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from app import health
+from app import cli, health, names
 
 
-def torchrun_command(nproc_per_node: int, trainer_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc_per_node", str(nproc_per_node), "-m", "app.trainer", *trainer_args]
+@dataclass(frozen=True, kw_only=True)
+class Nodes:
+    """Where this trainer replica's ranks sit among the trainer's nodes."""
+
+    nnodes: int = 1
+    """Trainer replicas (nodes), each running ``nproc_per_node`` ranks."""
+    node_rank: int = 0
+    """This replica's index: replica 0 holds global rank 0, the controller."""
+    rdzv_host: str = "localhost"
+    """Trainer replica 0's host: torchrun's rendezvous and the control store live there."""
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--nnodes must be >= 1 and 0 <= --node-rank < --nnodes, got node rank "
+                             f"{self.node_rank} of {self.nnodes}")
+
+
+def torchrun_command(nproc_per_node: int, trainer_args: list[str], nodes: Nodes = Nodes()) -> list[str]:
+    """One node: a standalone torchrun. Several: a static rendezvous at trainer replica 0
+    (``--node_rank`` is the replica index, so global rank 0, which hosts the control
+    store, is on replica 0, where every other role looks for it; a dynamic c10d
+    rendezvous orders nodes by host name and pid instead), and every rank is told
+    replica 0's host to reach the control store there."""
+    head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node)]
+    if nodes.nnodes == 1:
+        return [*head, "--standalone", "--nnodes", "1", "-m", "app.trainer", *trainer_args]
+    store = _store_arguments(trainer_args)
+    port = names.rendezvous_port(store.store_port, store.app_id)
+    return [*head, "--nnodes", str(nodes.nnodes), "--node_rank", str(nodes.node_rank),
+            "--rdzv_backend", "static", "--rdzv_endpoint", f"{nodes.rdzv_host}:{port}",
+            "-m", "app.trainer", *trainer_args, "--store-host", nodes.rdzv_host]
+
+
+def _store_arguments(trainer_args: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(add_help=False)
+    cli.add_store_arguments(parser)
+    return parser.parse_known_args(trainer_args)[0]
 
 
 def exit_description(returncode: int) -> str:
@@ -51,13 +87,14 @@ def crash_cause(crash_dir: Path) -> str | None:
     return "; ".join(causes) or None
 
 
-def run(nproc_per_node: int, trainer_args: list[str]) -> int:
+def run(nproc_per_node: int, trainer_args: list[str], nodes: Nodes = Nodes()) -> int:
     """torchrun's exit code; on a failure the cause is printed last and in the error file."""
     with tempfile.TemporaryDirectory(prefix="llamarl-launch-") as tmp:
         error_file, crash_dir = Path(tmp) / "error.json", Path(tmp) / "crashes"
         crash_dir.mkdir()
-        env = {**os.environ, health.ERROR_FILE_ENV: str(error_file), health.CRASH_DIR_ENV: str(crash_dir)}
-        proc = subprocess.Popen(torchrun_command(nproc_per_node, trainer_args), env=env)
+        env = {**os.environ, health.ERROR_FILE_ENV: str(error_file), health.CRASH_DIR_ENV: str(crash_dir),
+               health.REPLICA_ERROR_FILE_ENV: os.environ.get(health.ERROR_FILE_ENV, "")}
+        proc = subprocess.Popen(torchrun_command(nproc_per_node, trainer_args, nodes), env=env)
 
         def forward(signum: int, _frame: object) -> None:
             # The scheduler's SIGTERM: torchrun stops its workers (they run in sessions of
@@ -80,9 +117,15 @@ def run(nproc_per_node: int, trainer_args: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
-    parser.add_argument("--nproc-per-node", type=int, default=1, help="trainer ranks (data parallel, one node)")
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="trainer ranks on this node (more than one in all: FSDP2, app.sharding)")
+    parser.add_argument("--nnodes", type=int, default=1, help="trainer replicas (nodes), each of --nproc-per-node ranks")
+    parser.add_argument("--node-rank", type=int, default=0, help="this trainer replica's index")
+    parser.add_argument("--rdzv-host", default="localhost",
+                        help="trainer replica 0's host (the rendezvous and the control store)")
     args, trainer_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    sys.exit(run(args.nproc_per_node, trainer_args))
+    nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_host=args.rdzv_host)
+    sys.exit(run(args.nproc_per_node, trainer_args, nodes))
 
 
 if __name__ == "__main__":

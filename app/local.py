@@ -11,6 +11,7 @@ directory with the same metrics as the distributed app.
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from app import cli, data, metrics, names, rl, steps
+from app import cli, data, devices, metrics, names, rl, steps
 from app.config import GeneratorConfig, TrainerConfig
 from app.policy import load_policy
 from app.rewards import build_reward
@@ -38,8 +39,10 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t_start = time.time()
+    device = devices.choose_device(cfg.device)
+    dtype = devices.train_dtype(cfg.train_precision, device)
     sources = data.read(cfg, log=log)  # a bad dataset stops here, before the warm start
-    model, tokenizer = load_policy(data.resolve_policy(cfg.policy, log=log))
+    model, tokenizer = load_policy(data.resolve_policy(cfg.policy, log=log), device=device)
     prompts = data.prepare(sources, cfg, tokenizer, log=log)
     ref_model = copy.deepcopy(model).eval() if cfg.kl_coef > 0 else None
     # Below fp32, rollouts come from a quantized copy, refreshed from the trained weights
@@ -52,9 +55,9 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
     config = {"mode": "local", **cli.to_dict(cfg), **cli.to_dict(gen)}
     run_dir = metrics.new_run_dir(cfg.runs_dir, cfg.run_id, config)
     writer = metrics.MetricsWriter(run_dir, run_id=run_dir.name, config=config)
-    timeline = metrics.Timeline("local")
+    timeline = metrics.Timeline("local", busy_ends=functools.partial(devices.synchronize, device))
     sampling, step_cfg = gen.sampling(), cfg.step_config(gen)
-    rng = torch.Generator().manual_seed(cfg.seed)
+    rng = devices.seeded_generator(device, cfg.seed)
     guard = steps.SkipGuard()
     evals: list[tuple[int, dict[str, float]]] = []
 
@@ -92,7 +95,7 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
             if not guard.should_skip(groups, step):
                 trained = steps.usable(groups)
                 rl.set_group_advantages(trained, normalize_std=cfg.normalize_std)
-                with timeline.busy("train"):
+                with timeline.busy("train"), devices.autocast(device, dtype):
                     train = rl.train_step(model, optimizer, trained, step_cfg,
                                           pad_id=tokenizer.pad_token_id, ref_model=ref_model,
                                           policy_version=step - 1)
@@ -101,6 +104,7 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
             values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
                                        consumed_version=step - 1, skipped=guard.skipped, dropped=0,
                                        idle_fraction=timeline.idle_fraction())
+            values.update(devices.device_metrics(device))
             values.update({names.GEN_TOKENS_PER_S: sum(len(r.completion_ids) for r in rollouts) / t_gen,
                            names.GEN_SEQS_PER_S: len(rollouts) / t_gen})
             events, values = steps.step_events(step, groups, values, consumed_version=step - 1,

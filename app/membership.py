@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from app import names
+from app import health, names
 from app.transport import Control
 
 log = logging.getLogger("llamarl")
@@ -117,21 +117,23 @@ class Membership:
     def _take_out(self, member: str, role: str, ages: dict[str, float]) -> bool:
         survivors = [m for m in self.alive(role) if m != member and ages.get(m, 0.0) <= self.gone_after_s]
         what = "generator" if role == "generator" else "reward executor"
+        crash = health.sibling_crash(member)  # "<member> crashed (...) in <function> (...)"
+        why = (crash.removeprefix(member + " ") if crash else
+               f"gone: no heartbeat for {self.gone_after_s:g} s (killed, out of memory, or its node was lost)")
         if not survivors:
             # Marked failed (once): the run stops, naming the member and why it cannot go on.
             if member not in self.control.failures():
                 _, replica = member.split("/")
                 self.control.mark_failed(role, int(replica), (
-                    f"gone: no heartbeat for {self.gone_after_s:g} s (killed, out of memory, or its node "
-                    f"was lost), and it was the last {what}: no {what} is left to go on with"))
+                    f"{why}, and it was the last {what}: no {what} is left to go on with"))
             return False
         groups = self._return_held(member)
         with self._lock:
             self._gone.add(member)
             self.losses.append(Loss(member, time.time(), groups))
         self.control.mark_gone(member)
-        log.error("%s is gone (no heartbeat for %g s): the run goes on with %s; %d group(s) it held "
-                  "go back to be regenerated", member, self.gone_after_s, ", ".join(survivors), groups)
+        log.error("%s is %s: the run goes on with %s; %d group(s) it held go back to be regenerated",
+                  member, why, ", ".join(survivors), groups)
         return True
 
     def _return_held(self, member: str) -> int:

@@ -33,7 +33,7 @@ import json
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 SCHEMA_VERSION = 1
 DB_NAME = "metrics.db"
@@ -208,10 +208,16 @@ class Timeline:
     ``with timeline.busy("generate"): ...`` and ``with timeline.idle("wait_rollouts"): ...``;
     ``drain()`` hands over the events recorded since the last call, and
     ``idle_fraction()`` the share of idle time among them.
+
+    ``busy_ends`` runs at the end of every busy interval, before its end time is taken: a
+    role on a GPU passes a stream synchronisation (``app.devices.synchronize``), so a
+    busy interval ends when the GPU has finished the kernels it launched, and the idle
+    intervals between are GPU idle time. (This module stays free of torch: the dashboard
+    imports it.)
     """
 
-    def __init__(self, role: str, replica: int = 0) -> None:
-        self.role, self.replica = role, replica
+    def __init__(self, role: str, replica: int = 0, *, busy_ends: Callable[[], None] | None = None) -> None:
+        self.role, self.replica, self.busy_ends = role, replica, busy_ends
         self._events: list[dict[str, Any]] = []
 
     def busy(self, what: str) -> "_Span":
@@ -241,5 +247,8 @@ class _Span:
         self.t0 = time.time()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Not after an error: a failing sync would replace the error that ended the block.
+        if self.kind == "busy" and self.timeline.busy_ends is not None and exc_type is None:
+            self.timeline.busy_ends()
         self.timeline.record(self.kind, self.what, self.t0, time.time())

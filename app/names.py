@@ -76,6 +76,20 @@ def store_port(port: int, app_id: str) -> int:
     return STORE_PORT_BASE + zlib.crc32(app_id.encode()) % STORE_PORT_SPAN
 
 
+RENDEZVOUS_PORT_BASE = STORE_PORT_BASE + STORE_PORT_SPAN
+"""Derived rendezvous ports lie above every derived store port: no app's rendezvous
+port is another app's store port."""
+
+
+def rendezvous_port(port: int, app_id: str) -> int:
+    """The port of a multi-node trainer's torchrun rendezvous, on trainer replica 0's
+    host: the store's port + 1 when ``port`` is set (map both, e.g. on Kubernetes), else
+    derived from the app id like the store's, in a range of its own."""
+    if port:
+        return port + 1
+    return RENDEZVOUS_PORT_BASE + store_port(0, app_id) - STORE_PORT_BASE
+
+
 def member(role: str, replica: int) -> str:
     """``role/replica``, the id of one process of the app in every key below."""
     if "/" in role or ";" in role or not role:
@@ -236,6 +250,16 @@ def members_metric(role: str) -> str:
 
 # Every executor.
 IDLE_FRACTION = "idle_fraction"
+
+# Every executor on a GPU (``app.devices.device_metrics``; none on the CPU).
+DEVICE_PREFIX = "device/"
+DEVICE_UTILIZATION = DEVICE_PREFIX + "utilization"
+"""Percent of the last NVML sample period with a kernel running on the role's GPU (the
+whole device's: every process on it counts)."""
+DEVICE_MAX_MEMORY_GB = DEVICE_PREFIX + "max_memory_gb"
+"""Peak GPU memory this process allocated so far, GiB (``torch.cuda.max_memory_allocated``)."""
+DEVICE_MEMORY_GB = DEVICE_PREFIX + "memory_gb"
+"""GPU memory this process holds allocated now, GiB."""
 
 # Reward executors.
 REWARD_SAMPLES_PER_S = "reward/samples_per_s"

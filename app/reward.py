@@ -1,11 +1,12 @@
 """Reward executor: scores rollout groups remotely, in batches.
 
-    python -m app.reward --store-addr HOST:PORT --app-id APP --replica I
+    python -m app.reward --store-addr HOST:PORT --app-id APP --replica I [--device auto|cpu|cuda]
 
 Pops group messages from the ``rollouts`` queue, scores all of their completions in
 one batched call of the configured reward components (the trainer's ``--rewards``),
 attaches the results and pushes the groups to the ``scored`` queue that the trainer's
-pipeline reads. Model-based rewards load once, at start.
+pipeline reads. Model-based rewards load once, at start, on this executor's device
+unless the reward spec names one (``device=``).
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ import time
 
 import torch
 
-from app import health, membership, metrics, names, rl, runtime
+from app import devices, health, membership, metrics, names, rl, runtime
 from app.contract import Rejections, to_message
 from app.rewards import build_reward
 
 MAX_GROUPS_PER_BATCH = 16
 
 
-def run(rt: runtime.Runtime, *, config_timeout_s: float) -> None:
+def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceChoice = "auto") -> None:
+    where = devices.choose_device(device)
     cfg, _, _ = runtime.read_config(rt, config_timeout_s)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    reward = build_reward(cfg.rewards, timeout_s=cfg.reward_timeout_s)
+    reward = build_reward(cfg.rewards, timeout_s=cfg.reward_timeout_s, device=str(where))
     reward.load()
     inbox, outbox = rt.queue(names.ROLLOUTS), rt.queue(names.SCORED)
     rejections = Rejections(f"reward/{rt.replica}")
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     args = runtime.role_arguments("reward executor", __doc__.splitlines()[0]).parse_args(argv)
     health.enable_crash_reports(names.member("reward", args.replica))
     with health.reported(), runtime.join_role("reward", args) as rt:
-        run(rt, config_timeout_s=args.config_timeout_s)
+        run(rt, config_timeout_s=args.config_timeout_s, device=args.device)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from app import answers, losses, mismatch, tasks
 from app.contract import GroupId, Rollout, RolloutGroup
+from app.packing import packed_completion_logprobs
 from app.policy import encode_prompts
 from app.rewards import CompositeReward, RewardResult
+from app.sharding import Ranks, full_value
 from app.sampling import SamplingParams, cache_kwarg, sample, token_logprobs
 
 
@@ -36,6 +38,13 @@ class StepConfig:
     top_p: float = 1.0
     micro_batch: int = 64
     max_grad_norm: float = 1.0
+    trainer_pass: Literal["packed", "padded"] = "packed"
+    """How a micro-batch is fed: packed rows (``app.packing``) or padded batches
+    (``completion_logprobs``); the same log-probs up to float rounding."""
+
+    def __post_init__(self) -> None:
+        if self.trainer_pass not in ("packed", "padded"):
+            raise ValueError(f"trainer_pass must be 'packed' or 'padded', got {self.trainer_pass!r}")
 
 
 def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_id: int,
@@ -43,7 +52,7 @@ def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | x, y_<t) of each completion token under ``model``, right-padded.
 
-    Returns ``(logp_BT, mask_BT)`` with T the longest completion. The log-probs are those
+    Returns ``(logp_BT, mask_BT)`` with T the longest completion (at least 2). The log-probs are those
     of the distribution the sampler draws from (temperature, then top-p), computed by the
     sampler's own ``token_logprobs``; with ``top_p < 1`` a token outside this model's
     nucleus (possible only when the weights moved since sampling) is kept in it, so its
@@ -72,20 +81,22 @@ def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_
                 logits_to_keep=1, **{cache_arg: cache})  # only the last position's are used
     first_BV = out.logits[:, -1][row_prompt]  # predicts each completion's first token
 
-    T = max(len(r.completion_ids) for r in rollouts)
+    # At least 2: every micro-batch runs the same two forward passes (prompt, then
+    # completions), which a sharded model's collectives need on every rank; a padded
+    # column is masked out.
+    T = max(2, max(len(r.completion_ids) for r in rollouts))
     targets = torch.full((len(rollouts), T), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros((len(rollouts), T), dtype=torch.float32, device=device)
     for b, r in enumerate(rollouts):
         targets[b, : len(r.completion_ids)] = torch.tensor(r.completion_ids, device=device)
         mask[b, : len(r.completion_ids)] = 1
-    logits_BTV = first_BV[:, None]
-    if T > 1:  # completion tokens 0..T-2 predict tokens 1..T-1
-        cache.batch_select_indices(row_prompt)
-        attn = torch.cat([p_mask[row_prompt], mask[:, :-1].long()], dim=-1)
-        pos = p_pos[row_prompt][:, -1:] + 1 + torch.arange(T - 1, device=device)
-        rest = model(input_ids=targets[:, :-1], attention_mask=attn, position_ids=pos,
-                     use_cache=True, **{cache_arg: cache}).logits
-        logits_BTV = torch.cat([logits_BTV, rest], dim=1)
+    # Completion tokens 0..T-2 predict tokens 1..T-1.
+    cache.batch_select_indices(row_prompt)
+    attn = torch.cat([p_mask[row_prompt], mask[:, :-1].long()], dim=-1)
+    pos = p_pos[row_prompt][:, -1:] + 1 + torch.arange(T - 1, device=device)
+    rest = model(input_ids=targets[:, :-1], attention_mask=attn, position_ids=pos,
+                 use_cache=True, **{cache_arg: cache}).logits
+    logits_BTV = torch.cat([first_BV[:, None], rest], dim=1)
     logp_BT = token_logprobs(logits_BTV, targets, temperature, top_p)
     return logp_BT * mask, mask
 
@@ -97,19 +108,69 @@ def _padded(rows: list[list[float]], T: int, device: torch.device) -> torch.Tens
     return out
 
 
-def _token_triples(rollouts: list[Rollout], logp_BT: torch.Tensor, mu_BT: torch.Tensor, mask_BT: torch.Tensor,
-                   policy_version: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log pi, log mu and lag (``policy_version`` - the rollout's) of every completion
-    token of ``rollouts``, flat: what ``mismatch.mismatch_by_lag`` takes."""
-    lag_BT = torch.tensor([policy_version - r.version for r in rollouts], device=logp_BT.device)
+def _placeholder(pad_id: int) -> Rollout:
+    """A rollout a rank with a smaller share runs at zero weight: its gradient is exactly
+    0, and its forward and backward passes issue the sharded model's collectives (two
+    completion tokens: the padded pass then runs both of its forward passes)."""
+    return Rollout(prompt_ids=[pad_id], completion_ids=[pad_id, pad_id], behaviour_logprobs=[0.0, 0.0],
+                   version=0, advantage=0.0)
+
+
+Tokens = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""log pi, log mu and lag of completion tokens, flat: what ``mismatch.mismatch_sums`` takes."""
+
+
+def _logprobs(model: PreTrainedModel, chunk: list[Rollout], cfg: StepConfig, *, pad_id: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp_BT, mu_BT, mask_BT)`` of a micro-batch: pi by ``cfg``'s trainer pass, mu padded alike."""
+    logprobs = packed_completion_logprobs if cfg.trainer_pass == "packed" else completion_logprobs
+    logp_BT, mask_BT = logprobs(model, chunk, pad_id=pad_id, temperature=cfg.temperature, top_p=cfg.top_p)
+    return logp_BT, _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device), mask_BT
+
+
+def _tokens(chunk: list[Rollout], logp_BT: torch.Tensor, mu_BT: torch.Tensor, mask_BT: torch.Tensor,
+            policy_version: int) -> Tokens:
+    """The ``Tokens`` of a micro-batch, lag = ``policy_version`` - the rollout's version."""
+    lag_BT = torch.tensor([policy_version - r.version for r in chunk], device=logp_BT.device)[:, None]
     kept_BT = mask_BT.bool()
-    return logp_BT.detach()[kept_BT], mu_BT[kept_BT], lag_BT[:, None].expand_as(mask_BT)[kept_BT]
+    return logp_BT.detach()[kept_BT], mu_BT[kept_BT], lag_BT.expand_as(mask_BT)[kept_BT]
+
+
+def _micro_batch_loss(model: PreTrainedModel, chunk: list[Rollout], cfg: StepConfig, *, pad_id: int,
+                      ref_model: PreTrainedModel | None
+                      ) -> tuple[torch.Tensor, dict[str, float], float, tuple[torch.Tensor, ...]]:
+    """The loss of one micro-batch under ``cfg`` (normalised within it), its metrics, its
+    token count, and its ``(logp_BT, mu_BT, mask_BT)``."""
+    logp_BT, mu_BT, mask_BT = _logprobs(model, chunk, cfg, pad_id=pad_id)
+    adv_B = torch.tensor([r.advantage for r in chunk], dtype=torch.float32, device=logp_BT.device)
+    if cfg.loss == "aipo":
+        loss, m = losses.aipo_loss(logp_BT, mu_BT, adv_B, mask_BT, rho_max=cfg.rho_max,
+                                   normaliser=cfg.normaliser, correction=cfg.ratio_correction)
+    else:
+        loss, m = losses.ppo_clip_loss(logp_BT, mu_BT, adv_B, mask_BT, clip_eps=cfg.clip_eps,
+                                       normaliser=cfg.normaliser)
+    if cfg.kl_coef > 0 and ref_model is not None:
+        with torch.no_grad():
+            ref_BT = _logprobs(ref_model, chunk, cfg, pad_id=pad_id)[0]
+        kl, km = losses.kl_penalty(logp_BT, ref_BT, mask_BT, normaliser=cfg.normaliser)
+        loss = loss + cfg.kl_coef * kl
+        m = {**m, **km}
+    return loss, m, mask_BT.sum().item(), (logp_BT, mu_BT, mask_BT)
+
+
+def micro_batches(rollouts: list[Rollout], cfg: StepConfig) -> list[list[Rollout]]:
+    """The micro-batches ``train_step`` passes through the model: the rollouts with a
+    non-zero advantage (all of them with a KL term), at most ``cfg.micro_batch`` each."""
+    active = rollouts if cfg.kl_coef > 0 else [r for r in rollouts if r.advantage != 0]
+    # A group's rollouts stay together (their prompt runs once) and similar prompt lengths
+    # share a micro-batch (less padding).
+    active = sorted(active, key=lambda r: (len(r.prompt_ids), r.prompt_ids))
+    return [active[i: i + cfg.micro_batch] for i in range(0, len(active), cfg.micro_batch)]
 
 
 def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollouts: list[Rollout],
                cfg: StepConfig, *, pad_id: int, ref_model: PreTrainedModel | None = None,
-               reduce_grads: Callable[[list[torch.Tensor]], None] | None = None,
-               policy_version: int | None = None) -> dict[str, float]:
+               ranks: Ranks | None = None, policy_version: int | None = None) -> dict[str, float]:
     """One optimizer step on ``rollouts`` (advantages already set), in micro-batches.
 
     The loss of each micro-batch is weighted by its share of the batch's normaliser
@@ -120,87 +181,88 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     rewards are all equal (often half of them) cost nothing to train on. The ratio
     statistics describe the rollouts that were passed through.
 
-    ``reduce_grads`` (data parallel) is called once with every parameter's gradient after
-    the last backward, whatever the number of micro-batches this rank ran; a data-parallel
-    rank with no usable rollout this step still joins it with a zero gradient.
+    ``ranks`` (several trainer ranks; ``model`` sharded by ``app.sharding``): ``rollouts``
+    is this rank's share of the batch. The normaliser counts every rank's rollouts and
+    the sharded model sums the ranks' gradients, so the step is the one a single process
+    takes on the whole batch; every rank runs as many micro-batches as the rank with the
+    most (the others at zero weight), since each forward and backward pass is a
+    collective; the metrics are the whole batch's. A rank with no rollout takes part too;
+    when no rank has one, nothing is updated and the metrics are ``{}``.
 
     ``policy_version`` (the version of ``model``'s weights) adds the train/inference
     mismatch of the tokens passed through, by lag (``app.mismatch``); when none is (every
-    advantage 0), of one micro-batch run forward without gradient for it.
+    advantage 0), of one micro-batch per rank run forward without gradient for it.
     """
-    if not rollouts and reduce_grads is None:
+    if not rollouts and ranks is None:
         raise ValueError("train_step needs at least one rollout")
     # Dropout stays off: pi_theta must be the same function the generator sampled from
     # (mu), or the importance ratios measure dropout noise instead of policy change.
     model.eval()
     optimizer.zero_grad(set_to_none=True)
-    total_tokens = sum(len(r.completion_ids) for r in rollouts)
-    active = rollouts if cfg.kl_coef > 0 else [r for r in rollouts if r.advantage != 0]
-    # A group's rollouts stay together (their prompt runs once) and similar prompt lengths
-    # share a micro-batch (less padding).
-    active = sorted(active, key=lambda r: (len(r.prompt_ids), r.prompt_ids))
-    sums: dict[str, float] = {"loss": 0.0}
-    weights = 0.0
-    ratio_max = 1.0
-    tokens: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # log pi, log mu, lag
-    for i in range(0, len(active), cfg.micro_batch):
-        chunk = active[i: i + cfg.micro_batch]
-        logp_BT, mask_BT = completion_logprobs(model, chunk, pad_id=pad_id,
-                                               temperature=cfg.temperature, top_p=cfg.top_p)
-        mu_BT = _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device)
-        adv_B = torch.tensor([r.advantage for r in chunk], dtype=torch.float32, device=logp_BT.device)
-        if policy_version is not None:
-            tokens.append(_token_triples(chunk, logp_BT, mu_BT, mask_BT, policy_version))
-        if cfg.loss == "aipo":
-            loss, m = losses.aipo_loss(logp_BT, mu_BT, adv_B, mask_BT, rho_max=cfg.rho_max,
-                                       normaliser=cfg.normaliser, correction=cfg.ratio_correction)
-        else:
-            loss, m = losses.ppo_clip_loss(logp_BT, mu_BT, adv_B, mask_BT, clip_eps=cfg.clip_eps,
-                                           normaliser=cfg.normaliser)
-        if cfg.kl_coef > 0 and ref_model is not None:
-            with torch.no_grad():
-                ref_BT, _ = completion_logprobs(ref_model, chunk, pad_id=pad_id,
-                                                temperature=cfg.temperature, top_p=cfg.top_p)
-            kl, km = losses.kl_penalty(logp_BT, ref_BT, mask_BT, normaliser=cfg.normaliser)
-            loss = loss + cfg.kl_coef * kl
-            m = {**m, **km}
-        share = (mask_BT.sum().item() / total_tokens if cfg.normaliser == "token"
-                 else len(chunk) / len(rollouts))
+    chunks = micro_batches(rollouts, cfg)
+    counts = [sum(len(r.completion_ids) for r in rollouts), len(rollouts), sum(map(len, chunks)), len(chunks)]
+    if ranks is not None:
+        counts[:3], counts[3:] = ranks.sum(counts[:3]), ranks.max(counts[3:])
+    total_tokens, total_rollouts, total_active, n_chunks = counts
+    if total_rollouts == 0:  # no rank has a rollout: no update, as one process skips such a batch
+        return {}
+    sums: dict[str, float] = {"loss": 0.0, "weights": 0.0}
+    ratio_max = 1.0 if n_chunks == 0 else -float("inf")
+    seen: list[Tokens] = []
+    for i in range(int(n_chunks)):
+        chunk, weight = (chunks[i], 1.0) if i < len(chunks) else ([_placeholder(pad_id)], 0.0)
+        loss, m, tokens, passed = _micro_batch_loss(model, chunk, cfg, pad_id=pad_id, ref_model=ref_model)
+        if policy_version is not None and weight:
+            seen.append(_tokens(chunk, *passed, policy_version))
+        share = weight * (tokens / total_tokens if cfg.normaliser == "token" else len(chunk) / total_rollouts)
         (loss * share).backward()
         sums["loss"] += loss.item() * share
-        weights += share
+        sums["weights"] += share
         for k, v in m.items():
             if k == "ratio_max":
-                ratio_max = max(ratio_max, v) if weights > share else v
+                ratio_max = max(ratio_max, v) if weight else ratio_max
             else:
                 sums[k] = sums.get(k, 0.0) + v * share
+    keys = sorted(sums)
+    if ranks is not None:  # every rank ran the same micro-batches' metrics: the same keys
+        sums = dict(zip(keys, ranks.sum([sums[k] for k in keys])))
+        ratio_max = ranks.max([ratio_max])[0]
+    weights = sums.pop("weights")
     stats = {k: (v if k == "loss" else v / weights) for k, v in sums.items()}
-    if policy_version is not None and not tokens and rollouts:
-        # No rollout went through the pass (every advantage 0): one forward without
-        # gradient over a micro-batch of them, so that every step measures the mismatch.
-        chunk = rollouts[: cfg.micro_batch]
-        with torch.no_grad():
-            logp_BT, mask_BT = completion_logprobs(model, chunk, pad_id=pad_id, temperature=cfg.temperature,
-                                                   top_p=cfg.top_p)
-        mu_BT = _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device)
-        tokens.append(_token_triples(chunk, logp_BT, mu_BT, mask_BT, policy_version))
-    if tokens:
-        logp_N, mu_N, lag_N = (torch.cat(t) for t in zip(*tokens))
-        stats.update(mismatch.mismatch_by_lag(logp_N, mu_N, lag_N, rho_max=cfg.rho_max))
-    if not active:  # an all-zero gradient, as the full pass would have given
+    if n_chunks == 0:  # an all-zero gradient, as the full pass would have given
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         stats.update(ratio_mean=1.0, frac_truncated=0.0)
-    if reduce_grads is not None:
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        reduce_grads([p.grad for p in model.parameters()])
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    if policy_version is not None:
+        if n_chunks == 0:  # no rank ran the training pass: one forward each (a collective when sharded)
+            chunk = rollouts[: cfg.micro_batch] or [_placeholder(pad_id)]
+            with torch.no_grad():
+                passed = _logprobs(model, chunk, cfg, pad_id=pad_id)
+            seen += [_tokens(chunk, *passed, policy_version)] if rollouts else []
+        stats.update(_mismatch(seen, cfg.rho_max, ranks))
+    grad_norm = full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
     optimizer.step()
     return {**stats, "ratio_max": ratio_max, "grad_norm": float(grad_norm),
-            "response_len": total_tokens / max(1, len(rollouts)),
-            "frac_skipped": 1 - len(active) / max(1, len(rollouts))}
+            "response_len": total_tokens / max(1, total_rollouts),
+            "frac_skipped": 1 - total_active / max(1, total_rollouts)}
+
+
+def _mismatch(seen: list[Tokens], rho_max: float, ranks: Ranks | None) -> dict[str, float]:
+    """``mismatch`` metrics of the tokens every rank has ``seen`` (called by every rank)."""
+    if seen:
+        logp_N, mu_N, lag_N = (torch.cat(parts) for parts in zip(*seen))
+    else:
+        logp_N = mu_N = torch.zeros(0)
+        lag_N = torch.zeros(0, dtype=torch.long)
+    lags = int(lag_N.max()) + 1 if lag_N.numel() else 0
+    if ranks is not None:
+        lags = int(ranks.max([lags])[0])
+    if lags == 0:
+        return {}
+    sums, maxima = mismatch.mismatch_sums(logp_N.cpu(), mu_N.cpu(), lag_N.cpu(), rho_max=rho_max, lags=lags)
+    if ranks is not None:
+        sums, maxima = ranks.sum(sums), ranks.max(maxima)
+    return mismatch.mismatch_metrics(sums, maxima)
 
 
 def score_groups(groups: list[RolloutGroup], reward: CompositeReward,

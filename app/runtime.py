@@ -16,13 +16,14 @@ import sys
 import threading
 import time
 import traceback
+import typing
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
-from app import cli, frames, health, names, transport
+from app import cli, devices, frames, health, names, transport
 from app.config import GeneratorConfig, TrainerConfig
 from app.transport import Control, StoreQueue
 
@@ -48,6 +49,10 @@ def role_arguments(role: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--connect-timeout-s", type=float, default=300.0, help="wait for the control store")
     parser.add_argument("--config-timeout-s", type=float, default=900.0,
                         help="wait for the trainer's config (it may be warm-starting the policy)")
+    parser.add_argument("--device", choices=typing.get_args(devices.DeviceChoice), default="auto",
+                        help=f"where this {role} computes (app.devices): 'auto' is cuda:0 of the GPUs it sees "
+                             "when CUDA is available, else the CPU; 'cpu' forces the CPU (the TorchX component "
+                             "passes it to a role given no GPU); 'cuda' requires a GPU")
     return parser
 
 
@@ -79,7 +84,11 @@ def connect_app_store(addr: str, app_id: str, timeout_s: float,
                       check_timeout_s: float = APP_ID_TIMEOUT_S) -> dist.TCPStore:
     """Reach the control store at ``addr`` and check that it is this app's: another app's
     store (two apps on one port) is refused before this role registers there."""
-    store = transport.connect_store(addr, timeout_s)
+    try:
+        store = transport.connect_store(addr, timeout_s, give_up=health.sibling_failure)
+    except transport.AppGone as e:  # a bystander: the failed role's cause is the app's
+        log.error("stopping: %s", e)
+        raise SystemExit(f"stopping: {e}") from None
     if not app_id:  # started by hand, without --app-id: nothing to check against
         return store
     deadline = time.monotonic() + check_timeout_s

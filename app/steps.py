@@ -19,10 +19,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from app import metrics, names, rl, tasks
+from app import devices, metrics, names, rl, tasks
 from app.config import GeneratorConfig
 from app.contract import Rollout, RolloutGroup
 from app.rewards import reward_events
@@ -123,7 +122,7 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     temperature, seeded by ``step``), per level and the share of well-formed answers."""
     m = rl.evaluate(model, tokenizer, problems, max_new_tokens=gen.max_new_tokens, format_prompt=format_prompt)
     sampled = rl.evaluate(model, tokenizer, problems, max_new_tokens=gen.max_new_tokens,
-                          temperature=gen.temperature, generator=torch.Generator().manual_seed(step),
+                          temperature=gen.temperature, generator=devices.seeded_generator(next(model.parameters()).device, step),
                           format_prompt=format_prompt)
     return {**m, "sampled_accuracy": sampled["accuracy"]}
 

@@ -17,9 +17,11 @@ The loop this module drives (one message per rollout group; app/contract.py)::
 Replica 0 is the single controller: it hosts the control store, publishes the run's
 config and policy, is the only writer of the metrics database, sends weights to the
 generators after every step, watches every role's health, and ends the run. With
-``nproc_per_node > 1`` the trainer ranks train data-parallel over torchrun's
-group (gradients averaged once per step); each rank pulls its share of groups from the
-same queue.
+``nproc_per_node > 1`` the policy is sharded over the trainer ranks with FSDP2
+(``app.sharding``); each rank pulls its share of groups from the same queue, and a step
+is the one a single process would take on all the ranks' groups. Replica 0 also keeps a
+whole copy of the policy, gathered from the shards after every step: what it sends to the
+generators, evaluates and saves as the Hugging Face policy.
 
 Checkpoints (``--save-every``) hold the policy and the training state
 (``app.train_state``); ``--resume`` continues a run from its newest one. The run's
@@ -43,7 +45,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, cli, data, health, membership, metrics, names, rl, runtime, steps, train_state, transport
+from app import (checkpoint, cli, data, devices, health, membership, metrics, names, rl, runtime, sharding, steps,
+                 train_state, transport)
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
@@ -57,20 +60,7 @@ from pipelines.rollouts import RolloutStream
 log = logging.getLogger("llamarl")
 
 RANK_CONNECT_TIMEOUT_S = 60.0
-"""Trainer ranks > 0 reach replica 0's store on their own host; torchrun starts them together."""
-
-
-def average_across_ranks(grads: list[torch.Tensor]) -> None:
-    """Data parallel: every trainer rank ends with the mean gradient. One flat all-reduce
-    per step, called by every rank exactly once (unlike DDP's hooks, which need the same
-    number of backward passes on every rank: not so when ranks skip different rollouts)."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
+"""Trainer ranks > 0 reach replica 0's store (``--store-host``); torchrun starts them together."""
 
 
 class Trainer:
@@ -79,7 +69,13 @@ class Trainer:
         self.rt, self.cfg, self.gen = rt, cfg, gen
         self.num_generators, self.num_reward = num_generators, num_reward
         self.rank, self.world = rank, world
-        self.timeline = metrics.Timeline("trainer", rank)
+        self.device = devices.choose_device(cfg.device)
+        self.dtype = devices.train_dtype(cfg.train_precision, self.device)
+        log.info("trainer rank %d on %s, training in %s", rank, devices.describe(self.device),
+                 "bf16 autocast over fp32 weights" if self.dtype == torch.bfloat16 else "fp32")
+        # On a GPU a busy interval ends when the GPU is done: idle time is GPU idle time.
+        self.timeline = metrics.Timeline("trainer", rank,
+                                         busy_ends=functools.partial(devices.synchronize, self.device))
         self.version = 0
         self.dropped = 0
         self.guard = steps.SkipGuard()
@@ -116,7 +112,7 @@ class Trainer:
             policy = data.resolve_policy(cfg.policy, log=log.info)
             sources = data.read(cfg, log=log.info)
             self.data = data.prepare(sources, cfg, load_tokenizer(policy), log=log.info)
-            self.model, self.tokenizer = load_policy(policy)
+            self.model, self.tokenizer = load_policy(policy, device=self.device)
             if resume is not None:  # every check before the run directory is touched
                 self._check_resume(resume)
             self._open_run_dir(resume)
@@ -129,17 +125,18 @@ class Trainer:
         else:
             _, _, policy = runtime.read_config(rt, 900.0)
             self.run_dir = Path(json.loads(rt.store.get(names.CONFIG_KEY))["run_dir"])
-            self.model, self.tokenizer = load_policy(policy)
+            self.model, self.tokenizer = load_policy(policy, device=self.device)
         resumed = json.loads(rt.wait_key(names.RESUME_KEY, 60.0, "resume point"))
         self.start_step = self.version = resumed["step"]
         self.ledger = train_state.SlotLedger.from_state(json.loads(rt.store.get(names.SLOTS_DONE_KEY)))
-        # Before DDP and the optimizer: they then update the flat buffers the weight sync
-        # broadcasts without packing.
-        flatten_parameters_(self.model)
+        # The KL reference is a whole copy on every rank, never sharded: it runs forward
+        # passes only, no collective.
         self.ref_model = copy.deepcopy(self.model).eval() if cfg.kl_coef > 0 else None
+        self._shard()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         if resumed["train_state"]:  # after the reference copy: the KL stays to the starting policy
             train_state.load(resumed["train_state"], self.model, self.optimizer)
+            self._gather_full_model()
             log.info("resumed from %s at step %d", resumed["train_state"], self.start_step)
         inline = self.num_reward == 0
         if self.reward is not None:
@@ -156,7 +153,7 @@ class Trainer:
             self.membership = membership.Membership(rt.store, {"generator": self.num_generators,
                                                                "reward": self.num_reward})
             self.membership.start()
-            self.sender = ElasticSender(rt.store, list(self.model.named_parameters()),
+            self.sender = ElasticSender(rt.store, list(self.full_model.named_parameters()),
                                         num_generators=self.num_generators, timeout_s=cfg.weight_sync_timeout_s,
                                         gone=self.membership.gone, should_stop=rt.should_stop)
             self.sender.start()
@@ -170,6 +167,35 @@ class Trainer:
             timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,
             health=lambda: health.check_health(rt.control),
             vocab_size=self.model.get_input_embeddings().num_embeddings)
+
+    def _shard(self) -> None:
+        """One rank trains the model itself. Several shard it with FSDP2, and replica 0
+        first keeps a whole copy (``full_model``), refreshed from the shards after every
+        step (``_gather_full_model``): it is what the weight sync sends, what held-out
+        evaluation samples from (so no rank waits in a sharded forward pass that the
+        others never run) and what the Hugging Face policy of a checkpoint is written from.
+        It costs replica 0 one more copy of the weights (not of gradients or optimizer
+        state); the sharded weight sync, each rank sending its own shard, will not need it
+        for the sync. The whole model's parameters are views of one flat buffer per dtype,
+        so the weight sync sends each as one broadcast with no packing."""
+        self.ranks: sharding.Ranks | None = None
+        if self.world == 1:
+            self.full_model = self.model
+        else:
+            self.full_model = copy.deepcopy(self.model) if self.rank == 0 else None
+            self.ranks = sharding.Ranks(next(self.model.parameters()).device)
+            sharding.shard(self.model)
+        if self.full_model is not None:
+            flatten_parameters_(self.full_model)
+
+    def _gather_full_model(self) -> None:
+        """Every rank (a collective with several): the shards' current values into replica
+        0's whole copy (``sharding.gather_full_weights``, the weight sync's gather path)."""
+        if self.world == 1:
+            return
+        with self.timeline.busy("weight_gather"):
+            sharding.gather_full_weights(
+                self.model, None if self.full_model is None else list(self.full_model.parameters()))
 
     def _check_resume(self, resume: train_state.Resume) -> None:
         """Replica 0: the checkpoint's model and prompt order are this run's, or
@@ -265,7 +291,7 @@ class Trainer:
         if not self.data.held_out:  # a dataset without --eval-dataset or --eval-fraction
             return {}
         with self.timeline.busy("eval"):
-            m = steps.evaluate(self.model, self.tokenizer, self.data.held_out, self.gen, step,
+            m = steps.evaluate(self.full_model, self.tokenizer, self.data.held_out, self.gen, step,
                                self.data.format_prompt)
         self.rt.emit(steps.eval_events(m, step=step, role="trainer"))
         log.info("step %d held-out accuracy %.3f (greedy), %.3f (sampled)", step, m["accuracy"],
@@ -293,7 +319,7 @@ class Trainer:
                              self._train_state(step, ledger))
 
         with self.timeline.busy("checkpoint"):
-            path = checkpoint.save(self.model, self.tokenizer, root, step, extra=with_train_state).resolve()
+            path = checkpoint.save(self.full_model, self.tokenizer, root, step, extra=with_train_state).resolve()
             pruned = checkpoint.prune(root, self.cfg.keep_last)
             checkpoint.record_latest(self.run_dir / "config.json", step, path)
         seconds = time.time() - t0
@@ -310,8 +336,8 @@ class Trainer:
                 "order": self.data.order.state_dict(), "data_fingerprint": self.data.fingerprint,
                 "dropped": self.dropped,
                 "dropped_groups": int(self.rt.store.add(names.DROPPED_KEY, 0)),
-                "skipped": self.guard.skipped, "fingerprint": train_state.fingerprint(self.model),
-                "parameter_shapes": train_state.parameter_shapes(self.model),
+                "skipped": self.guard.skipped, "fingerprint": train_state.fingerprint(self.full_model),
+                "parameter_shapes": train_state.parameter_shapes(self.full_model),
                 "rng": train_state.rng_state(), "config": self._config_dict()}
 
     def run(self) -> None:
@@ -326,21 +352,23 @@ class Trainer:
             groups = self._consume(groups)
             t0 = time.time()
             train = None
-            # Every rank decides alone: with data parallel ranks, one rank's batch may have
-            # no usable rollout while another's has; it still joins the gradient average.
+            # Every rank decides alone: with several ranks, one rank's share may have no
+            # usable rollout while another's has; it still takes part in the sharded step.
             if not self.guard.should_skip(groups, step) or self.world > 1:
-                with self.timeline.busy("train"):
+                with self.timeline.busy("train"), devices.autocast(self.device, self.dtype):
                     train = rl.train_step(self.model, self.optimizer, steps.usable(groups), step_cfg,
                                           pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model,
-                                          reduce_grads=average_across_ranks if self.world > 1 else None,
-                                          policy_version=self.version)
+                                          ranks=self.ranks,
+                                          policy_version=self.version) or None  # {}: no rank had a rollout
             t_train = time.time() - t0
+            self._gather_full_model()
             consumed_version = self.version
             self.version += 1
             step_s, t_prev = time.time() - t_prev, time.time()
             values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
                                        consumed_version=consumed_version, skipped=self.guard.skipped,
                                        dropped=self.dropped, idle_fraction=self.timeline.idle_fraction())
+            values.update(devices.device_metrics(self.device))
             values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
             values.update(self.rejections.metrics())
             events, values = steps.step_events(step, groups, values, consumed_version=consumed_version,
@@ -401,7 +429,7 @@ class Trainer:
 
 def trainer_parser() -> argparse.ArgumentParser:
     parser = cli.RaisingParser(prog="app.trainer", description=__doc__.splitlines()[0])
-    _store_arguments(parser)
+    cli.add_store_arguments(parser)
     parser.add_argument("--num-generators", type=int, required=True, help="generator replicas in the app")
     parser.add_argument("--num-reward", type=int, default=0, help="reward replicas (0: score inline)")
     cli.add_config_args(parser, TrainerConfig)
@@ -409,17 +437,11 @@ def trainer_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _store_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store-port", type=int, default=0,
-                        help="port of the control store on replica 0 (0: derived from --app-id)")
-    parser.add_argument("--app-id", default="", help="the TorchX app id, published on the control store")
-
-
 def _early_arguments(argv: list[str]) -> argparse.Namespace:
     """What replica 0 needs before it validates anything: where to host the store, and
     which roles to wait for if the rest of the flags are wrong (counts read leniently)."""
     parser = argparse.ArgumentParser(add_help=False)
-    _store_arguments(parser)
+    cli.add_store_arguments(parser)
     for flag in ("--num-generators", "--num-reward"):
         parser.add_argument(flag, default="0")
     args, _ = parser.parse_known_args(argv)
@@ -458,12 +480,16 @@ def main(argv: list[str] | None = None) -> None:
         early = _early_arguments(argv)
         port = names.store_port(early.store_port, early.app_id)
         if world > 1:
-            dist.init_process_group("gloo")
+            # Gloo for CPU tensors, NCCL for CUDA ones: --device is read after this.
+            dist.init_process_group(devices.trainer_backend())
         try:
             # Replica 0 hosts the store before it reads a single flag: whatever fails from
             # here on is published as the app's failure cause, and every role stops.
             store = (runtime.host_app_store(port, early.app_id) if rank == 0
-                     else runtime.connect_app_store(f"127.0.0.1:{port}", early.app_id, RANK_CONNECT_TIMEOUT_S))
+                     else runtime.connect_app_store(f"{early.store_host}:{port}", early.app_id,
+                                                    RANK_CONNECT_TIMEOUT_S))
+            if rank != 0:
+                log.info("reached the control store at %s:%d", early.store_host, port)
             with runtime.Runtime.join("trainer", rank, store) as rt:
                 if "LOCAL_RANK" in os.environ:  # under torchrun: do not outlive its agent
                     health.watch_parent(lambda pid: rt.control.mark_failed(

@@ -19,6 +19,7 @@ non-blocking calls with short, growing sleeps.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ from app import names
 from app.frames import MAX_FRAME_BYTES, AuthenticationError, check_secret, decode, encode
 
 __all__ = ["BAD_TAG", "MALFORMED_FRAME", "Backoff", "Control", "OnReject", "StoreQueue", "Stopped",
-           "connect_store", "host_store"]
+           "connect_store", "host_store", "AppGone"]
 
 # Why a frame was dropped on receipt (see ``StoreQueue.pop_many``).
 BAD_TAG, MALFORMED_FRAME = "bad_tag", "malformed_frame"
@@ -38,6 +39,10 @@ OnReject = Callable[[str, str], None]
 
 HEALTH_CHECK_S = 0.5
 """How often a wait for other members asks ``health()`` whether they are still there."""
+
+
+class AppGone(ConnectionError):
+    """A role gave up waiting for the control store: the app is gone, the message says why."""
 
 
 class Stopped(Exception):
@@ -54,22 +59,45 @@ def host_store(port: int, world_size: int | None = None, timeout_s: float = 300.
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def connect_store(addr: str, timeout_s: float = 300.0) -> dist.TCPStore:
-    """Connect to the control store at ``"host:port"``; the client retries until ``timeout_s``."""
+GIVE_UP_POLL_S = 0.5
+"""While a role waits for the store, how often ``give_up`` is asked whether the app is
+already known to be gone (its trainer failed before it could host the store)."""
+
+
+def connect_store(addr: str, timeout_s: float = 300.0,
+                  give_up: Callable[[], str | None] | None = None) -> dist.TCPStore:
+    """Connect to the control store at ``"host:port"``; the client retries until ``timeout_s``.
+    ``give_up``: asked every ``GIVE_UP_POLL_S`` meanwhile; a message from it ends the wait
+    at once (the app is gone, the message says why). The client runs in a thread of its
+    own because a port held by a program that is not a store accepts the connection and
+    never answers: TCPStore then waits past its own timeout."""
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"control store address must be 'host:port', got {addr!r}")
     host = host.strip("[]")  # "[::1]:29500"
     t0 = time.monotonic()
-    try:
-        return dist.TCPStore(host, int(port), None, is_master=False,
-                             timeout=datetime.timedelta(seconds=timeout_s))
-    except (dist.DistError, RuntimeError, OSError) as e:
-        raise ConnectionError(
-            f"could not reach the llamarl control store at {host}:{port} after "
-            f"{time.monotonic() - t0:.0f} s (timeout {timeout_s:g} s): trainer replica 0, which hosts "
-            f"it, has not started, has already exited (its log says why), or uses another port "
-            f"(--store_port); {e}") from None
+    outcome: dict[str, Any] = {}
+
+    def attempt() -> None:
+        try:
+            outcome["store"] = dist.TCPStore(host, int(port), None, is_master=False,
+                                             timeout=datetime.timedelta(seconds=timeout_s))
+        except (dist.DistError, RuntimeError, OSError) as e:
+            outcome["error"] = e
+
+    client = threading.Thread(target=attempt, daemon=True, name="store-connect")
+    client.start()
+    while client.is_alive() and time.monotonic() - t0 < timeout_s + GIVE_UP_POLL_S:
+        client.join(GIVE_UP_POLL_S)
+        if client.is_alive() and give_up is not None and (reason := give_up()):
+            raise AppGone(reason)
+    if "store" in outcome:
+        return outcome["store"]
+    raise ConnectionError(
+        f"could not reach the llamarl control store at {host}:{port} after "
+        f"{time.monotonic() - t0:.0f} s (timeout {timeout_s:g} s): trainer replica 0, which hosts "
+        f"it, has not started, has already exited (its log says why), uses another port "
+        f"(--store_port), or the port belongs to another program; {outcome.get('error', 'no answer')}") from None
 
 
 def _sleep_or_stop(delay_s: float, should_stop: Callable[[], bool] | None, what: str) -> None:

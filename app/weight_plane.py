@@ -58,6 +58,14 @@ class NoGeneratorsLeft(RuntimeError):
     """Every generator is gone: nothing can make rollouts any more."""
 
 
+def _device_of(params: list[tuple[str, torch.Tensor]]) -> torch.device:
+    """Where a member's weights live: what it tells the others when a group is built
+    (``init_weight_group`` picks NCCL or gloo from every member's)."""
+    if not params:
+        raise ValueError("the weight plane needs at least one parameter")
+    return params[0][1].device
+
+
 def _plane_store(store: dist.Store) -> dist.Store:
     return dist.PrefixStore(names.WEIGHT_PLANE_PREFIX, store)
 
@@ -71,11 +79,10 @@ class ElasticSender:
 
     def __init__(self, store: dist.Store, params: Sequence[tuple[str, torch.Tensor]], *,
                  num_generators: int, timeout_s: float, gone: Callable[[], set[str]],
-                 should_stop: Callable[[], bool], device: torch.device = torch.device("cpu"),
-                 gone_wait_s: float = 15.0) -> None:
+                 should_stop: Callable[[], bool], gone_wait_s: float = 15.0) -> None:
         self.store, self.plane = store, _plane_store(store)
         self.params, self.num_generators, self.timeout_s = list(params), num_generators, timeout_s
-        self.gone, self.should_stop, self.device = gone, should_stop, device
+        self.gone, self.should_stop, self.device = gone, should_stop, _device_of(self.params)
         self.gone_wait_s = gone_wait_s
         """After a failed send: how long to wait for the dead generator to be taken out."""
         self.epoch = 0
@@ -163,7 +170,8 @@ class ElasticSender:
                 self.regroups += 1
                 self.last_regroup_at = time.time()
             self.roster = roster
-            log.info("weight plane epoch %d: generators %s", self.epoch, roster)
+            log.info("weight plane epoch %d: generators %s, %s (%s)", self.epoch, roster,
+                     group.path.backend, group.path.reason)
             return
 
     def _present(self, roster: list[int]) -> list[int]:
@@ -208,12 +216,12 @@ class ElasticReceiver:
     """A generator's side of the weight plane, across epochs (see the module docstring)."""
 
     def __init__(self, store: dist.Store, replica: int, params: Sequence[tuple[str, torch.Tensor]], *,
-                 timeout_s: float, device: torch.device = torch.device("cpu"),
-                 join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+                 timeout_s: float, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         # Its own connection: the epoch polls never queue behind the generator's other calls.
         plane_conn = store.clone() if isinstance(store, dist.TCPStore) else store
         self.store, self.plane, self.replica = store, _plane_store(plane_conn), replica
-        self.params, self.timeout_s, self.device = list(params), timeout_s, device
+        self.params, self.timeout_s = list(params), timeout_s
+        self.device = _device_of(self.params)
         self.join_timeout_s = join_timeout_s
         self.epoch = 0
         """The newest epoch this generator was in (0: none yet)."""

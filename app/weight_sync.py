@@ -5,8 +5,10 @@ server, just collectives in a process group of its own:
 
 - rank 0 is the trainer rank that holds the full weights, ranks 1..G the generators;
 - it rendezvouses over ``PrefixStore("weights", control_store)`` and is built from the
-  backend class directly (gloo on CPU, NCCL on CUDA), so it lives beside the trainer's
-  torchrun default group without touching it.
+  backend class directly, so it lives beside the trainer's torchrun default group
+  without touching it: NCCL when every member is on a GPU of its own, gloo otherwise
+  (``app.devices.weight_plane_backend``); on gloo, weights that live on a GPU are staged
+  through host memory (a trainer and a generator sharing one GPU, a CPU generator).
 
 The parameter layout (``app.weight_layout``: names, shapes, dtypes, runs, buckets) is
 fixed when the sender and receivers are built, and checked once across all ranks then,
@@ -37,7 +39,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from app import names
+from app import devices, names
 from app.transport import Backoff, Stopped
 from app.weight_layout import (  # flatten_parameters_: part of this plane's API
     DEFAULT_BUCKET_MB,
@@ -89,7 +91,10 @@ class WeightGroup:
     rank: int
     world_size: int
     device: torch.device
+    """Where the collectives run: the members' GPU on NCCL, the CPU on gloo."""
     timeout_s: float
+    path: devices.WeightPlanePath = devices.WeightPlanePath("gloo", False, "every member on the CPU")
+    """How the members talk, and why (chosen from every member's device at the rendezvous)."""
     syncs: int = 0
     """Syncs this rank has taken part in; the sender's announcement keys run ahead of it."""
     handshakes: int = 0
@@ -127,15 +132,28 @@ class WeightGroup:
             torch.cuda.current_stream(self.device).synchronize()
 
 
+def _host_or_device(group: WeightGroup, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer for the group's collectives, on the group's device; in page-locked host
+    memory when GPU weights are staged through the host (their copies to and from the
+    GPU then run at the bus's speed)."""
+    pin = group.path.staged and torch.cuda.is_available()
+    return torch.empty(numel, dtype=dtype, device=group.device, pin_memory=pin)
+
+
 def init_weight_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
                       timeout_s: float = 300.0, prefix: str = names.WEIGHT_PLANE_PREFIX,
-                      should_stop: Callable[[], bool] | None = None) -> WeightGroup:
+                      should_stop: Callable[[], bool] | None = None,
+                      device_key: str | None = None) -> WeightGroup:
     """Join the weight group (collective over all ``world_size`` ranks).
 
-    gloo for CPU ``device``, NCCL for CUDA. ``timeout_s`` bounds the rendezvous and
-    every collective; a peer that disappears surfaces as ``WeightSyncError``. The ranks
-    first wait for each other in a poll that watches ``should_stop`` (``Stopped`` once it
-    is true): the backend's own rendezvous cannot be interrupted.
+    ``device`` is where this rank's weights live. Every rank publishes its
+    ``devices.device_key`` (``device_key`` overrides it: a test on the CPU stands in for
+    ranks that share a GPU) and all choose the same backend from the list: NCCL when
+    every rank is on a GPU of its own, else gloo (staging GPU weights through host
+    memory). ``timeout_s`` bounds the rendezvous and every collective; a peer that
+    disappears surfaces as ``WeightSyncError``. The ranks first wait for each other in a
+    poll that watches ``should_stop`` (``Stopped`` once it is true): the backend's own
+    rendezvous cannot be interrupted.
     """
     if not 0 <= rank < world_size or world_size < 2:
         raise ValueError(f"weight group needs 0 <= rank < world_size and world_size >= 2, "
@@ -148,7 +166,11 @@ def init_weight_group(store: dist.Store, rank: int, world_size: int, device: tor
         store = store.clone()
         store.set_timeout(timeout)
     prefix_store = dist.PrefixStore(prefix, store)
-    _wait_for_ranks(prefix_store, rank, world_size, timeout_s, should_stop)
+    keys = _wait_for_ranks(prefix_store, rank, world_size, timeout_s, should_stop,
+                           device_key or devices.device_key(device))
+    path = devices.weight_plane_backend(keys)
+    if path.backend == "gloo":
+        device = devices.HOST
     try:
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -164,14 +186,15 @@ def init_weight_group(store: dist.Store, rank: int, world_size: int, device: tor
         raise WeightSyncError(f"weight group: rank {rank} of {world_size} could not connect to "
                               f"its peers within {timeout_s:g} s: {e}") from None
     return WeightGroup(backend=backend, store=prefix_store, rank=rank, world_size=world_size,
-                       device=device, timeout_s=timeout_s)
+                       device=device, timeout_s=timeout_s, path=path)
 
 
 def _wait_for_ranks(store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                    should_stop: Callable[[], bool] | None) -> None:
-    """Every rank says it is here, then waits until all are: ``WeightSyncError`` naming the
-    missing ranks after ``timeout_s``, ``Stopped`` as soon as ``should_stop()``."""
-    store.set(names.weight_rank_present_key(rank), "1")
+                    should_stop: Callable[[], bool] | None, device_key: str) -> list[str]:
+    """Every rank says it is here, with its device key, then waits until all are:
+    ``WeightSyncError`` naming the missing ranks after ``timeout_s``, ``Stopped`` as soon
+    as ``should_stop()``. Returns every rank's device key, in rank order."""
+    store.set(names.weight_rank_present_key(rank), device_key)
     keys = [names.weight_rank_present_key(r) for r in range(world_size)]
     deadline = time.monotonic() + timeout_s
     backoff = Backoff(first_s=0.005, max_s=0.1)
@@ -183,6 +206,7 @@ def _wait_for_ranks(store: dist.Store, rank: int, world_size: int, timeout_s: fl
             raise WeightSyncError(f"weight group: rank {rank} of {world_size} waited {timeout_s:g} s "
                                   f"for ranks {missing} (rank 0 is the trainer, rank i + 1 generator i)")
         time.sleep(backoff.next())
+    return [v.decode() for v in store.multi_get(keys)]
 
 
 def _handshake(group: WeightGroup, layout: Layout) -> None:
@@ -229,7 +253,7 @@ class WeightSender:
         _handshake(group, self.layout)
         # Packing buffers, grown to the largest bucket packed so far (a flattened model
         # never packs, so they stay empty).
-        self._ring = [torch.empty(0, dtype=torch.uint8, device=group.device) for _ in range(_RING)]
+        self._ring = [_host_or_device(group, 0, torch.uint8) for _ in range(_RING)]
         self.zero_copy_buckets = 0
         """Buckets of the last sync that went out without packing (for tests and benchmarks)."""
 
@@ -278,7 +302,7 @@ class WeightSender:
 
     def _buffer(self, k: int, nbytes: int) -> torch.Tensor:
         if self._ring[k].numel() < nbytes:
-            self._ring[k] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+            self._ring[k] = _host_or_device(self.group, nbytes, torch.uint8)
         return self._ring[k]
 
 
@@ -304,10 +328,11 @@ class WeightReceiver:
         self.group = group
         self.params = list(params)  # as given: a later .data rebinding is caught at a swap
         self.layout = Layout(self.params, int(bucket_mb * 2**20))
+        # The model's device; staging is on the group's (the host when weights are staged).
+        self.device = self.params[0][1].device if self.params else group.device
         self._live_views()  # fail here, not at the first swap
         _handshake(group, self.layout)
-        self._staging = [torch.empty(run.numel, dtype=run.dtype, device=group.device)
-                         for run in self.layout.runs]
+        self._staging = [_host_or_device(group, run.numel, run.dtype) for run in self.layout.runs]
         self._staged_version: int | None = None
         self._applied_version: int | None = None
         self._lock = threading.Lock()  # guards _staging, _staged_version and the copy into params
@@ -318,11 +343,11 @@ class WeightReceiver:
         self._stats_lock = threading.Lock()  # not _lock: that one is held for a whole receive
 
     def _live_views(self) -> list[torch.Tensor]:
-        views = [span_view(run, self.params, self.group.device) for run in self.layout.runs]
+        views = [span_view(run, self.params, self.device) for run in self.layout.runs]
         for run, view in zip(self.layout.runs, views):
             if view is None:
                 raise ValueError(f"weight receiver: the {run.dtype} parameters are not one flat "
-                                 f"buffer on {self.group.device}: call flatten_parameters_ on the "
+                                 f"buffer on {self.device}: call flatten_parameters_ on the "
                                  "model before building the receiver, and do not rebind their .data")
         return views
 

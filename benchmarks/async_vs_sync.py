@@ -1,6 +1,7 @@
 """Asynchronous against synchronous RL, side by side, through the real TorchX app.
 
     python benchmarks/async_vs_sync.py --json out.json
+    python benchmarks/async_vs_sync.py --json out.json --trainer-ranks 2 --pairs 1   # FSDP2 trainer
 
 Runs the default app config twice on this machine with the same resources (one
 trainer, the same number of generators, one torch thread per process) and the same
@@ -14,6 +15,10 @@ A shared 2-core machine is noisy (single runs of the same code ranged 1.2x-1.7x)
 the two modes run in ``--pairs`` alternating pairs (sync, async, sync, async, ...): each
 pair gives one speedup, and every reported figure is the median over the pairs (each
 pair's own figures are in ``details``).
+
+``--trainer-ranks N`` runs the trainer as N ranks (``--nproc_per_node N``: the policy
+sharded with FSDP2, each rank training on its share of every batch); the trained
+samples stay the same, so its accuracy compares with a 1-rank run's.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def launch(mode: str, max_staleness: int, args: argparse.Namespace, extra: Seque
         "--num_generators", str(args.generators), "--steps", str(args.steps),
         "--max_staleness", str(max_staleness), "--runs_dir", args.runs_dir,
         "--store_port", str(free_port()), "--threads", "1", "--policy", args.policy,
+        "--nproc_per_node", str(args.trainer_ranks),
         "--", "--eval-every", str(args.steps), "--eval-size", str(args.eval_size), *extra,
     ]
     with get_runner() as runner:
@@ -108,6 +114,8 @@ def main() -> None:
     parser.add_argument("--runs-dir", default="runs/bench-async-vs-sync")
     parser.add_argument("--timeout-s", type=float, default=1800)
     parser.add_argument("--pairs", type=int, default=3, help="alternating sync/async pairs (medians reported)")
+    parser.add_argument("--trainer-ranks", type=int, default=1,
+                        help="trainer ranks in both runs (more than one: the policy sharded with FSDP2)")
     args = parser.parse_args()
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
@@ -133,7 +141,8 @@ def main() -> None:
         "acc_sync": sync["acc"], "acc_async": async_["acc"],
         "idle_sync": sync["idle"], "idle_async": async_["idle"],
         "details": {"pairs": [{"sync": s, "async": a} for s, a in pairs], "steps": args.steps,
-                    "generators": args.generators, "eval_size": args.eval_size},
+                    "generators": args.generators, "eval_size": args.eval_size,
+                    "trainer_ranks": args.trainer_ranks},
     }
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"medians over {args.pairs} alternating pairs")

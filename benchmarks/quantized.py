@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--generators", type=int, default=1)
+    parser.add_argument("--trainer-ranks", type=int, default=1)
     parser.add_argument("--eval-size", type=int, default=400)
     parser.add_argument("--policy", default="warmstart")
     parser.add_argument("--runs-dir", default="runs/bench-quantized")

@@ -22,6 +22,7 @@ def llamarl(
     num_generators: int = 1,
     num_reward: int = 0,
     nproc_per_node: int = 1,
+    trainer_nodes: int = 1,
     steps: int = 30,
     max_staleness: int = 1,
     rewards: str = "math_verifier",
@@ -54,7 +55,12 @@ def llamarl(
         num_generators: generator replicas (each samples with the newest weights it has);
             the default of 1 suits two CPU cores: one core trains while the other generates
         num_reward: reward executor replicas; 0 scores inline in the trainer's pipeline
-        nproc_per_node: trainer ranks (data parallel, one node)
+        nproc_per_node: trainer ranks per node (more than one in all: the policy is sharded with FSDP2)
+        trainer_nodes: trainer replicas (nodes), each running ``nproc_per_node`` ranks; their
+            torchrun agents meet at a static rendezvous on trainer replica 0's host (port
+            ``store_port + 1``, or derived from the app id), replica k holding node rank k,
+            so global rank 0 (the controller) is on replica 0, and every trainer rank
+            reaches the control store at that host
         steps: RL steps (optimizer updates)
         max_staleness: largest policy lag of a trained rollout; 0 is the synchronous baseline
         rewards: reward spec, e.g. ``math_verifier,format=0.2``
@@ -65,7 +71,8 @@ def llamarl(
         runs_dir: where ``<runs_dir>/<app id>/`` (config, metrics.db) is written
         store_port: port of the control store on trainer replica 0; 0 derives it from the
             app id (29600 + crc32(app id) % 2000), so that two apps on one machine do not
-            collide; kubernetes needs a fixed port here (its service maps ports at launch)
+            collide; kubernetes needs a fixed port here (its service maps ports at launch).
+            A trainer of several nodes also uses ``store_port + 1`` (its rendezvous)
         resume: continue a run from its newest checkpoint in its own run directory: a run
             id (the app id of the run), or ``auto`` for this app's own run (see
             ``--resume`` of ``python -m app.trainer``); empty: a new run
@@ -85,13 +92,18 @@ def llamarl(
         threads: torch threads per process (keep threads x processes <= cores on CPU)
         image: container image (kubernetes), or the directory holding the code (slurm)
         trainer_cpu: CPUs per trainer replica
-        trainer_gpu: GPUs per trainer replica
+        trainer_gpu: GPUs per trainer replica (one per rank: ``nproc_per_node``); with 0
+            the trainer runs on the CPU (``--device cpu``), otherwise on
+            ``cuda:<LOCAL_RANK>`` of the GPUs the scheduler gives it (``--device auto``)
         trainer_mem_mb: memory per trainer replica, MB
         generator_cpu: CPUs per generator
-        generator_gpu: GPUs per generator
+        generator_gpu: GPUs per generator (it uses the first it sees); 0: the CPU. A
+            trainer and a generator on one GPU (a one-GPU machine) work: the weight
+            plane then runs on gloo through host memory instead of NCCL
         generator_mem_mb: memory per generator, MB
         reward_cpu: CPUs per reward executor
-        reward_gpu: GPUs per reward executor
+        reward_gpu: GPUs per reward executor (its reward models run on the first it
+            sees, unless the reward spec names a ``device=``); 0: the CPU
         reward_mem_mb: memory per reward executor, MB
         env: extra environment variables for every role
 
@@ -99,6 +111,9 @@ def llamarl(
         specs.AppDef: roles trainer, generator and reward
     """
     store_addr = f"$${{{specs.macros.rank0_env}}}:{store_port}"
+    # Replica 0's host for the trainer's own replicas; "localhost" where a scheduler leaves
+    # the variable unset on replica 0 itself (as torchx's dist.ddp does).
+    rank0_host = f"$${{{specs.macros.rank0_env}:=localhost}}"
     # A restarted app has the same app id, hence the same run directory to resume.
     resume = resume or ("auto" if max_retries > 0 else "")
     app_id = f"--app-id {specs.macros.app_id}"
@@ -112,11 +127,12 @@ def llamarl(
     }
     trainer_cmd = " ".join([
         # app.launch runs torchrun and ends with the failure's cause, not torchrun's banner.
-        f"python -m app.launch --nproc-per-node {nproc_per_node}",
+        f"python -m app.launch --nproc-per-node {nproc_per_node} --nnodes {trainer_nodes}",
+        f"--node-rank {specs.macros.replica_id} --rdzv-host {rank0_host}",
         f"--store-port {store_port} {app_id} --num-generators {num_generators} --num-reward {num_reward}",
         f"--steps {steps} --max-staleness {max_staleness} --rewards '{rewards}'",
         f"--policy '{policy}' --runs-dir '{runs_dir}' --run-id {specs.macros.app_id}",
-        f"--threads {threads} --gen-threads {threads}",
+        f"--device {_device(trainer_gpu)} --threads {threads} --gen-threads {threads}",
         *([f"--resume {shlex.quote(resume)}"] if resume else []),
         *([f"--dataset {shlex.quote(dataset)}"] if dataset else []),
         # Quoted: the command runs under bash, and a value may hold spaces or a backslash
@@ -124,21 +140,29 @@ def llamarl(
         *(shlex.quote(a) for a in trainer_args),
     ])
     roles = [
-        _role("trainer", image, trainer_cmd, 1, trainer_cpu, trainer_gpu, trainer_mem_mb, common_env,
-              max_retries, port_map={"store": store_port} if store_port else None),
+        _role("trainer", image, trainer_cmd, trainer_nodes, trainer_cpu, trainer_gpu, trainer_mem_mb, common_env,
+              max_retries, port_map={"store": store_port, "c10d": store_port + 1} if store_port else None),
         _role("generator", image,
               f"python -m app.generator --store-addr {store_addr} {app_id} "
-              f"--replica {specs.macros.replica_id} --num-generators {num_generators}",
+              f"--replica {specs.macros.replica_id} --num-generators {num_generators} "
+              f"--device {_device(generator_gpu)}",
               num_generators, generator_cpu, generator_gpu, generator_mem_mb, common_env, executor_retries,
               retry_policy=specs.RetryPolicy.REPLICA),
         _role("reward", image,
-              f"python -m app.reward --store-addr {store_addr} {app_id} --replica {specs.macros.replica_id}",
+              f"python -m app.reward --store-addr {store_addr} {app_id} --replica {specs.macros.replica_id} "
+              f"--device {_device(reward_gpu)}",
               max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env, executor_retries,
               retry_policy=specs.RetryPolicy.REPLICA),
     ]
     # TorchX refuses a role of zero replicas: with num_reward=0 the reward role is left
     # out (rewards are scored inline by the trainer).
     return specs.AppDef(name="llamarl", roles=roles[: 2 + min(num_reward, 1)])
+
+
+def _device(gpus: int) -> str:
+    """A role's ``--device``: the CPU when it was given no GPU, even on a machine that has
+    some (they are another role's); else whichever GPU the scheduler made visible."""
+    return "auto" if gpus > 0 else "cpu"
 
 
 def _role(name: str, image: str, cmd: str, replicas: int, cpu: int, gpu: int, mem_mb: int,

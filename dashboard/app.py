@@ -43,7 +43,7 @@ LOSSES = [names.FAULTS_LOST_GROUPS, names.FAULTS_DUPLICATE_GROUPS, names.WEIGHT_
 # Scalars drawn by a dedicated view; the "All scalars" tab offers the rest.
 SHOWN = {*THROUGHPUT, *LEARNING, *AIPO, *COUNTS, *LOSSES, names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S,
          names.TRAIN_STEPS_PER_MIN, names.TRAIN_STEP_S, names.IDLE_FRACTION, names.STALENESS_MEAN,
-         names.STALENESS_MAX, names.WEIGHTS_QUANTIZE_S}
+         names.STALENESS_MAX, names.DEVICE_UTILIZATION, names.DEVICE_MAX_MEMORY_GB, names.WEIGHTS_QUANTIZE_S}
 # Prefixes of counters drawn in the Queues tab.
 DROP_PREFIXES = (names.QUARANTINED_PREFIX, names.REJECTED_PREFIX)
 
@@ -137,6 +137,14 @@ def executors_tab(run: data.Run) -> None:
     width = TIMELINE_WINDOWS_S.get(window or "last 30 s")
     start = None if span is None or width is None else max(0.0, span[1] - width)
     chart(charts.timeline_figure(run.intervals(start_s=start)), "exec-timeline")
+    utilization = run.scalar_series([names.DEVICE_UTILIZATION])
+    memory = run.scalar_series([names.DEVICE_MAX_MEMORY_GB])
+    if not (utilization.empty and memory.empty):  # some executor runs on a GPU (CPU ones report none)
+        chart_pair((charts.line_figure(utilization, "GPU utilisation per executor (NVML: the whole device)",
+                                       y_title="percent"), "exec-gpu-util"),
+                   (charts.line_figure(memory, "GPU peak memory per executor", y_title="GiB"), "exec-gpu-mem"))
+        st.caption("On a GPU an executor's busy intervals end when the GPU has finished their work "
+                   "(a stream synchronisation), so its idle share above is GPU idle time.")
     breakdown = run.idle_breakdown()
     if not breakdown.empty:
         with st.expander("Where the time went (seconds per activity)"):

@@ -279,7 +279,16 @@ def simulate(mode: Mode, *, steps: int, n_generators: int, t_start: float, seed:
                                    role="generator", replica=g.replica, step=step, t=end))
             events.append(m.scalar("idle_fraction", idle, role="generator", replica=g.replica,
                                    step=step, t=end))
+            if mode == "async":  # the async run's executors are on GPUs (app.devices.device_metrics)
+                events += [m.scalar("device/utilization", 100 * (1 - idle) * (0.8 + 0.2 * rng.random()),
+                                    role="generator", replica=g.replica, step=step, t=end),
+                           m.scalar("device/max_memory_gb", 6.0 + 0.01 * step, role="generator",
+                                    replica=g.replica, step=step, t=end)]
             events += spans
+        if mode == "async":
+            events += [m.scalar("device/utilization", 100 * (1 - trainer.idle_fraction()), role="trainer",
+                                step=step, t=end),
+                       m.scalar("device/max_memory_gb", 18.0, role="trainer", step=step, t=end)]
         events += trainer.drain() + reward_tl.drain()
         yield events
         t = end

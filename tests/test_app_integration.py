@@ -10,9 +10,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from torchx.specs import AppState
+from transformers import AutoModelForCausalLM
 
-from app import names
+from app import names, train_state
+from app.policy import load_policy
 from app.contract import GroupId, Rollout, RolloutGroup, to_message
 from app.frames import SECRET_ENV
 from app.transport import StoreQueue, connect_store
@@ -105,10 +108,12 @@ def dashboard_draws_run(runs_dir: Path, run_id: str) -> None:
 
 
 @pytest.mark.parametrize("max_staleness", [1, 0])
-def test_two_data_parallel_trainer_ranks(tiny_policy, tmp_path, max_staleness):
-    """nproc_per_node=2: each rank trains on half of every batch; gradients are averaged.
-    Synchronous too, where the generator makes exactly one step's groups and each rank
-    must leave the other its half (``pipelines.rollouts.Holding``)."""
+def test_two_sharded_trainer_ranks(tiny_policy, tmp_path, max_staleness):
+    """nproc_per_node=2: the policy is sharded (FSDP2) and each rank trains on half of
+    every batch. Synchronous too, where the generator makes exactly one step's groups and
+    each rank must leave the other its half (``pipelines.rollouts.Holding``). Replica 0
+    evaluates and exports the whole policy, gathered from the shards: the checkpoint's
+    Hugging Face weights are the sharded training state's. A resume continues on 2 ranks."""
     with launch(tiny_policy, tmp_path, steps=2, num_generators=1, nproc=2,
                 max_staleness=max_staleness) as app:
         assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
@@ -117,6 +122,35 @@ def test_two_data_parallel_trainer_ranks(tiny_policy, tmp_path, max_staleness):
         used = rows(db, "SELECT count(*) FROM staleness WHERE used = 1")[0][0]
         assert used == 2 * PROMPTS_PER_STEP * GROUP_SIZE
         assert f"run finished: finished 2 steps" in app.log("trainer")
+        assert [s for (s,) in rows(db, f"SELECT step FROM scalars WHERE name = '{names.eval_metric('accuracy')}' "
+                                       "ORDER BY step")] == [0, 2]
+    step2 = app.runs_dir / app.app_id / "checkpoints" / "step-2"
+    exported = AutoModelForCausalLM.from_pretrained(step2)
+    model, _ = load_policy(tiny_policy)
+    train_state.load(step2 / train_state.DIR_NAME, model, torch.optim.AdamW(model.parameters()))
+    trained = dict(model.named_parameters())
+    for name, p in exported.named_parameters():
+        assert torch.equal(p, trained[name]), name
+    if max_staleness == 0:
+        return
+    with launch(tiny_policy, tmp_path, steps=3, num_generators=1, nproc=2, max_staleness=max_staleness,
+                options=["--resume", app.app_id]) as resumed:
+        assert resumed.wait() == AppState.SUCCEEDED, resumed.logs_tail()
+        assert f"resuming run {app.app_id} at step 2" in resumed.log("trainer"), resumed.logs_tail()
+    assert (app.runs_dir / app.app_id / "checkpoints" / "step-3").is_dir()
+
+
+def test_a_trainer_of_two_nodes(tiny_policy, tmp_path):
+    """trainer_nodes=2 on local_cwd: two trainer replicas (torchrun agents) meet at a
+    static rendezvous on replica 0's host, rank 1 reaches the control store there through
+    --store-host, and the sharded run trains every rollout once."""
+    with launch(tiny_policy, tmp_path, steps=2, num_generators=1, options=["--trainer_nodes", "2"]) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        db = app.db()
+        assert rows(db, "SELECT DISTINCT replica FROM intervals WHERE role = 'trainer' ORDER BY replica") == [(0,), (1,)]
+        assert rows(db, "SELECT count(*) FROM staleness WHERE used = 1")[0][0] == 2 * PROMPTS_PER_STEP * GROUP_SIZE
+        assert '"trainer_ranks": 2' in dict(rows(db, "SELECT key, value FROM meta"))["config"]
+        assert "run finished: finished 2 steps" in app.log("trainer", 0)
 
 
 def push_bad_messages(app: App) -> None:

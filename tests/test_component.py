@@ -64,7 +64,7 @@ def test_appdef_has_trainer_first_then_generators_and_reward():
                  f"--store-port {PORT}", f"--run-id {specs.macros.app_id}", f"--app-id {specs.macros.app_id}"):
         assert flag in cmd
     assert cmd.endswith("--lr 3e-4"), "trainer_args are passed through last"
-    assert trainer.port_map == {"store": PORT}
+    assert trainer.port_map == {"store": PORT, "c10d": PORT + 1}, "the store, and a multi-node trainer's rendezvous"
     assert "-m app.generator" in generator.args[-1] and "--num-generators 3" in generator.args[-1]
     assert f"--replica {specs.macros.replica_id}" in generator.args[-1]
     assert "-m app.reward" in reward.args[-1]
@@ -163,9 +163,32 @@ def test_kubernetes_dryrun_is_one_volcano_job_with_every_role():
     assert list(tasks) == ["trainer-0", "generator-0", "generator-1", "reward-0"]
     assert f"--store-addr ${{VC_TRAINER_0_HOSTS}}:{PORT}" in tasks["generator-0"].command[-1]
     assert f"--store-addr ${{VC_TRAINER_0_HOSTS}}:{PORT}" in tasks["reward-0"].command[-1]
-    assert [p.container_port for p in tasks["trainer-0"].ports] == [PORT]
+    assert [p.container_port for p in tasks["trainer-0"].ports] == [PORT, PORT + 1]
     secrets = {next(e.value for e in c.env if e.name == "LLAMARL_SECRET") for c in tasks.values()}
     assert len(secrets) == 1
+
+
+def test_a_trainer_of_two_nodes_meets_at_replica_0_on_slurm_and_kubernetes():
+    """trainer_nodes=2: two trainer replicas, replica k with node rank k of 2, both
+    pointed at replica 0's host (the torchrun rendezvous and the control store)."""
+    args = ["--trainer_nodes", "2", "--nproc_per_node", "2", "--store_port", str(PORT)]
+    slurm = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="slurm", cfg={}).request
+    assert list(slurm.replicas) == ["trainer-0", "trainer-1", "generator-0"]
+    assert slurm.materialize().count("#SBATCH hetjob") == 2, "a node per trainer replica"
+    for k in (0, 1):
+        cmd = slurm.replicas[f"trainer-{k}"].args[-1]
+        assert (f"-m app.launch --nproc-per-node 2 --nnodes 2 --node-rank {k} "
+                "--rdzv-host ${SLURM_JOB_NODELIST_HET_GROUP_0:=localhost}") in cmd, cmd
+    k8s = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="kubernetes",
+                                        cfg={"queue": "default"}).request.resource
+    tasks = {t["name"]: t["template"].spec.containers[0] for t in k8s["spec"]["tasks"]}
+    assert list(tasks) == ["trainer-0", "trainer-1", "generator-0"]
+    # torchx's kubernetes scheduler names replica 0's host for replica 0 itself
+    # TORCHX_RANK0_HOST (localhost), for the others the Volcano task's host.
+    assert "--node-rank 0 --rdzv-host ${TORCHX_RANK0_HOST:=localhost}" in tasks["trainer-0"].command[-1]
+    assert "--node-rank 1 --rdzv-host ${VC_TRAINER_0_HOSTS:=localhost}" in tasks["trainer-1"].command[-1]
+    for k in (0, 1):
+        assert [p.container_port for p in tasks[f"trainer-{k}"].ports] == [PORT, PORT + 1]
 
 
 def test_local_dryrun_resolves_the_rank0_host():
@@ -236,3 +259,18 @@ def test_a_lost_executor_replica_restarts_alone():
     for role in ("generator", "reward"):
         assert (app[role].max_retries, app[role].retry_policy) == (5, specs.RetryPolicy.REPLICA)
     assert roles(llamarl())["generator"].max_retries == 3  # the default
+
+
+def test_each_role_computes_where_it_was_given_gpus():
+    """A role without GPUs stays on the CPU even on a machine that has some (they are
+    another role's); a role with GPUs takes cuda:<LOCAL_RANK> of those it sees."""
+    cpu_only = llamarl(num_reward=1)
+    assert "--device cpu " in cpu_only.roles[0].args[-1]
+    assert cpu_only.roles[1].args[-1].endswith("--device cpu") and cpu_only.roles[2].args[-1].endswith("--device cpu")
+    assert llamarl(num_reward=1, reward_gpu=1).roles[2].args[-1].endswith("--device auto")
+    gpus = llamarl(nproc_per_node=2, trainer_gpu=2, generator_gpu=1)
+    assert "--device auto " in gpus.roles[0].args[-1] and gpus.roles[1].args[-1].endswith("--device auto")
+    assert gpus.roles[0].resource.gpu == 2 and gpus.roles[1].resource.gpu == 1
+    # The user's trainer flags come after the component's: --device cpu forces the CPU.
+    forced = llamarl("--device", "cpu", trainer_gpu=1).roles[0].args[-1]
+    assert forced.index("--device auto") < forced.index("--device cpu")

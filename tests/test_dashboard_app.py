@@ -52,8 +52,20 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
         assert_no_exception(at)
         assert not at.error
         drawn[tab] = charts(at)
-    assert drawn == {"Throughput": 4, "Executors": 3, "Off-policy": 4, "Weight sync": 2, "Learning": 6,
+    # Executors: idle share, idle over time, timeline, GPU utilisation and memory (this run's
+    # executors are on GPUs; a CPU run has no GPU charts: test_cpu_runs_draw_no_gpu_charts).
+    # Off-policy: staleness (2) and the mismatch by lag (2); Weight sync: syncs and quantization.
+    assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 4, "Weight sync": 2, "Learning": 6,
                      "Queues": 2, "All scalars": 0}
+
+
+def test_cpu_runs_draw_no_gpu_charts(monkeypatch, runs_root):
+    at = start(monkeypatch, runs_root, run="sync-run")
+    at.session_state["tab"] = "Executors"
+    at.run()
+    assert_no_exception(at)
+    assert charts(at) == 3
+    assert not any("GPU" in c.value for c in at.caption)
 
 
 def test_timeline_window_can_be_changed(monkeypatch, runs_root):

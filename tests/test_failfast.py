@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 
@@ -103,6 +104,21 @@ def test_a_second_app_on_the_same_store_port_fails_and_the_first_runs_on(tiny_po
         assert " ERROR " not in first.log("trainer") and second.app_id not in first.log("trainer")
 
 
+def test_a_store_port_held_by_another_program_ends_every_role_in_seconds(tiny_policy, tmp_path):
+    """The trainer cannot host the store, so no role can hear why from it: the generator
+    finds the trainer's error file beside its own (local scheduler) and gives up, naming it,
+    instead of waiting ``--connect-timeout-s`` (300 s) on a port that answers nothing."""
+    holder = socket.socket()
+    holder.bind(("0.0.0.0", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        with launch(tiny_policy, tmp_path, num_generators=1, store_port=port) as app:
+            assert_fails_naming(app, f"cannot host the control store on port {port}")
+    finally:
+        holder.close()
+
+
 # --------------------------------------------------------------------------- a role dies
 
 def kill(app: App, pattern: str, sig: signal.Signals = signal.SIGKILL) -> None:
@@ -126,6 +142,16 @@ def test_the_dead_last_generator_ends_a_synchronous_run(tiny_policy, tmp_path):
         app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
         kill(app, f"app.generator .*--app-id {app.app_id} --replica 0")
         assert_fails_naming(app, "generator/0", stopped=())
+
+
+def test_a_crashed_generator_is_named_with_the_function_it_crashed_in(tiny_policy, tmp_path):
+    """No heartbeat says why a process vanished: its faulthandler report, in the
+    ``stderr.log`` the local scheduler keeps beside the trainer's, names the crash."""
+    with launch(tiny_policy, tmp_path, steps=60, num_generators=1,
+                extra=[*SMALL, "--eval-every", "1000"]) as app:
+        app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
+        kill(app, f"app.generator .*--app-id {app.app_id} --replica 0", signal.SIGSEGV)
+        assert_fails_naming(app, "generator/0 failed: crashed (Segmentation fault) in ", stopped=())
 
 
 def test_a_killed_torchrun_agent_leaves_no_trainer_behind(tiny_policy, tmp_path):

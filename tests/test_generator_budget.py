@@ -11,9 +11,10 @@ import random
 import threading
 
 import pytest
+import torch
 
 from app import names
-from app.generator import SlotBudget
+from app.generator import SlotBudget, batch_seed
 from app.train_state import SlotLedger
 from app.transport import connect_store, host_store
 
@@ -152,3 +153,12 @@ def test_slots_lost_with_an_executor_come_back_outside_the_counter(store):
     assert membership.take_lost_slots(store, 8) == [2, 3]
     assert membership.take_lost_slots(store, 8) == []
     assert budget.reserve(1, version=0) == range(0), "the counter did not move"
+
+
+def test_a_batch_seed_depends_on_its_slot_not_on_the_generator_or_its_history():
+    seeds = {batch_seed(0, slot) for slot in range(1000)}
+    assert len(seeds) == 1000 and all(0 <= s < 2**63 for s in seeds)
+    assert batch_seed(0, 7) == batch_seed(0, 7)
+    assert batch_seed(1, 7) != batch_seed(0, 7)
+    a, b = (torch.Generator().manual_seed(batch_seed(3, 12)) for _ in range(2))
+    assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 import json
+import socket
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from app import data, health, names, runtime
+from app import data, health, names, runtime, transport
 from app.transport import Control
 from role_processes import loopback_store
 
@@ -135,3 +137,70 @@ def test_a_second_store_on_a_port_in_use_fails_saying_why():
 def test_a_store_without_an_app_id_is_not_this_apps(store):
     with pytest.raises(ConnectionError, match="publishes no llamarl app id"):
         runtime.connect_app_store(f"127.0.0.1:{store.port}", "llamarl-x", timeout_s=10, check_timeout_s=0.3)
+
+
+# --------------------------------------------------------------------------- siblings (local scheduler)
+
+def replica_dirs(tmp_path, monkeypatch, own: str = "generator/0") -> dict[str, Path]:
+    """TorchX local_cwd's layout, ``<app log dir>/<role>/<replica>/``, this process being ``own``."""
+    dirs = {m: tmp_path / "app" / m for m in ("trainer/0", "generator/0", "generator/1", "reward/0")}
+    for d in dirs.values():
+        d.mkdir(parents=True)
+    monkeypatch.setenv(health.ERROR_FILE_ENV, str(dirs[own] / "error.json"))
+    monkeypatch.delenv(health.REPLICA_ERROR_FILE_ENV, raising=False)
+    return dirs
+
+
+def write_error(path: Path, message: str) -> None:
+    path.write_text(json.dumps({"message": {"message": message, "errorCode": 1}}))
+
+
+def test_a_sibling_that_failed_before_reaching_the_store_is_named(tmp_path, monkeypatch):
+    dirs = replica_dirs(tmp_path, monkeypatch)
+    assert set(health.sibling_replica_dirs()) == {"trainer/0", "generator/1", "reward/0"}
+    assert health.sibling_failure() is None
+    write_error(dirs["generator/0"] / "error.json", "my own failure is not a sibling's")
+    assert health.sibling_failure() is None
+    write_error(dirs["trainer/0"] / "error.json", "trainer failed: ConnectionError: cannot host the store")
+    assert health.sibling_failure() == "trainer/0 failed: ConnectionError: cannot host the store"
+    write_error(dirs["reward/0"] / "error.json", "ValueError: unknown reward 'x'")
+    (dirs["generator/0"] / "error.json").unlink()
+    monkeypatch.setenv(health.REPLICA_ERROR_FILE_ENV, str(dirs["trainer/0"] / "error.json"))
+    monkeypatch.setenv(health.ERROR_FILE_ENV, "/tmp/torchrun-of-the-trainer/error.json")
+    assert health.sibling_failure() == "reward/0 failed: ValueError: unknown reward 'x'", \
+        "a trainer rank finds its replica's directory through app.launch's variable"
+
+
+def test_siblings_outside_the_local_layout_are_none(tmp_path, monkeypatch):
+    monkeypatch.delenv(health.REPLICA_ERROR_FILE_ENV, raising=False)
+    monkeypatch.delenv(health.ERROR_FILE_ENV, raising=False)
+    assert health.sibling_replica_dirs() == {} and health.sibling_failure() is None
+    monkeypatch.setenv(health.ERROR_FILE_ENV, str(tmp_path / "job" / "error.json"))  # not <role>/<k>/
+    assert health.sibling_replica_dirs() == {}
+
+
+def test_a_silent_sibling_that_crashed_is_named_with_its_function(tmp_path, monkeypatch):
+    dirs = replica_dirs(tmp_path, monkeypatch, own="trainer/0")
+    (dirs["generator/1"] / "stderr.log").write_text(
+        "x" * (health.CRASH_LOG_TAIL_BYTES + 10) + "\nFatal Python error: Segmentation fault\n\n"
+        "Current thread 0x00007f (most recent call first):\n"
+        '  File "/work/my_policy.py", line 7 in forward\n  File "/work/app/generator.py", line 3 in run\n')
+    (dirs["generator/0"] / "stderr.log").write_text("Traceback: an ordinary log\n")
+    assert health.sibling_crash("generator/1") == \
+        "generator/1 crashed (Segmentation fault) in forward (/work/my_policy.py:7)"
+    assert health.sibling_crash("generator/0") is None and health.sibling_crash("generator/7") is None
+
+
+def test_a_role_gives_up_on_the_store_once_a_sibling_says_the_app_is_gone():
+    with socket.socket() as holder:  # a port that answers, but is no store
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        asked = []
+
+        def gone() -> str | None:
+            asked.append(1)
+            return "trainer/0 failed: cannot host the control store" if len(asked) >= 2 else None
+
+        with pytest.raises(transport.AppGone, match="^trainer/0 failed: cannot host"):
+            transport.connect_store(f"127.0.0.1:{holder.getsockname()[1]}", timeout_s=300, give_up=gone)
+        assert len(asked) == 2

@@ -24,18 +24,19 @@ def _inputs(log_ratio: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_statistics_by_hand():
     logp_N, mu_N = _inputs(LOG_RATIO)
-    m = mismatch.mismatch_stats(logp_N, mu_N, rho_max=1.5)
-    assert m["ratio_mean"] == pytest.approx((2 + 1 + 0.5) / 3)
-    assert m["ratio_max"] == pytest.approx(2.0)
-    assert m["frac_truncated"] == pytest.approx(1 / 3)  # only 2 > 1.5
+    m = mismatch.mismatch_by_lag(logp_N, mu_N, torch.zeros(3, dtype=torch.long), rho_max=1.5)
+    assert m["mismatch/lag0/ratio_mean"] == pytest.approx((2 + 1 + 0.5) / 3)
+    assert m["mismatch/lag0/ratio_max"] == pytest.approx(2.0)
+    assert m["mismatch/lag0/frac_truncated"] == pytest.approx(1 / 3)  # only 2 > 1.5
     # k3 = r - 1 - log r: (1 - ln 2) + 0 + (-0.5 + ln 2) = 0.5 over 3 tokens
-    assert m["kl"] == pytest.approx(0.5 / 3, rel=1e-6)
+    assert m["mismatch/lag0/kl"] == pytest.approx(0.5 / 3, rel=1e-6)
 
 
 def test_identical_policies_have_ratio_one_and_no_kl():
     logp_N = torch.tensor([-0.3, -4.0, -1.25])
-    assert mismatch.mismatch_stats(logp_N, logp_N.clone(), rho_max=2.0) == pytest.approx(
-        {"ratio_mean": 1.0, "ratio_max": 1.0, "frac_truncated": 0.0, "kl": 0.0})
+    m = mismatch.mismatch_by_lag(logp_N, logp_N.clone(), torch.zeros(3, dtype=torch.long), rho_max=2.0)
+    assert m == pytest.approx({f"mismatch/lag0/{s}": v for s, v in
+                               {"ratio_mean": 1.0, "ratio_max": 1.0, "frac_truncated": 0.0, "kl": 0.0}.items()})
 
 
 def test_split_by_lag_by_hand():
@@ -51,9 +52,20 @@ def test_split_by_lag_by_hand():
     assert m["mismatch/lag2/kl"] == pytest.approx(math.log(2) - 0.5, rel=1e-6)
 
 
-def test_no_token_is_an_error():
-    with pytest.raises(ValueError, match="at least one token"):
-        mismatch.mismatch_stats(torch.zeros(0), torch.zeros(0), rho_max=2.0)
+def test_sums_of_shares_give_the_whole_batchs_statistics():
+    """What trainer ranks do: each sums its share, the sums are added and the maxima
+    taken, and the metrics are those of all the tokens together; a lag with no token
+    (lag 1 here) has none."""
+    logp_N, mu_N = _inputs(LOG_RATIO)
+    lag_N = torch.tensor([0, 2, 0])
+    whole = mismatch.mismatch_by_lag(logp_N, mu_N, lag_N, rho_max=1.5)
+    a = mismatch.mismatch_sums(logp_N[:2], mu_N[:2], lag_N[:2], rho_max=1.5, lags=3)
+    b = mismatch.mismatch_sums(logp_N[2:], mu_N[2:], lag_N[2:], rho_max=1.5, lags=3)
+    summed = mismatch.mismatch_metrics([x + y for x, y in zip(a[0], b[0])], [max(x, y) for x, y in zip(a[1], b[1])])
+    assert summed == pytest.approx(whole)
+    assert set(summed) == {names.mismatch_metric(lag, s) for lag in (0, 2) for s in names.MISMATCH_STATS}
+    assert mismatch.mismatch_by_lag(torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long),
+                                    rho_max=1.5) == {}
 
 
 @pytest.fixture(scope="module")

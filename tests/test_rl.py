@@ -7,24 +7,18 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from app import rl, tasks
 from app.policy import create_default_policy
 from app.contract import GroupId, RolloutGroup
 from app.rewards import RewardResult, build_reward
 from app.sampling import Samples
-
-VOCAB, PAD = 40, 0
+from tiny_models import PAD, VOCAB, tiny_llama
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama()
 
 
 def _ragged_rollouts(n: int = 5, seed: int = 0) -> list[rl.Rollout]:

@@ -63,15 +63,17 @@ def torchx(*args: str) -> subprocess.CompletedProcess:
 
 
 def submit(policy: Path, tmp_path: Path, *, steps: int = STEPS, extra: list[str] = SMALL,
-           store_port: int | None = None) -> str:
+           store_port: int | None = None,
+           replicas: tuple[str, ...] = ("--num_generators", "2", "--num_reward", "1")) -> str:
     """``torchx run -s slurm llamarl.llamarl``: the app runs in ``tmp_path`` (``--image``),
     which holds its runs directory and its logs; returns the app handle. Without
     ``store_port`` a free one; 0 is the component's default (derived from the job id by
-    every role, as the README's command runs it)."""
+    every role, as the README's command runs it). ``replicas``: the component options
+    that size the roles (4 replicas, the cluster's nodes, by default)."""
     port = free_port() if store_port is None else store_port
     proc = torchx("run", "-s", "slurm", "llamarl.llamarl", "--image", str(tmp_path), "--policy", str(policy),
                   "--runs_dir", str(tmp_path / "runs"), "--store_port", str(port), "--steps", str(steps),
-                  "--num_generators", "2", "--num_reward", "1", "--", *extra)
+                  *replicas, "--", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     handle = proc.stdout.strip().splitlines()[-1]
     assert handle.startswith("slurm://"), proc.stdout
@@ -186,6 +188,29 @@ def test_a_partition_that_does_not_exist_is_a_message_not_a_traceback(tiny_polic
     assert not list((tmp_path / ".llamarl" / "secrets").iterdir()), "no secret is left for a job never submitted"
 
 
-@pytest.mark.skip(reason="waits for the scale issue's trainer_nodes: a 2-node trainer on two virtual nodes")
-def test_two_node_trainer():
-    pass
+def test_a_trainer_of_two_nodes(tiny_policy, tmp_path):
+    """trainer_nodes=2: two trainer components of the heterogeneous job on two nodes meet
+    at the torchrun rendezvous on trainer-0's node, and the rank on the other node reaches
+    the control store there (by node name, not 127.0.0.1); the sharded trainer trains
+    every step, and both replicas succeed."""
+    handle = submit(tiny_policy, tmp_path, store_port=0,
+                    replicas=("--trainer_nodes", "2", "--num_generators", "1", "--num_reward", "0"))
+    assert wait_state(handle, tmp_path) == AppState.SUCCEEDED, logs(tmp_path, handle)
+    status = torchx("status", handle).stdout
+    for replica in ("trainer[0]", "trainer[1]", "generator[0]"):
+        assert f"{replica}:SUCCEEDED" in status, status
+    # Each component on a node of its own: the two trainer ranks on different nodes.
+    sacct = subprocess.run(["sacct", "-j", app_id(handle), "-n", "-P", "-X", "-o", "JobName,NodeList"],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    nodes = dict(line.split("|") for line in sacct.split())
+    assert nodes["trainer-0"] != nodes["trainer-1"], sacct
+
+    db = sqlite3.connect(tmp_path / "runs" / app_id(handle) / "metrics.db")
+    replicas = {r for (r,) in db.execute("SELECT DISTINCT replica FROM intervals WHERE role = 'trainer'")}
+    assert replicas == {0, 1}, "rank 1, on the other node, trained and sent its metrics"
+    assert '"trainer_ranks": 2' in db.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()[0]
+    steps = {s for (s,) in db.execute("SELECT DISTINCT step FROM scalars WHERE role = 'trainer'")}
+    assert steps == set(range(STEPS + 1))
+    assert "run finished: finished" in (tmp_path / f"slurm-{app_id(handle)}-trainer-0.out").read_text()
+    rank1 = (tmp_path / f"slurm-{app_id(handle)}-trainer-1.out").read_text()
+    assert f"trainer/1 INFO reached the control store at {nodes['trainer-0']}:" in rank1, rank1[-3000:]

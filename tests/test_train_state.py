@@ -165,7 +165,7 @@ def test_a_failing_training_state_leaves_no_checkpoint(tmp_path):
 
 
 def _two_trainer_ranks(store, rank: int, world_size: int, path: str) -> str:
-    """A data-parallel trainer rank: save the training state collectively, merge the
+    """A trainer rank holding a whole replica: save the training state collectively, merge the
     ranks' slot ledgers, then load the state into a fresh model and optimizer."""
     import torch.distributed as dist
 

@@ -265,6 +265,11 @@ def test_control_version_and_stop(store):
     trainer, gen = Control(store), Control(client(store))
     assert gen.version() == 0
     trainer.set_version(7)
+    # TCPStore's SET gets no reply, so another connection may read before the server has
+    # applied it: readers poll (as the roles do); the value must show up.
+    deadline = time.monotonic() + 10.0
+    while gen.version() != 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert gen.version() == 7
     assert trainer.stop_reason() is None and not gen.stopped()
     gen.request_stop("reward model diverged")

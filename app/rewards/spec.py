@@ -34,6 +34,7 @@ import importlib
 import importlib.metadata
 import math
 import re
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -183,8 +184,10 @@ def _import_attr(target: str) -> Any:
     return obj
 
 
-def resolve(c: ComponentSpec) -> Any:
-    """The component object for one parsed spec entry."""
+def resolve(c: ComponentSpec, device: str | None = None) -> Any:
+    """The component object for one parsed spec entry. ``device`` (the role's, e.g.
+    ``cuda:0``) is given to a component class with a ``device`` field whose spec did not
+    name one: a reward model then runs where its executor was given a GPU."""
     if c.target in BUILTINS:
         factory, is_factory = BUILTINS[c.target], True
     else:
@@ -201,15 +204,21 @@ def resolve(c: ComponentSpec) -> Any:
         is_factory = isinstance(factory, type) or bool(c.options)
     if not is_factory:
         return factory
+    options = dict(c.options)
+    if (device is not None and "device" not in options and dataclasses.is_dataclass(factory)
+            and "device" in {f.name for f in dataclasses.fields(factory)}):
+        options["device"] = device
     try:
-        return factory(**c.options)
+        return factory(**options)
     except TypeError as exc:
         raise ValueError(f"bad options {c.options} for reward {c.target!r}: {exc}") from exc
 
 
-def build_reward(spec: str, *, timeout_s: float = 30.0, start_timeout_s: float = 300.0) -> CompositeReward:
+def build_reward(spec: str, *, timeout_s: float = 30.0, start_timeout_s: float = 300.0,
+                 device: str | None = None) -> CompositeReward:
     """Parse ``spec``, resolve every component and return the composite. Worker processes
-    are not started yet, nor models loaded: call ``.load()`` at executor start."""
-    components = [Component(name=c.name, fn=resolve(c), weight=c.weight, inline=c.target in INLINE_BUILTINS)
+    are not started yet, nor models loaded: call ``.load()`` at executor start. ``device``:
+    the executor's, for reward models whose spec names none (see ``resolve``)."""
+    components = [Component(name=c.name, fn=resolve(c, device), weight=c.weight, inline=c.target in INLINE_BUILTINS)
                   for c in parse_spec(spec)]
     return CompositeReward(components, timeout_s=timeout_s, start_timeout_s=start_timeout_s)

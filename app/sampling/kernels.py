@@ -2,9 +2,10 @@
 
 A kernel is built once from a full-precision weight ``W`` (``(out, in)``, ``nn.Linear``'s
 layout) and called many times: the sampler's Llama fast path holds one per fused matrix,
-``precision.QuantizedLinear`` one per linear layer of the model's own forward. Inputs and
-outputs are fp32 whatever the kernel computes in, so the residual stream, norms,
-attention and logits stay in full precision and only the matmuls change.
+``precision.QuantizedLinear`` one per linear layer of the model's own forward. Outputs
+have the inputs' dtype (fp32 in a generator) whatever the kernel computes in, so the
+residual stream, norms, attention and logits keep the model's precision and only the
+matmuls change.
 
 - ``DenseKernel``: fp32 (the weight itself, no copy) or bf16 (a copy), any device.
 - ``Int8DynamicKernel``: CPU. Weights int8, symmetric per output channel, prepacked once
@@ -108,7 +109,7 @@ class Int8DynamicKernel:
         self.reduce_range = engine in ("x86", "fbgemm") and not torch.cpu._is_vnni_supported()
 
     def __call__(self, x_NK: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x_NK, self.packed, self.reduce_range)
+        return torch.ops.quantized.linear_dynamic(x_NK.float(), self.packed, self.reduce_range).to(x_NK.dtype)
 
     def add_to_(self, h_NM: torch.Tensor, x_NK: torch.Tensor) -> None:
         h_NM.add_(self(x_NK))
@@ -129,13 +130,13 @@ class Fp8Kernel:
         self.w_MK = (w_MK / self.w_scale).to(FP8_DTYPE)  # row-major (M, K): .t() is column-major
 
     def __call__(self, x_NK: torch.Tensor) -> torch.Tensor:
-        x_NK = x_NK.float()
-        x_scale = (x_NK.abs().amax().clamp(min=1e-12) / FP8_MAX).reshape(())
-        x8_NK = (x_NK / x_scale).to(FP8_DTYPE)
+        x32_NK = x_NK.float()
+        x_scale = (x32_NK.abs().amax().clamp(min=1e-12) / FP8_MAX).reshape(())
+        x8_NK = (x32_NK / x_scale).to(FP8_DTYPE)
         # bf16 out: every cuBLASLt fp8 configuration offers it (accumulation is fp32 either way).
         y_NM = torch._scaled_mm(x8_NK, self.w_MK.t(), scale_a=x_scale, scale_b=self.w_scale,
                                 out_dtype=torch.bfloat16)
-        return y_NM.float()
+        return y_NM.to(x_NK.dtype)
 
     def add_to_(self, h_NM: torch.Tensor, x_NK: torch.Tensor) -> None:
         h_NM.add_(self(x_NK))

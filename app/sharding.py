@@ -1,0 +1,109 @@
+"""The trainer's ranks: FSDP2 sharding of the policy, the gather path of the weight sync,
+and the sums one training step needs across ranks.
+
+One trainer rank trains the plain model. With several (torchrun's default group), the
+policy is sharded with ``torch.distributed.fsdp.fully_shard``: each decoder layer is one
+FSDP unit (its parameters all-gathered just before its forward and backward, its
+gradients reduce-scattered just after), then the root, which holds what is left (the
+embeddings, the final norm and the head). Each rank keeps 1/N of every parameter, of its
+gradient and of the optimizer state.
+
+FSDP2 issues its collectives from the forward and backward passes, so every rank must
+run the same number of them: ``rl.train_step`` agrees on the number of micro-batches
+across ranks first (``Ranks.max``), and a rank whose share is smaller runs zero-weight
+micro-batches
+(each micro-batch runs the same forward passes: one packed, or two padded).
+
+Gradients are *summed* across ranks, not averaged (``set_gradient_divide_factor(1)``):
+``rl.train_step`` weights each rank's loss by its share of the whole batch's normaliser
+(all ranks' tokens or sequences, ``Ranks.sum``), so the ranks' gradients add up to the
+gradient one process would take on the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers: the modules of the classes a Hugging Face model names in
+    ``_no_split_modules`` (the blocks it declares must never be split across devices),
+    outermost only. ``ValueError`` for a model that names none."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers: list[nn.Module] = []
+    for module in model.modules():
+        if type(module).__name__ in classes and not any(_contains(outer, module) for outer in layers):
+            layers.append(module)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} declares no decoder layer class (_no_split_modules): "
+                         "cannot shard it layer by layer")
+    return layers
+
+
+def _contains(outer: nn.Module, module: nn.Module) -> bool:
+    return any(m is module for m in outer.modules())
+
+
+def shard(model: nn.Module) -> None:
+    """FSDP2 over the default process group, in place: every decoder layer, then the root."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    for unit in (*layers, model):  # each FSDP unit reduces its own gradients
+        assert isinstance(unit, FSDPModule)
+        unit.set_gradient_divide_factor(1.0)  # summed: see the module's docstring
+        # A plain SUM (no NCCL PreMulSum, which gloo lacks; scaling by 1 is then a no-op).
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@torch.no_grad()
+def gather_full_weights(model: nn.Module, into: Sequence[torch.Tensor] | None) -> None:
+    """The gather path of the weight sync: every rank all-gathers each parameter of the
+    sharded ``model`` in turn (``DTensor.full_tensor()``, a collective every rank calls in
+    the same order), and the rank that sends the weights copies them ``into`` its full
+    copy's parameters (same order); the other ranks pass ``None``. One parameter is
+    whole at a time, so the extra memory is the largest parameter, not the model."""
+    params = list(model.parameters())
+    if into is not None and len(into) != len(params):
+        raise ValueError(f"gather into {len(into)} tensors, the model has {len(params)} parameters")
+    for i, p in enumerate(params):
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        if into is not None:
+            into[i].copy_(full)
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective), or the tensor itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class Ranks:
+    """The trainer ranks of torchrun's default group, as ``rl.train_step`` sees them: sums
+    and maxima of a few numbers across ranks (one small all-reduce each, on ``device``:
+    the group's backend, gloo or NCCL, decides where its tensors live)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def sum(self, values: list[float]) -> list[float]:
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: list[float]) -> list[float]:
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, values: list[float], op: dist.ReduceOp) -> list[float]:
+        # float64: token counts and loss sums stay exact far beyond a step's size.
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return t.tolist()

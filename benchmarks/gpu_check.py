@@ -1,0 +1,474 @@
+"""GPU check: the CUDA paths of llamarl, exercised on a CUDA machine in a few minutes.
+
+    python benchmarks/gpu_check.py [--json PATH] [--skip app_run ...]
+    python benchmarks/gpu_check.py --cpu-dry-run     # the same steps on the CPU and gloo
+
+Run from the repository root after the README's setup (with a CUDA build of torch). Each
+check runs on its own and is reported as ok, skipped (with the reason) or failed (with
+the error); the exit code is 1 when one failed, 2 when this machine has no CUDA device.
+
+- ``environment``: torch and CUDA versions, the GPUs, bf16 support, NCCL and NVML;
+- ``generator``: the policy on ``cuda:0`` samples groups (tokens/s, finite log-probs);
+- ``trainer``: one AIPO step on ``cuda:0`` in bf16 autocast (where the GPU runs it; the
+  dry run too) and the same step in fp32 from the same weights: losses side by side
+  (5% apart fails), weights stay fp32;
+- ``weight_plane_shared``: a trainer process and a generator process on the same GPU
+  (the one-GPU workstation): the plane picks gloo with host staging; the trainer trains
+  a step, syncs, and the generator's weights equal the trainer's bit for bit, then it
+  samples with them;
+- ``weight_plane_nccl``: the same with the generator on ``cuda:1``: NCCL (skipped, and
+  said so, on a machine with one GPU);
+- ``fsdp2_step``: one training step with the model sharded by FSDP2 (``fully_shard`` per
+  decoder layer, then the root) over ``min(2, GPUs)`` ranks, against the same step
+  unsharded on the same data (losses and updated weights compared);
+- ``app_run``: the TorchX app on ``local_cwd`` for a few steps with ``--trainer_gpu 1
+  --generator_gpu 1``: steps done, weight syncs and GPU metrics in ``metrics.db``, and
+  the weight plane's backend from the trainer's log.
+
+The JSON (``--json``; default ``$OUT/gpu_check.json`` when ``$OUT`` is set, else
+``benchmarks/results/gpu_check.json``, ``gpu_check_cpu_dry_run.json`` for a dry run)
+holds every check's status, seconds and figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import sqlite3
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `python benchmarks/gpu_check.py` from anywhere finds `app`
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from app import devices, rl, tasks  # noqa: E402
+from app.contract import GroupId, Rollout, RolloutGroup  # noqa: E402
+from app.policy import load_policy  # noqa: E402
+from app.sampling import SamplingParams  # noqa: E402
+from app.transport import connect_store, host_store  # noqa: E402
+from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group  # noqa: E402
+
+CHECKS = ("environment", "generator", "trainer", "weight_plane_shared", "weight_plane_nccl", "fsdp2_step",
+          "app_run")
+ROLE_TIMEOUT_S = 240.0
+APP_TIMEOUT_S = 300.0
+APP_STEPS = 3
+SMALL_APP = ["--eval-every", str(APP_STEPS), "--eval-size", "20", "--prompts-per-step", "4", "--group-size", "4",
+             "--gen-batch-prompts", "2", "--max-new-tokens", "24"]
+PROMPTS, GROUP = 4, 4
+
+
+class Skipped(Exception):
+    """A check that cannot run on this machine; the message says why."""
+
+
+@dataclass
+class Target:
+    dry_run: bool
+    gpus: int
+    policy: Path
+    work: Path
+
+    def device(self, index: int = 0) -> torch.device:
+        return torch.device("cpu") if self.dry_run else torch.device("cuda", index)
+
+
+# --------------------------------------------------------------------------- shared steps
+
+
+def _sampled_groups(model, tokenizer, device: torch.device, seed: int = 0) -> list[RolloutGroup]:
+    problems = tasks.make_split("eval", PROMPTS, seed=seed)
+    return rl.generate_groups(model, tokenizer, problems, group_size=GROUP,
+                              params=SamplingParams(max_new_tokens=24, temperature=1.0), version=0,
+                              rng=devices.seeded_generator(device, seed))
+
+
+def _with_advantages(groups: list[RolloutGroup]) -> list[Rollout]:
+    """Alternating +-1 advantages: every rollout takes part in the pass (a random or
+    barely trained policy's rewards are mostly equal, and equal rewards skip it)."""
+    rollouts = [r for g in groups for r in g.rollouts]
+    for i, r in enumerate(rollouts):
+        r.advantage = 1.0 if i % 2 else -1.0
+    return rollouts
+
+
+def _train_once(model, rollouts: list[Rollout], dtype: torch.dtype, pad_id: int) -> dict[str, float]:
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    with devices.autocast(device, dtype):
+        stats = rl.train_step(model, optimizer, rollouts, rl.StepConfig(micro_batch=8), pad_id=pad_id)
+    devices.synchronize(device)
+    return stats
+
+
+def _digest(model) -> str:
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().to(devices.HOST).reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _run_ranks(fn: Callable, world: int, *args) -> list[Any]:
+    """``fn(store, rank, world, *args)`` in ``world`` spawned processes (CUDA cannot be
+    forked) around a store on loopback; their results by rank, or RuntimeError with the
+    first failure's traceback."""
+    store = host_store(0, None, timeout_s=ROLE_TIMEOUT_S, host="127.0.0.1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_entry, args=(fn, rank, world, store.port, out, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + ROLE_TIMEOUT_S
+    try:
+        while len(results) < world:
+            rank, ok, value = out.get(timeout=max(1.0, deadline - time.monotonic()))
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+def _rank_entry(fn: Callable, rank: int, world: int, port: int, out, *args) -> None:
+    try:
+        store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
+        out.put((rank, True, fn(store, rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the check
+        out.put((rank, False, traceback.format_exc()))
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_environment(t: Target) -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+                           "nccl_available": dist.is_nccl_available(), "dry_run": t.dry_run}
+    if t.dry_run:
+        return out
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        d = torch.device("cuda", i)
+        props = torch.cuda.get_device_properties(d)
+        gpus.append({"name": props.name, "capability": f"{props.major}.{props.minor}",
+                     "memory_gb": round(props.total_memory / 2**30, 1), "bf16": devices.bf16_capable(d)})
+    out["gpus"] = gpus
+    out["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else None
+    try:
+        out["utilization_readable"] = isinstance(torch.cuda.utilization(0), int)
+    except Exception as e:  # noqa: BLE001 - NVML missing is a finding, not a failure
+        out["utilization_readable"] = f"no: {type(e).__name__}: {e}"
+    return out
+
+
+def check_generator(t: Target) -> dict[str, Any]:
+    device = devices.choose_device("cpu" if t.dry_run else "cuda")
+    model, tokenizer = load_policy(t.policy, device=device)
+    _sampled_groups(model, tokenizer, device)  # warm-up: allocator, kernels
+    t0 = time.perf_counter()
+    groups = _sampled_groups(model, tokenizer, device, seed=1)
+    devices.synchronize(device)
+    seconds = time.perf_counter() - t0
+    rollouts = [r for g in groups for r in g.rollouts]
+    logprobs = [lp for r in rollouts for lp in r.behaviour_logprobs]
+    if not all(lp <= 0 and lp == lp for lp in logprobs):
+        raise AssertionError("a behaviour log-prob is NaN or positive")
+    tokens = sum(len(r.completion_ids) for r in rollouts)
+    return {"device": devices.describe(device), "sequences": len(rollouts), "tokens": tokens,
+            "tokens_per_s": round(tokens / seconds, 1), "device_metrics": devices.device_metrics(device)}
+
+
+def check_trainer(t: Target) -> dict[str, Any]:
+    device = devices.choose_device("cpu" if t.dry_run else "cuda")
+    # The dry run takes the bf16 autocast path a GPU takes (the CPU runs it, slowly).
+    dtype = devices.train_dtype("bf16" if t.dry_run else "auto", device)
+    model, tokenizer = load_policy(t.policy, device=device)
+    rollouts = _with_advantages(_sampled_groups(model, tokenizer, device))
+    reference = copy.deepcopy(model)
+    t0 = time.perf_counter()
+    stats = _train_once(model, rollouts, dtype, tokenizer.pad_token_id)
+    seconds = time.perf_counter() - t0
+    fp32 = _train_once(reference, rollouts, torch.float32, tokenizer.pad_token_id)
+    if any(p.dtype != torch.float32 or not torch.isfinite(p).all() for p in model.parameters()):
+        raise AssertionError("after the step a weight is not fp32 or not finite")
+    # bf16 rounding moves the loss by parts in ten thousand on the CPU (tests/test_devices.py):
+    # 5% apart means something else differs between the two passes.
+    rel = abs(stats["loss"] - fp32["loss"]) / max(abs(fp32["loss"]), 1e-3)
+    if rel > 0.05:
+        raise AssertionError(f"the {dtype} step's loss {stats['loss']} is {rel:.1%} from the fp32 step's {fp32['loss']}")
+    return {"device": devices.describe(device), "precision": str(dtype).removeprefix("torch."),
+            "loss": stats["loss"], "loss_fp32": fp32["loss"], "loss_rel_diff": rel, "grad_norm": stats["grad_norm"],
+            "step_s": round(seconds, 3), "rollouts": len(rollouts), "device_metrics": devices.device_metrics(device)}
+
+
+def _weight_plane_role(store, rank: int, world: int, policy: str, device_names: list[str]) -> dict[str, Any]:
+    """Rank 0 the trainer (one step, then the sync), rank 1 a generator (receives, swaps,
+    samples), each on ``device_names[rank]``."""
+    device = torch.device(device_names[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model, tokenizer = load_policy(policy, device=device)
+    flatten_parameters_(model)
+    group = init_weight_group(store, rank, world, device, timeout_s=120)
+    path = {"backend": group.path.backend, "staged": group.path.staged, "reason": group.path.reason}
+    if rank == 0:
+        rollouts = _with_advantages(_sampled_groups(model, tokenizer, device))
+        _train_once(model, rollouts, devices.train_dtype("auto", device), tokenizer.pad_token_id)
+        sender = WeightSender(group, list(model.named_parameters()))
+        stats = sender.send(1)
+        return {**path, "device": devices.describe(device), "bytes": stats.bytes, "seconds": round(stats.seconds, 4),
+                "digest": _digest(model)}
+    receiver = WeightReceiver(group, list(model.named_parameters()))
+    receiver.start_background()
+    deadline = time.monotonic() + 120
+    while receiver.latest_version() != 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError("version 1 did not arrive within 120 s")
+        time.sleep(0.005)
+    receiver.stop_background()
+    t0 = time.perf_counter()
+    receiver.swap_if_newer()
+    devices.synchronize(device)
+    swap_s = time.perf_counter() - t0
+    groups = _sampled_groups(model, tokenizer, device, seed=2)  # with the new weights
+    (stats,) = receiver.pop_stats()
+    return {**path, "device": devices.describe(device), "seconds": round(stats.seconds, 4),
+            "swap_s": round(swap_s, 4), "digest": _digest(model),
+            "sampled_tokens": sum(len(r.completion_ids) for g in groups for r in g.rollouts)}
+
+
+def check_weight_plane_shared(t: Target) -> dict[str, Any]:
+    devices_ = [str(t.device(0)), str(t.device(0))]
+    return _compare_sync(_run_ranks(_weight_plane_role, 2, str(t.policy), devices_),
+                         expect=("gloo", not t.dry_run))
+
+
+def check_weight_plane_nccl(t: Target) -> dict[str, Any]:
+    if t.dry_run:
+        raise Skipped("CPU dry run: NCCL needs GPUs")
+    if t.gpus < 2:
+        raise Skipped(f"needs 2 GPUs (a process on each), this machine has {t.gpus}")
+    devices_ = [str(t.device(0)), str(t.device(1))]
+    return _compare_sync(_run_ranks(_weight_plane_role, 2, str(t.policy), devices_), expect=("nccl", False))
+
+
+def _compare_sync(results: list[dict[str, Any]], *, expect: tuple[str, bool]) -> dict[str, Any]:
+    trainer, generator = results
+    if (trainer["backend"], trainer["staged"]) != expect:
+        raise AssertionError(f"the weight plane chose {trainer['backend']} (staged={trainer['staged']}), "
+                             f"expected {expect[0]} (staged={expect[1]}): {trainer['reason']}")
+    if trainer["digest"] != generator["digest"]:
+        raise AssertionError("after the sync the generator's weights differ from the trainer's")
+    return {"backend": trainer["backend"], "staged": trainer["staged"], "reason": trainer["reason"],
+            "trainer": trainer["device"], "generator": generator["device"], "bytes": trainer["bytes"],
+            "send_s": trainer["seconds"], "receive_s": generator["seconds"], "swap_s": generator["swap_s"],
+            "bit_identical": True, "sampled_tokens_after_sync": generator["sampled_tokens"]}
+
+
+def _fsdp_rollouts(vocab: int, pad_id: int, n: int = 12) -> list[Rollout]:
+    """Made-up rollouts, the same on every rank (a CPU generator): FSDP2's averaged
+    gradient of identical shards of data is then the unsharded gradient."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(3, vocab, (4 + i % 3,), generator=g).tolist()
+        completion = torch.randint(3, vocab, (2 + i % 5,), generator=g).tolist()
+        out.append(Rollout(prompt_ids=prompt, completion_ids=completion,
+                              behaviour_logprobs=(-torch.rand(len(completion), generator=g) - 2).tolist(),
+                              version=0, group_id=GroupId(0, i // 4), advantage=1.0 if i % 2 else -1.0))
+    return [r for r in out if pad_id not in r.prompt_ids]
+
+
+def _fsdp_role(store, rank: int, world: int, policy: str, dry_run: bool) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    device = torch.device("cpu") if dry_run else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if dry_run else "nccl", store=dist.PrefixStore("fsdp", store), rank=rank,
+                            world_size=world, **({} if dry_run else {"device_id": device}))
+    try:
+        model, tokenizer = load_policy(policy, device=device)
+        plain = copy.deepcopy(model)
+        rollouts = _fsdp_rollouts(model.config.vocab_size, tokenizer.pad_token_id)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        t0 = time.perf_counter()
+        sharded = _train_once(model, rollouts, torch.float32, tokenizer.pad_token_id)
+        step_s = time.perf_counter() - t0
+        reference = _train_once(plain, rollouts, torch.float32, tokenizer.pad_token_id)
+        full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        diff = max(float((full[n] - p.detach()).abs().max()) for n, p in plain.named_parameters())
+        return {"loss": sharded["loss"], "loss_unsharded": reference["loss"], "max_weight_diff": diff,
+                "step_s": round(step_s, 3), "device": devices.describe(device)}
+    finally:
+        dist.destroy_process_group()
+
+
+def check_fsdp2_step(t: Target) -> dict[str, Any]:
+    world = 2 if t.dry_run else min(2, t.gpus)
+    results = _run_ranks(_fsdp_role, world, str(t.policy), t.dry_run)
+    first = results[0]
+    if abs(first["loss"] - first["loss_unsharded"]) > 1e-4 * max(1.0, abs(first["loss_unsharded"])):
+        raise AssertionError(f"FSDP2 loss {first['loss']} differs from the unsharded {first['loss_unsharded']}")
+    if max(r["max_weight_diff"] for r in results) > 1e-5:
+        raise AssertionError(f"FSDP2 weights differ from the unsharded step's by {first['max_weight_diff']:g}")
+    return {"ranks": world, **first}
+
+
+def check_app_run(t: Target) -> dict[str, Any]:
+    from torchx.runner import get_runner
+    from torchx.specs import AppState, parse_app_handle
+
+    runs, logs = t.work / "runs", t.work / "torchx-logs"
+    gpu = "0" if t.dry_run else "1"
+    args = ["--policy", str(t.policy), "--runs_dir", str(runs), "--steps", str(APP_STEPS), "--num_generators", "1",
+            "--trainer_gpu", gpu, "--generator_gpu", gpu, "--threads", "2",
+            # Roles start `python` by name: this interpreter's first on their PATH.
+            "--env", f"PATH={Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            # The dry run takes bf16 too (auto is fp32 on the CPU): the flag reaches the trainer.
+            "--", *SMALL_APP, *(["--train-precision", "bf16"] if t.dry_run else [])]
+    t0 = time.monotonic()
+    with get_runner() as runner:
+        handle = runner.run_component("llamarl.llamarl", args, scheduler="local_cwd",
+                                      cfg={"log_dir": str(logs), "auto_set_cuda_visible_devices": True})
+        try:
+            while (status := runner.status(handle)) is None or not status.is_terminal():
+                if time.monotonic() - t0 > APP_TIMEOUT_S:
+                    raise TimeoutError(f"the app did not finish within {APP_TIMEOUT_S:g} s")
+                time.sleep(1.0)
+        finally:
+            runner.cancel(handle)
+    app_id = parse_app_handle(handle).app_id
+    trainer_log = "".join(p.read_text(errors="replace") for p in logs.glob(f"*/{app_id}/trainer/0/combined.log"))
+    if status.state != AppState.SUCCEEDED:
+        raise AssertionError(f"the app ended {status.state.name}; the trainer's log ends:\n{trainer_log[-3000:]}")
+    db = sqlite3.connect(runs / app_id / "metrics.db")
+    try:
+        steps = db.execute("SELECT MAX(step) FROM scalars WHERE name = 'train/step_s'").fetchone()[0]
+        syncs = db.execute("SELECT COUNT(*) FROM weight_sync WHERE receiver != 'trainer'").fetchone()[0]
+        gpu_metrics = dict(db.execute("SELECT role, COUNT(*) FROM scalars WHERE name LIKE 'device/%' "
+                                      "GROUP BY role").fetchall())
+        idle = dict(db.execute("SELECT role, SUM(CASE WHEN kind = 'idle' THEN t1 - t0 ELSE 0 END) / SUM(t1 - t0) "
+                               "FROM intervals GROUP BY role").fetchall())
+    finally:
+        db.close()
+    plane = _logged(trainer_log, "weight plane epoch 1: ")
+    placed = _logged(trainer_log, "trainer rank 0 on ")
+    if steps != APP_STEPS or syncs < APP_STEPS:
+        raise AssertionError(f"{steps} steps and {syncs} generator syncs recorded, expected {APP_STEPS} and more")
+    if placed is None or ("bf16" not in placed and (t.dry_run or devices.bf16_capable(t.device(0)))):
+        raise AssertionError(f"the trainer did not say it trains in bf16: {placed!r}")
+    if not t.dry_run and set(gpu_metrics) != {"trainer", "generator"}:
+        raise AssertionError(f"GPU metrics recorded by {sorted(gpu_metrics)}, expected trainer and generator")
+    return {"app_id": app_id, "seconds": round(time.monotonic() - t0, 1), "steps": steps,
+            "generator_syncs": syncs, "gpu_metric_rows": gpu_metrics,
+            "idle_fraction": {k: round(v, 3) for k, v in idle.items()},
+            "weight_plane": plane, "trainer": placed}
+
+
+def _logged(log_text: str, prefix: str) -> str | None:
+    """The rest of the first log line that holds ``prefix``."""
+    return next((line.split(prefix, 1)[1] for line in log_text.splitlines() if prefix in line), None)
+
+
+CHECK_FUNCTIONS: dict[str, Callable[[Target], dict[str, Any]]] = {
+    "environment": check_environment, "generator": check_generator, "trainer": check_trainer,
+    "weight_plane_shared": check_weight_plane_shared, "weight_plane_nccl": check_weight_plane_nccl,
+    "fsdp2_step": check_fsdp2_step, "app_run": check_app_run}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _tiny_policy(work: Path) -> Path:
+    """A policy directory made here in seconds (a few warm-start steps): the checks test
+    plumbing and numerics, not learning."""
+    from app.warmstart import WarmStartConfig, warm_start
+
+    out = work / "policy"
+    warm_start(WarmStartConfig(out=str(out), steps=4, batch_size=8, train_size=64, eval_size=2), log=lambda _: None)
+    return out
+
+
+def default_json(dry_run: bool) -> Path:
+    name = "gpu_check_cpu_dry_run.json" if dry_run else "gpu_check.json"
+    return Path(os.environ["OUT"]) / name if os.environ.get("OUT") else ROOT / "benchmarks" / "results" / name
+
+
+def run_checks(names: list[str], target: Target) -> dict[str, dict[str, Any]]:
+    report: dict[str, dict[str, Any]] = {}
+    for name in names:
+        t0 = time.monotonic()
+        try:
+            entry = {"status": "ok", **CHECK_FUNCTIONS[name](target)}
+        except Skipped as e:
+            entry = {"status": "skipped", "reason": str(e)}
+        except Exception as e:  # noqa: BLE001 - one failed check must not hide the others
+            entry = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        entry["seconds"] = round(time.monotonic() - t0, 1)
+        report[name] = entry
+        print(f"  {name:<20} {entry['status']:<8} {entry['seconds']:6.1f} s  {_headline(entry)}", flush=True)
+    return report
+
+
+def _headline(entry: dict[str, Any]) -> str:
+    if entry["status"] != "ok":
+        return (entry.get("reason") or entry.get("error", "")).splitlines()[0][:160]
+    keys = ("gpus", "device", "tokens_per_s", "precision", "loss", "loss_fp32", "backend", "staged", "send_s",
+            "ranks", "loss_unsharded", "max_weight_diff", "steps", "weight_plane")
+    return ", ".join(f"{k}={entry[k]}" for k in keys if k in entry)[:300]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="run the same steps on the CPU with gloo (checks the script itself, no GPU needed)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=CHECKS, help="checks to leave out")
+    parser.add_argument("--json", type=Path, default=None, help="where to write the report (see the docstring)")
+    args = parser.parse_args(argv)
+    if not args.cpu_dry_run and not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device on this machine (torch {torch.__version__}, CUDA build "
+              f"{torch.version.cuda or 'none'}): nothing to check. Run it on a GPU machine, or with "
+              "--cpu-dry-run to exercise the same steps on the CPU.", file=sys.stderr)
+        return 2
+    names = [n for n in CHECKS if n not in args.skip]
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="llamarl-gpu-check-") as tmp:
+        work = Path(tmp)
+        print(f"gpu_check ({'CPU dry run' if args.cpu_dry_run else 'CUDA'}): making a tiny policy ...", flush=True)
+        target = Target(dry_run=args.cpu_dry_run, gpus=0 if args.cpu_dry_run else torch.cuda.device_count(),
+                        policy=_tiny_policy(work), work=work)
+        report = run_checks(names, target)
+    failed = [n for n, e in report.items() if e["status"] == "failed"]
+    summary = {"started_at": started, "seconds": round(time.time() - started, 1), "dry_run": args.cpu_dry_run,
+               "ok": not failed, "failed": failed, "checks": report}
+    path = args.json or default_json(args.cpu_dry_run)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2, default=str))
+    print(f"gpu_check: {len(names) - len(failed)}/{len(names)} checks ok or skipped in {summary['seconds']:.0f} s"
+          f"{'; FAILED: ' + ', '.join(failed) if failed else ''}; report {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""benchmarks/gpu_check.py, the prepared check for CUDA machines: its dry run exercises
+the same steps on the CPU (gloo), so the script is known to work before a GPU is lent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_cuda_it_says_so_and_exits_2(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--json", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "no CUDA device on this machine" in done.stderr and "--cpu-dry-run" in done.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_dry_run_passes_every_check_on_the_cpu(tmp_path):
+    """Every check ran (NCCL's skipped, saying why), from another working directory."""
+    report_path = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu-dry-run", "--json", str(report_path)],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    checks = report["checks"]
+    assert report["ok"] and report["dry_run"]
+    assert {name: c["status"] for name, c in checks.items()} == {
+        "environment": "ok", "generator": "ok", "trainer": "ok", "weight_plane_shared": "ok",
+        "weight_plane_nccl": "skipped", "fsdp2_step": "ok", "app_run": "ok"}
+    assert checks["weight_plane_nccl"]["reason"] == "CPU dry run: NCCL needs GPUs"
+    assert checks["weight_plane_shared"]["bit_identical"] and checks["weight_plane_shared"]["backend"] == "gloo"
+    trainer = checks["trainer"]
+    assert trainer["precision"] == "bfloat16" and trainer["loss_rel_diff"] < 0.05  # the GPU's path, on the CPU
+    fsdp = checks["fsdp2_step"]
+    assert fsdp["ranks"] == 2 and fsdp["loss"] == pytest.approx(fsdp["loss_unsharded"], rel=1e-5)
+    app = checks["app_run"]
+    assert app["steps"] == 3 and "gloo (every member on the CPU)" in app["weight_plane"]
+    assert app["trainer"] == "cpu, training in bf16 autocast over fp32 weights"

@@ -1,0 +1,44 @@
+"""app.launch's torchrun command: standalone on one node; on several, a static
+rendezvous at trainer replica 0 whose node rank is the replica index, and every rank
+pointed at replica 0's host for the control store."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from app import names
+from app.launch import Nodes, torchrun_command
+
+TRAINER_ARGS = ["--store-port", "0", "--app-id", "llamarl-abc", "--steps", "3"]
+
+
+def test_one_node_is_a_standalone_torchrun():
+    cmd = torchrun_command(2, TRAINER_ARGS)
+    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                   "--nnodes", "1", "-m", "app.trainer", *TRAINER_ARGS]
+
+
+def test_several_nodes_meet_at_replica_0_and_reach_its_store():
+    cmd = torchrun_command(2, TRAINER_ARGS, Nodes(nnodes=3, node_rank=1, rdzv_host="node0"))
+    port = names.rendezvous_port(0, "llamarl-abc")
+    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "3",
+                   "--node_rank", "1", "--rdzv_backend", "static", "--rdzv_endpoint", f"node0:{port}",
+                   "-m", "app.trainer", *TRAINER_ARGS, "--store-host", "node0"]
+    with_port = torchrun_command(1, ["--store-port", "29700"], Nodes(nnodes=2, node_rank=0, rdzv_host="h"))
+    assert "h:29701" in with_port, "a fixed store port: the rendezvous is the next one (map both)"
+
+
+def test_derived_rendezvous_ports_never_meet_derived_store_ports():
+    ids = [f"llamarl-{i}" for i in range(500)]
+    stores = {names.store_port(0, a) for a in ids}
+    rendezvous = {names.rendezvous_port(0, a) for a in ids}
+    assert not stores & rendezvous
+    assert max(rendezvous) < names.RENDEZVOUS_PORT_BASE + names.STORE_PORT_SPAN
+
+
+@pytest.mark.parametrize("nnodes,node_rank", [(0, 0), (2, 2), (2, -1)])
+def test_a_node_rank_outside_the_nodes_is_refused(nnodes, node_rank):
+    with pytest.raises(ValueError, match="--node-rank"):
+        Nodes(nnodes=nnodes, node_rank=node_rank)
