@@ -14,7 +14,7 @@ from typing import Literal
 from app.answers import AnswerFormat
 from app.devices import DeviceChoice, TrainPrecision
 from app.rl import StepConfig
-from app.sampling import SamplingParams
+from app.sampling import GEN_PRECISIONS, GenPrecision, SamplingParams
 from app.tasks import PROMPT_TEMPLATE
 
 
@@ -43,6 +43,10 @@ class TrainerConfig:
     """Policy loss: AIPO (truncated importance weights) or PPO-clip."""
     rho_max: float = 4.0
     """AIPO truncation of the importance ratio pi/mu (2 to 10 in the paper)."""
+    ratio_correction: bool = True
+    """AIPO: weigh each token by its truncated importance ratio min(pi/mu, rho_max);
+    --no-ratio-correction weighs it by 1 instead (the on-policy gradient applied to mu's
+    samples, which ignores staleness and the generators' precision), for comparison."""
     clip_eps: float = 0.2
     """PPO-clip epsilon (loss=ppo only)."""
     normaliser: Literal["token", "sequence"] = "token"
@@ -156,6 +160,8 @@ class TrainerConfig:
             raise ValueError("lr, rho_max and clip_eps must be > 0")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if not self.ratio_correction and self.loss != "aipo":
+            raise ValueError("--no-ratio-correction is AIPO's (PPO-clip's ratio is its objective)")
         if self.weight_sync_timeout_s <= 0:
             raise ValueError(f"weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")
         if self.kl_coef < 0:
@@ -193,7 +199,8 @@ class TrainerConfig:
     def step_config(self, gen: GeneratorConfig) -> StepConfig:
         """The step's knobs; ``gen``'s temperature and top-p, so that the trainer's
         log-probs are those of the distribution the generator sampled from."""
-        return StepConfig(loss=self.loss, rho_max=self.rho_max, clip_eps=self.clip_eps,
+        return StepConfig(loss=self.loss, rho_max=self.rho_max, ratio_correction=self.ratio_correction,
+                          clip_eps=self.clip_eps,
                           normaliser=self.normaliser, kl_coef=self.kl_coef,
                           temperature=gen.temperature, top_p=gen.top_p,
                           micro_batch=self.micro_batch, trainer_pass=self.trainer_pass)
@@ -216,8 +223,16 @@ class GeneratorConfig:
     a batch draws the same whichever generator samples it, resumed runs included."""
     gen_threads: int = 0
     """torch threads of each generator process (0 keeps torch's default)."""
+    gen_precision: GenPrecision = "fp32"
+    """Precision of the generators' linear layers (LM head excepted): fp32, bf16, int8
+    (CPU) or fp8 (CUDA, compute capability >= 8.9). Each generator quantizes the
+    full-precision weights it receives, at every version; the log-probs it records are
+    the quantized model's, so AIPO's ratio carries the mismatch. One the machine cannot
+    run is refused at start-up, naming those it can (see README, Quantized generators)."""
 
     def __post_init__(self) -> None:
+        if self.gen_precision not in GEN_PRECISIONS:
+            raise ValueError(f"gen_precision must be one of {', '.join(GEN_PRECISIONS)}, got {self.gen_precision!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature}")
         if self.gen_batch_prompts < 1:

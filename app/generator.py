@@ -27,6 +27,7 @@ from app import data, devices, health, membership, metrics, names, rl, runtime, 
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import to_message
 from app.policy import load_policy
+from app.sampling import GenWeights, quantize_
 from app.seen_groups import first_seq
 from app.signed import CONTROLLER, SignedStore
 from app.transport import Control
@@ -107,6 +108,9 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
     prompts = data.load(trainer_cfg, tokenizer, log=log.info)
     data.check_published(rt, prompts, config_timeout_s)
     flatten_parameters_(model)  # WeightReceiver needs it: a swap is then one copy per dtype
+    # Linear layers at --gen-precision (refused here, naming what this device runs, when it
+    # cannot): the same parameters, so the receiver below writes into them as at fp32.
+    gen_weights = quantize_(model, gen_cfg.gen_precision)
     # Joins the weight plane's current epoch; after a break (another generator lost) or a
     # restart of this replica it joins the next one.
     check = (weight_digest.DigestCheck(rt.store, rt.secret, rt.replica)
@@ -115,7 +119,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
                                timeout_s=trainer_cfg.weight_sync_timeout_s, verify=check)
     receiver.start_background(should_stop=rt.should_stop)
     try:
-        _generate_forever(rt, model, tokenizer, receiver, prompts, trainer_cfg, gen_cfg, check)
+        _generate_forever(rt, model, tokenizer, receiver, prompts, trainer_cfg, gen_cfg, check, gen_weights)
     finally:
         # The receiver thread must leave gloo before the interpreter exits, or the process
         # aborts; it can only be stuck in a sync when the run is failing anyway.
@@ -127,7 +131,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
 
 def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticReceiver,
                       prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig,
-                      check: weight_digest.DigestCheck | None) -> None:
+                      check: weight_digest.DigestCheck | None, gen_weights: GenWeights | None) -> None:
     store = rt.store
     device = next(model.parameters()).device
     # On a GPU a busy interval ends when the GPU is done: idle time is GPU idle time.
@@ -144,12 +148,18 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
     # after its earlier ones', so no id is ever used twice (readers refuse a second copy).
     incarnation = int(store.add(names.incarnation_key(names.member("generator", rt.replica)), 1))
     sent = first_seq(incarnation)
+    quantized: list[dict] = []  # quantization times, sent with the next weight-sync events
     while True:
         with timeline.idle("wait_weights"):
             while (new := receiver.swap_if_newer()) is None and version is None:
                 if rt.should_stop():
                     raise transport.Stopped("stop requested")
                 time.sleep(0.005)
+        if new is not None and gen_weights is not None:
+            with timeline.busy("quantize"):
+                seconds = gen_weights.refresh()
+            quantized += metrics.scalars({names.WEIGHTS_QUANTIZE_S: seconds}, role="generator",
+                                         replica=rt.replica, step=new)
         version = new if new is not None else version
         # Slots lost with a dead executor first (outside the counter: it counted them
         # already), then new ones within the staleness bound.
@@ -187,7 +197,8 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
                                  role="generator", replica=rt.replica)
         events += [metrics.weight_sync(s.version, f"generator/{rt.replica}", s.bytes, s.seconds)
                    for s in receiver.pop_stats()]
-        rt.emit(events + timeline.drain(), flush=True)
+        rt.emit(events + quantized + timeline.drain(), flush=True)
+        quantized = []
 
 
 def batch_seed(gen_seed: int, first_slot: int) -> int:

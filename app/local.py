@@ -24,6 +24,7 @@ from app import cli, data, devices, metrics, names, rl, steps
 from app.config import GeneratorConfig, TrainerConfig
 from app.policy import load_policy
 from app.rewards import build_reward
+from app.sampling import quantize_
 
 
 @dataclass
@@ -44,6 +45,10 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
     model, tokenizer = load_policy(data.resolve_policy(cfg.policy, log=log), device=device)
     prompts = data.prepare(sources, cfg, tokenizer, log=log)
     ref_model = copy.deepcopy(model).eval() if cfg.kl_coef > 0 else None
+    # Below fp32, rollouts come from a quantized copy, refreshed from the trained weights
+    # before every step: the same behaviour policy as a generator at --gen-precision.
+    gen_model = copy.deepcopy(model).eval() if gen.gen_precision != "fp32" else model
+    gen_weights = quantize_(gen_model, gen.gen_precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     reward = build_reward(cfg.rewards, timeout_s=cfg.reward_timeout_s)
     reward.load()
@@ -71,8 +76,14 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
         for step in range(1, cfg.steps + 1):
             t0 = time.time()
             B = cfg.prompts_per_step
+            if gen_weights is not None:
+                with timeline.busy("quantize"), torch.no_grad():
+                    for dst, src in zip(gen_model.parameters(), model.parameters()):
+                        dst.copy_(src)
+                    writer.write(metrics.scalars({names.WEIGHTS_QUANTIZE_S: gen_weights.refresh()},
+                                                 role="generator", step=step - 1))
             with timeline.busy("generate"):
-                groups = rl.generate_groups(model, tokenizer, prompts.order.take(B),
+                groups = rl.generate_groups(gen_model, tokenizer, prompts.order.take(B),
                                             group_size=cfg.group_size, params=sampling,
                                             version=step - 1, rng=rng, first_seq=(step - 1) * B,
                                             format_prompt=prompts.format_prompt)
@@ -86,7 +97,8 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
                 rl.set_group_advantages(trained, normalize_std=cfg.normalize_std)
                 with timeline.busy("train"), devices.autocast(device, dtype):
                     train = rl.train_step(model, optimizer, trained, step_cfg,
-                                          pad_id=tokenizer.pad_token_id, ref_model=ref_model)
+                                          pad_id=tokenizer.pad_token_id, ref_model=ref_model,
+                                          policy_version=step - 1)
             t_train, step_s = time.time() - t1, time.time() - t0
             rollouts = [r for g in groups for r in g.rollouts]
             values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,

@@ -59,19 +59,21 @@ def _ratio_metrics(ratio_BT: torch.Tensor, mask_BT: torch.Tensor, truncated_BT: 
 
 
 def aipo_loss(logp_BT: torch.Tensor, behaviour_logp_BT: torch.Tensor, advantages_B: torch.Tensor,
-              mask_BT: torch.Tensor, *, rho_max: float,
-              normaliser: Normaliser = "token") -> tuple[torch.Tensor, dict[str, float]]:
+              mask_BT: torch.Tensor, *, rho_max: float, normaliser: Normaliser = "token",
+              correction: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
     """AIPO (LlamaRL): -sum_t min(rho_t, rho_max).detach() * A * log pi(y_t) / normaliser.
 
     ``logp_BT``: log pi_theta of the sampled tokens (carries the gradient).
     ``behaviour_logp_BT``: log mu recorded by the generator while sampling.
     The truncated ratio is a constant coefficient: the gradient flows only through
-    ``logp_BT`` in the log term.
+    ``logp_BT`` in the log term. ``correction=False`` makes the coefficient 1: the
+    on-policy gradient applied to mu's samples, for comparison (the ratio statistics
+    still describe pi / mu).
     """
     if rho_max <= 0:
         raise ValueError(f"rho_max must be > 0, got {rho_max}")
     ratio_BT = torch.exp(logp_BT.detach() - behaviour_logp_BT)
-    coef_BT = ratio_BT.clamp(max=rho_max)
+    coef_BT = ratio_BT.clamp(max=rho_max) if correction else torch.ones_like(ratio_BT)
     per_token_BT = -coef_BT * advantages_B[:, None] * logp_BT
     loss = _normalise(per_token_BT, mask_BT, normaliser)
     return loss, _ratio_metrics(ratio_BT, mask_BT, ratio_BT > rho_max)

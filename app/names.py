@@ -214,6 +214,9 @@ METRICS = "metrics"
 GEN_TOKENS_PER_S = "gen/tokens_per_s"
 GEN_SEQS_PER_S = "gen/seqs_per_s"
 GEN_VERSION = "gen/version"
+WEIGHTS_QUANTIZE_S = "weights/quantize_s"
+"""Seconds a generator spent quantizing one weight version to ``--gen-precision``
+(``step`` is the version), recorded with its weight syncs; none at fp32."""
 
 # Trainer: throughput and step time.
 TRAIN_TOKENS_PER_S = "train/tokens_per_s"
@@ -239,6 +242,17 @@ AIPO_FRAC_TRUNCATED = "aipo/frac_truncated"
 AIPO_STATS = {"ratio_mean": AIPO_RATIO_MEAN, "ratio_max": AIPO_RATIO_MAX,
               "frac_truncated": AIPO_FRAC_TRUNCATED}
 """``train_step``'s ratio statistics -> their stored names."""
+
+# Train/inference mismatch (``app.mismatch``), split by lag.
+MISMATCH_PREFIX = "mismatch/"
+MISMATCH_STATS = ("ratio_mean", "ratio_max", "frac_truncated", "kl")
+
+
+def mismatch_metric(lag: int, stat: str) -> str:
+    """pi/mu statistic ``stat`` (one of ``MISMATCH_STATS``) over the step's tokens from
+    rollouts ``lag`` versions behind; at lag 0 only the generator's precision differs."""
+    return f"{MISMATCH_PREFIX}lag{int(lag)}/{stat}"
+
 
 # Staleness.
 STALENESS_MEAN = "staleness/mean"

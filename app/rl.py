@@ -14,7 +14,7 @@ from typing import Callable, Literal, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from app import answers, losses, tasks
+from app import answers, losses, mismatch, tasks
 from app.contract import GroupId, Rollout, RolloutGroup
 from app.packing import packed_completion_logprobs
 from app.policy import encode_prompts
@@ -29,6 +29,7 @@ class StepConfig:
 
     loss: Literal["aipo", "ppo"] = "aipo"
     rho_max: float = 4.0
+    ratio_correction: bool = True
     clip_eps: float = 0.2
     normaliser: losses.Normaliser = "token"
     kl_coef: float = 0.0
@@ -115,27 +116,46 @@ def _placeholder(pad_id: int) -> Rollout:
                    version=0, advantage=0.0)
 
 
-def _micro_batch_loss(model: PreTrainedModel, chunk: list[Rollout], cfg: StepConfig, *, pad_id: int,
-                      ref_model: PreTrainedModel | None) -> tuple[torch.Tensor, dict[str, float], float]:
-    """The loss of one micro-batch under ``cfg`` (normalised within it), its metrics and its
-    token count."""
+Tokens = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""log pi, log mu and lag of completion tokens, flat: what ``mismatch.mismatch_sums`` takes."""
+
+
+def _logprobs(model: PreTrainedModel, chunk: list[Rollout], cfg: StepConfig, *, pad_id: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp_BT, mu_BT, mask_BT)`` of a micro-batch: pi by ``cfg``'s trainer pass, mu padded alike."""
     logprobs = packed_completion_logprobs if cfg.trainer_pass == "packed" else completion_logprobs
     logp_BT, mask_BT = logprobs(model, chunk, pad_id=pad_id, temperature=cfg.temperature, top_p=cfg.top_p)
-    mu_BT = _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device)
+    return logp_BT, _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device), mask_BT
+
+
+def _tokens(chunk: list[Rollout], logp_BT: torch.Tensor, mu_BT: torch.Tensor, mask_BT: torch.Tensor,
+            policy_version: int) -> Tokens:
+    """The ``Tokens`` of a micro-batch, lag = ``policy_version`` - the rollout's version."""
+    lag_BT = torch.tensor([policy_version - r.version for r in chunk], device=logp_BT.device)[:, None]
+    kept_BT = mask_BT.bool()
+    return logp_BT.detach()[kept_BT], mu_BT[kept_BT], lag_BT.expand_as(mask_BT)[kept_BT]
+
+
+def _micro_batch_loss(model: PreTrainedModel, chunk: list[Rollout], cfg: StepConfig, *, pad_id: int,
+                      ref_model: PreTrainedModel | None
+                      ) -> tuple[torch.Tensor, dict[str, float], float, tuple[torch.Tensor, ...]]:
+    """The loss of one micro-batch under ``cfg`` (normalised within it), its metrics, its
+    token count, and its ``(logp_BT, mu_BT, mask_BT)``."""
+    logp_BT, mu_BT, mask_BT = _logprobs(model, chunk, cfg, pad_id=pad_id)
     adv_B = torch.tensor([r.advantage for r in chunk], dtype=torch.float32, device=logp_BT.device)
     if cfg.loss == "aipo":
         loss, m = losses.aipo_loss(logp_BT, mu_BT, adv_B, mask_BT, rho_max=cfg.rho_max,
-                                   normaliser=cfg.normaliser)
+                                   normaliser=cfg.normaliser, correction=cfg.ratio_correction)
     else:
         loss, m = losses.ppo_clip_loss(logp_BT, mu_BT, adv_B, mask_BT, clip_eps=cfg.clip_eps,
                                        normaliser=cfg.normaliser)
     if cfg.kl_coef > 0 and ref_model is not None:
         with torch.no_grad():
-            ref_BT, _ = logprobs(ref_model, chunk, pad_id=pad_id, temperature=cfg.temperature, top_p=cfg.top_p)
+            ref_BT = _logprobs(ref_model, chunk, cfg, pad_id=pad_id)[0]
         kl, km = losses.kl_penalty(logp_BT, ref_BT, mask_BT, normaliser=cfg.normaliser)
         loss = loss + cfg.kl_coef * kl
         m = {**m, **km}
-    return loss, m, mask_BT.sum().item()
+    return loss, m, mask_BT.sum().item(), (logp_BT, mu_BT, mask_BT)
 
 
 def micro_batches(rollouts: list[Rollout], cfg: StepConfig) -> list[list[Rollout]]:
@@ -150,7 +170,7 @@ def micro_batches(rollouts: list[Rollout], cfg: StepConfig) -> list[list[Rollout
 
 def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollouts: list[Rollout],
                cfg: StepConfig, *, pad_id: int, ref_model: PreTrainedModel | None = None,
-               ranks: Ranks | None = None) -> dict[str, float]:
+               ranks: Ranks | None = None, policy_version: int | None = None) -> dict[str, float]:
     """One optimizer step on ``rollouts`` (advantages already set), in micro-batches.
 
     The loss of each micro-batch is weighted by its share of the batch's normaliser
@@ -168,6 +188,10 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     most (the others at zero weight), since each forward and backward pass is a
     collective; the metrics are the whole batch's. A rank with no rollout takes part too;
     when no rank has one, nothing is updated and the metrics are ``{}``.
+
+    ``policy_version`` (the version of ``model``'s weights) adds the train/inference
+    mismatch of the tokens passed through, by lag (``app.mismatch``); when none is (every
+    advantage 0), of one micro-batch per rank run forward without gradient for it.
     """
     if not rollouts and ranks is None:
         raise ValueError("train_step needs at least one rollout")
@@ -184,9 +208,12 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
         return {}
     sums: dict[str, float] = {"loss": 0.0, "weights": 0.0}
     ratio_max = 1.0 if n_chunks == 0 else -float("inf")
+    seen: list[Tokens] = []
     for i in range(int(n_chunks)):
         chunk, weight = (chunks[i], 1.0) if i < len(chunks) else ([_placeholder(pad_id)], 0.0)
-        loss, m, tokens = _micro_batch_loss(model, chunk, cfg, pad_id=pad_id, ref_model=ref_model)
+        loss, m, tokens, passed = _micro_batch_loss(model, chunk, cfg, pad_id=pad_id, ref_model=ref_model)
+        if policy_version is not None and weight:
+            seen.append(_tokens(chunk, *passed, policy_version))
         share = weight * (tokens / total_tokens if cfg.normaliser == "token" else len(chunk) / total_rollouts)
         (loss * share).backward()
         sums["loss"] += loss.item() * share
@@ -206,11 +233,36 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         stats.update(ratio_mean=1.0, frac_truncated=0.0)
+    if policy_version is not None:
+        if n_chunks == 0:  # no rank ran the training pass: one forward each (a collective when sharded)
+            chunk = rollouts[: cfg.micro_batch] or [_placeholder(pad_id)]
+            with torch.no_grad():
+                passed = _logprobs(model, chunk, cfg, pad_id=pad_id)
+            seen += [_tokens(chunk, *passed, policy_version)] if rollouts else []
+        stats.update(_mismatch(seen, cfg.rho_max, ranks))
     grad_norm = full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
     optimizer.step()
     return {**stats, "ratio_max": ratio_max, "grad_norm": float(grad_norm),
             "response_len": total_tokens / max(1, total_rollouts),
             "frac_skipped": 1 - total_active / max(1, total_rollouts)}
+
+
+def _mismatch(seen: list[Tokens], rho_max: float, ranks: Ranks | None) -> dict[str, float]:
+    """``mismatch`` metrics of the tokens every rank has ``seen`` (called by every rank)."""
+    if seen:
+        logp_N, mu_N, lag_N = (torch.cat(parts) for parts in zip(*seen))
+    else:
+        logp_N = mu_N = torch.zeros(0)
+        lag_N = torch.zeros(0, dtype=torch.long)
+    lags = int(lag_N.max()) + 1 if lag_N.numel() else 0
+    if ranks is not None:
+        lags = int(ranks.max([lags])[0])
+    if lags == 0:
+        return {}
+    sums, maxima = mismatch.mismatch_sums(logp_N.cpu(), mu_N.cpu(), lag_N.cpu(), rho_max=rho_max, lags=lags)
+    if ranks is not None:
+        sums, maxima = ranks.sum(sums), ranks.max(maxima)
+    return mismatch.mismatch_metrics(sums, maxima)
 
 
 def score_groups(groups: list[RolloutGroup], reward: CompositeReward,

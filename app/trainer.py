@@ -53,6 +53,7 @@ from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
 from app.seen_groups import REPLAY, Admission, SeenIds, taken_by_other_ranks
+from app.sampling.precision import check_precision
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
 from app.weight_layout import DEFAULT_BUCKET_MB, Layout
 from app.weight_plane import elastic_sender
@@ -104,6 +105,9 @@ class Trainer:
             # Bad input stops the run here, before the warm start and before anything trains;
             # the store is up, so the error is the app's failure cause for every role.
             cfg = self.cfg = data.absolute_paths(cfg)
+            # The generators' precision, against this machine's kind of device; each
+            # generator checks its own device again before it loads weights.
+            check_precision(self.gen.gen_precision, "cuda" if torch.cuda.is_available() else "cpu")
             if cfg.tensorboard:
                 summary_writer_class()  # a missing package fails here, before the run directory
             resume = train_state.find_resume(cfg.runs_dir, cfg.run_id, cfg.resume)
@@ -426,7 +430,8 @@ class Trainer:
                 with self.timeline.busy("train"), devices.autocast(self.device, self.dtype):
                     train = rl.train_step(self.model, self.optimizer, steps.usable(groups), step_cfg,
                                           pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model,
-                                          ranks=self.ranks) or None  # {}: no rank had a rollout
+                                          ranks=self.ranks,
+                                          policy_version=self.version) or None  # {}: no rank had a rollout
             t_train = time.time() - t0
             save = (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
             # The whole copy's uses: evaluation, checkpoints, and the weight digest.

@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 from torchx.runner import get_runner
 from torchx.specs import AppState
@@ -44,13 +45,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(mode: str, max_staleness: int, args: argparse.Namespace) -> Path:
+def launch(mode: str, max_staleness: int, args: argparse.Namespace, extra: Sequence[str] = ()) -> Path:
+    """The app with ``args``' steps, generators and policy; ``extra``: more trainer flags."""
     component_args = [
         "--num_generators", str(args.generators), "--steps", str(args.steps),
         "--max_staleness", str(max_staleness), "--runs_dir", args.runs_dir,
         "--store_port", str(free_port()), "--threads", "1", "--policy", args.policy,
         "--nproc_per_node", str(args.trainer_ranks),
-        "--", "--eval-every", str(args.steps), "--eval-size", str(args.eval_size),
+        "--", "--eval-every", str(args.steps), "--eval-size", str(args.eval_size), *extra,
     ]
     with get_runner() as runner:
         t0 = time.time()

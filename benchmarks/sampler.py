@@ -20,6 +20,18 @@ given to the sampler as repeated prompts and to ``generate`` as
 ``num_return_sequences=4``.
 
     python benchmarks/sampler.py --json out.json [--policy PATH] [--repeats 15]
+
+With ``--precision`` it compares generator precisions instead (``app.sampling.precision``):
+the sampler's tokens/s at each precision, side by side (interleaved, same seeds), on the
+default policy (``config`` "default") and on a larger Llama built from a config
+(``LARGE_CONFIG``: hidden 512, 8 layers, ~30M parameters, random weights, where the
+matmuls dominate), 8 prompts x G=4 = 32 rows by default. Rows run to
+``max_new_tokens`` unless they draw EOS, so counts differ by config, not by precision
+more than sampling noise. Its JSON: ``device`` and ``runs``, one flat object per
+measurement (``config``, ``rows``, ``precision``, ``sampler`` "eager", ``tokens_per_s``,
+plus ``params`` and the seconds one quantization of the weights took, ``quantize_s``).
+
+    python benchmarks/sampler.py --precision fp32 int8 bf16 --json benchmarks/results/sampler_precision.json
 """
 
 from __future__ import annotations
@@ -30,12 +42,21 @@ import statistics
 import time
 from typing import Callable
 
+import copy
+from pathlib import Path
+
 import torch
-from transformers import PreTrainedModel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from app import tasks
 from app.policy import encode_prompts, load_policy
-from app.sampling import SamplingParams, sample
+from app.sampling import GEN_PRECISIONS, SamplingParams, quantize_, sample
+
+LARGE_CONFIG = dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=8, max_position_embeddings=512, rms_norm_eps=1e-5,
+                    tie_word_embeddings=True, attn_implementation="sdpa")
+"""The larger Llama of ``--precision``: 30.2M parameters with the default 512-token
+vocabulary, ~98% of them in the decoder layers' linear layers."""
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,9 +141,15 @@ def main(argv: list[str] | None = None) -> dict:
                         help="torch threads for both sides (0: torch's default, one per core). "
                              "1 by default: on a small machine shared with other jobs, OpenMP "
                              "threads waiting on each other can slow either side tenfold")
+    parser.add_argument("--precision", nargs="+", choices=GEN_PRECISIONS, default=None,
+                        help="compare these generator precisions (see the module docstring)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[32],
+                        help="--precision: decode batch sizes (prompts x G=--group-size)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.precision:
+        return compare_precisions(args)
 
     if args.policy is None:
         from app.warmstart import ensure_warmstart
@@ -177,6 +204,57 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    return result
+
+
+def large_model(vocab_size: int, *, pad_id: int, eos_id: int) -> PreTrainedModel:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, pad_token_id=pad_id, eos_token_id=eos_id, **LARGE_CONFIG)
+    return LlamaForCausalLM(config).eval()
+
+
+def compare_precisions(args: argparse.Namespace) -> dict:
+    """Tokens/s of the sampler at each of ``args.precision``, per config and row count."""
+    if args.policy is None:
+        from app.warmstart import ensure_warmstart
+        args.policy = str(ensure_warmstart())
+    default, tokenizer = load_policy(args.policy, dtype=torch.float32)
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    configs = {"default": default.eval(),
+               "large": large_model(len(tokenizer), pad_id=pad_id, eos_id=eos_id)}
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0)
+    G = args.group_size
+    runs = []
+    for config, base in configs.items():
+        n_params = sum(p.numel() for p in base.parameters())
+        models, quantize_s = {}, {}
+        for name in args.precision:
+            models[name] = copy.deepcopy(base)
+            weights = quantize_(models[name], name)
+            quantize_s[name] = weights.refresh() if weights is not None else 0.0
+        for rows in args.rows:
+            problems = tasks.make_split("eval", max(1, rows // G), seed=0)
+            prompts = encode_prompts(tokenizer, [tasks.format_prompt(p.question) for p in problems])
+            repeated = [p for p in prompts for _ in range(G)][:rows]
+            res = interleaved({name: (lambda s, m=m: run_sampler(m, repeated, params, seed=s, eos_id=eos_id,
+                                                               pad_id=pad_id))
+                               for name, m in models.items()}, args.repeats)
+            for name in args.precision:
+                runs.append({"config": config, "rows": len(repeated), "precision": name, "sampler": "eager",
+                             "tokens_per_s": res[name]["tokens_per_s"], "median_tokens": res[name]["median_tokens"],
+                             "params": n_params, "quantize_s": quantize_s[name]})
+                fp32 = next((r for r in runs if r["config"] == config and r["rows"] == len(repeated)
+                             and r["precision"] == "fp32"), None)
+                speedup = f"{runs[-1]['tokens_per_s'] / fp32['tokens_per_s']:.2f}x" if fp32 else ""
+                print(f"{config:<8}{n_params / 1e6:>7.1f}M {len(repeated):>5} rows {name:<5} "
+                      f"{runs[-1]['tokens_per_s']:>9.0f} tok/s {speedup:>7}  (quantize {quantize_s[name]:.3f} s, "
+                      f"{res[name]['median_tokens']:.0f} tokens)", flush=True)
+    result = {"device": next(default.parameters()).device.type, "torch": torch.__version__,
+              "torch_threads": torch.get_num_threads(),
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "group_size": G,
+              "policy": args.policy, "runs": runs}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
     return result
 
 

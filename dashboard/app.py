@@ -43,7 +43,7 @@ LOSSES = [names.FAULTS_LOST_GROUPS, names.FAULTS_DUPLICATE_GROUPS, names.WEIGHT_
 # Scalars drawn by a dedicated view; the "All scalars" tab offers the rest.
 SHOWN = {*THROUGHPUT, *LEARNING, *AIPO, *COUNTS, *LOSSES, names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S,
          names.TRAIN_STEPS_PER_MIN, names.TRAIN_STEP_S, names.IDLE_FRACTION, names.STALENESS_MEAN,
-         names.STALENESS_MAX, names.DEVICE_UTILIZATION, names.DEVICE_MAX_MEMORY_GB}
+         names.STALENESS_MAX, names.DEVICE_UTILIZATION, names.DEVICE_MAX_MEMORY_GB, names.WEIGHTS_QUANTIZE_S}
 # Prefixes of counters drawn in the Queues tab (what security refused: the Security tab).
 DROP_PREFIXES = (names.QUARANTINED_PREFIX,)
 
@@ -163,11 +163,29 @@ def staleness_tab(run: data.Run) -> None:
                (charts.staleness_steps_figure(run.staleness_by_step(), bound), "stale-steps"))
     if bound is None:
         st.caption("The run's config has no max_staleness, so no bound is drawn.")
+    mismatch = run.scalar_series(prefix=names.MISMATCH_PREFIX)
+    if mismatch.empty:
+        return
+    precision = run.config.get("gen_precision", "fp32")
+    rho_max = run.config.get("rho_max")
+    stat = mismatch["name"].str.rsplit("/", n=1).str[-1]
+    chart_pair((charts.line_figure(mismatch[stat.isin(["ratio_mean", "ratio_max"])],
+                                   "Importance ratio pi/mu by lag",
+                                   bound=float(rho_max) if isinstance(rho_max, (int, float)) else None,
+                                   bound_label="rho_max"), "mismatch-ratio"),
+               (charts.line_figure(mismatch[stat.isin(["kl", "frac_truncated"])],
+                                   "KL(mu || pi) and share truncated, by lag"), "mismatch-kl"))
+    st.caption(f"Generators at {precision}. Lag 0: sampled with the weights trained on, so what "
+               "separates mu from pi is the generators' precision; lag k adds k optimizer steps.")
 
 
 def weight_sync_tab(run: data.Run) -> None:
     chart_pair((charts.weight_sync_figure(run.weight_sync()), "sync-versions"),
                (charts.weight_sync_senders_figure(run.weight_sync_by_sender()), "sync-senders"))
+    quantize = run.scalar_series([names.WEIGHTS_QUANTIZE_S])
+    if not quantize.empty:
+        chart(charts.line_figure(quantize, f"Quantization to {run.config.get('gen_precision', '?')} per "
+                                           "version (each generator)", y_title="seconds"), "sync-quantize")
     receivers = run.weight_sync_receivers()
     if not receivers.empty:
         st.dataframe(receivers, hide_index=True)
@@ -224,8 +242,8 @@ def security_tab(run: data.Run) -> None:
 
 def other_scalars_tab(run: data.Run) -> None:
     others = [s for s in run.scalar_names()
-              if s not in SHOWN and not s.startswith((names.QUEUE_PREFIX, names.MEMBERS_PREFIX, *DROP_PREFIXES,
-                                                      names.SECURITY_PREFIX))]
+              if s not in SHOWN and not s.startswith((names.QUEUE_PREFIX, names.MEMBERS_PREFIX, names.MISMATCH_PREFIX,
+                                                      *DROP_PREFIXES, names.SECURITY_PREFIX))]
     if not others:
         st.info("Every scalar this run records is drawn in the other tabs.")
         return

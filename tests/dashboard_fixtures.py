@@ -64,7 +64,7 @@ def make_runs_root(root: str | Path, *, broken: bool = True) -> Path:
 def run_config(mode: Mode, *, n_generators: int = 2) -> dict[str, Any]:
     return {"mode": mode, "max_staleness": 0 if mode == "sync" else 2, "rho_max": 4.0,
             "group_size": 4, "prompts_per_step": 4, "n_generators": n_generators,
-            "model": "tiny-llama-test"}
+            "model": "tiny-llama-test", "gen_precision": "fp32" if mode == "sync" else "int8"}
 
 
 def write_config(run_dir: Path, config: dict[str, Any]) -> None:
@@ -257,6 +257,14 @@ def simulate(mode: Mode, *, steps: int, n_generators: int, t_start: float, seed:
             "queue/rollouts": float(rng.randint(0, 2) if mode == "sync" else rng.randint(4, 12)),
             "queue/prompts": float(rng.randint(0, 4) if mode == "sync" else rng.randint(6, 16)),
         }
+        for lag in sorted(set(used)):  # precision (lag 0), plus policy change (lag > 0)
+            values.update({f"mismatch/lag{lag}/ratio_mean": 1.0 + 0.01 * lag * rng.random(),
+                           f"mismatch/lag{lag}/ratio_max": 1.2 + 0.5 * lag + 0.3 * rng.random(),
+                           f"mismatch/lag{lag}/frac_truncated": 0.001 * lag * rng.random(),
+                           f"mismatch/lag{lag}/kl": 0.002 + 0.01 * lag * rng.random()})
+        if mode == "async":  # generators at int8 quantize every version
+            events += [m.scalar("weights/quantize_s", 0.05 * (1 + 0.2 * rng.random()), role="generator",
+                                replica=i, step=step, t=end) for i in range(n_generators)]
         if step % 5 == 0:
             values["eval/accuracy"] = accuracy - 0.05
         if mode == "async":  # someone on the network: a few forged frames, then one replayed

@@ -192,3 +192,25 @@ def test_synchronous_baseline_trains_only_fresh_rollouts(tiny_policy, tmp_path):
         assert rows(db, "SELECT count(*) FROM staleness WHERE used = 0") == [(0,)]
         config = dict(rows(db, "SELECT key, value FROM meta"))["config"]
         assert '"mode": "sync"' in config
+
+
+def test_int8_generators_record_quantization_and_mismatch(tiny_policy, tmp_path):
+    """--gen-precision int8: each generator quantizes every version it swaps in (the time
+    recorded under that version), and the trainer measures the mismatch of every step
+    by lag; at lag 0 only the precision differs, so the ratio stays near 1."""
+    with launch(tiny_policy, tmp_path, steps=3, num_generators=1, max_staleness=1,
+                extra=[*SMALL, "--gen-precision", "int8"]) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        db = app.db()
+        quantized = rows(db, f"SELECT step, value FROM scalars WHERE name = '{names.WEIGHTS_QUANTIZE_S}' "
+                             "AND role = 'generator' ORDER BY t")
+        assert quantized and quantized[0][0] == 0 and all(s > 0 for _, s in quantized)
+        swapped = [v for v, _ in quantized]
+        assert swapped == sorted(set(swapped)), swapped  # each version quantized once, in order
+        lags = {lag for (lag,) in rows(db, "SELECT DISTINCT staleness FROM staleness WHERE used = 1")}
+        stats = {n for (n,) in rows(db, f"SELECT DISTINCT name FROM scalars WHERE name LIKE "
+                                        f"'{names.MISMATCH_PREFIX}%'")}
+        assert {names.mismatch_metric(lag, s) for lag in lags for s in names.MISMATCH_STATS} >= stats
+        assert stats, "no mismatch metric recorded"
+        ratio = rows(db, f"SELECT value FROM scalars WHERE name = '{names.mismatch_metric(0, 'ratio_mean')}'")
+        assert all(0.5 < r < 2.0 for (r,) in ratio)

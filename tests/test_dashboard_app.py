@@ -55,7 +55,8 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
         drawn[tab] = charts(at)
     # Executors: idle share, idle over time, timeline, GPU utilisation and memory (this run's
     # executors are on GPUs; a CPU run has no GPU charts: test_cpu_runs_draw_no_gpu_charts).
-    assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 2, "Weight sync": 2, "Learning": 6,
+    # Off-policy: staleness (2) and the mismatch by lag (2); Weight sync: syncs, senders, quantization.
+    assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 4, "Weight sync": 3, "Learning": 6,
                      "Queues": 2, "Security": 1, "All scalars": 0}
 
 

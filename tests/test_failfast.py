@@ -13,6 +13,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 from torchx.specs import AppState
 
 from app_launch import APP_TIMEOUT_S, SMALL, App, launch, rows
@@ -69,6 +70,13 @@ def test_steps_0_ends_every_role(tiny_policy, tmp_path):
 def test_an_unknown_reward_ends_every_role(tiny_policy, tmp_path):
     with launch(tiny_policy, tmp_path, num_generators=1, rewards="math_verifer") as app:
         assert_fails_naming(app, "unknown reward 'math_verifer'")
+
+
+def test_a_precision_this_machine_cannot_run_ends_every_role(tiny_policy, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine may run fp8")
+    with launch(tiny_policy, tmp_path, num_generators=1, extra=[*SMALL, "--gen-precision", "fp8"]) as app:
+        assert_fails_naming(app, "--gen-precision 'fp8' cannot run on cpu; this machine (cpu) supports: fp32, bf16")
 
 
 def test_an_unusable_runs_dir_ends_every_role(tiny_policy, tmp_path):

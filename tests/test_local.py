@@ -28,10 +28,10 @@ def tiny_warmstart(tmp_path_factory) -> Path:
     return out
 
 
-def _run(policy: Path, runs_dir: Path, run_id: str, **overrides) -> local.LocalResult:
+def _run(policy: Path, runs_dir: Path, run_id: str, gen_precision: str = "fp32", **overrides) -> local.LocalResult:
     cfg = TrainerConfig(policy=str(policy), steps=2, prompts_per_step=2, group_size=2, eval_size=8,
                         runs_dir=str(runs_dir), run_id=run_id, **overrides)
-    return local.run(cfg, GeneratorConfig(max_new_tokens=24), log=lambda _: None)
+    return local.run(cfg, GeneratorConfig(max_new_tokens=24, gen_precision=gen_precision), log=lambda _: None)
 
 
 def _query(run_dir: Path, sql: str, *args) -> list[tuple]:
@@ -64,6 +64,21 @@ def test_local_run_writes_the_run_directory(tiny_warmstart, tmp_path):
     meta = dict(_query(run_dir, "SELECT key, value FROM meta"))
     assert {"finished_at", "config", "run_id", "schema_version"} <= set(meta)
     assert len(_query(run_dir, "SELECT * FROM rewards WHERE component = 'math_verifier'")) == 8
+
+
+def test_int8_generator_is_quantized_before_every_step(tiny_warmstart, tmp_path):
+    """Rollouts come from a quantized copy of the trained model, refreshed before each
+    step (its time recorded under the version it quantized)."""
+    result = _run(tiny_warmstart, tmp_path, "int8", gen_precision="int8")
+    rows = _query(result.run_dir, "SELECT step, role, value FROM scalars WHERE name = 'weights/quantize_s' "
+                                  "ORDER BY step")
+    assert [(step, role) for step, role, _ in rows] == [(0, "generator"), (1, "generator")]
+    assert all(seconds > 0 for _, _, seconds in rows)
+    # Every rollout is of lag 0: the mismatch is the precision's alone, measured each step.
+    for stat in ("ratio_mean", "ratio_max", "frac_truncated", "kl"):
+        assert _scalar_steps(result.run_dir, f"mismatch/lag0/{stat}") == [1, 2]
+    assert not _query(result.run_dir, "SELECT name FROM scalars WHERE name LIKE 'mismatch/lag1/%'")
+    assert _scalar_steps(result.run_dir, "loss") == [1, 2]
 
 
 def test_user_reward_from_the_docs_runs_end_to_end(tiny_warmstart, tmp_path, monkeypatch):

@@ -124,6 +124,17 @@ def test_aipo_on_policy_is_plain_policy_gradient():
     assert m == pytest.approx({"ratio_mean": 1.0, "ratio_max": 1.0, "frac_truncated": 0.0})
 
 
+def test_aipo_without_correction_weighs_every_token_by_one():
+    """Coefficient 1: row 0: -2*(-1 - 2 - 0.5) = 7, row 1: 1*(-0.3 - 1.5) = -1.8 -> (7 - 1.8) / 5;
+    d loss / d logp = -A / 5. The ratio statistics still describe pi / mu."""
+    logp_BT, behaviour_BT, adv_B, mask_BT = _aipo_inputs()
+    loss, m = losses.aipo_loss(logp_BT, behaviour_BT, adv_B, mask_BT, rho_max=4.0, correction=False)
+    assert loss.item() == pytest.approx((7.0 - 1.8) / 5, rel=1e-5)
+    loss.backward()
+    torch.testing.assert_close(logp_BT.grad, torch.tensor([[-0.4] * 3, [0.2, 0.2, 0.0]]))
+    assert m["frac_truncated"] == pytest.approx(2 / 5)
+
+
 def test_aipo_rho_max_changes_truncation():
     logp_BT, behaviour_BT, adv_B, mask_BT = _aipo_inputs()
     loose, m_loose = losses.aipo_loss(logp_BT, behaviour_BT, adv_B, mask_BT, rho_max=10.0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,8 @@ def _model():
 
 def _groups(n: int, seed: int = 0) -> list[list[rl.Rollout]]:
     """``n`` groups of ``GROUP`` rollouts: prompts of 2..5 tokens, completions of 1..7,
-    made-up behaviour log-probs; group 1 has equal rewards (advantage 0: not passed)."""
+    made-up behaviour log-probs, versions 0 and 1 in turn; group 1 has equal rewards
+    (advantage 0: not passed)."""
     g = torch.Generator().manual_seed(seed)
     groups = []
     for k in range(n):
@@ -45,7 +47,7 @@ def _groups(n: int, seed: int = 0) -> list[list[rl.Rollout]]:
             c = 1 + (k * 5 + i * 3) % 7
             rollouts.append(rl.Rollout(
                 prompt_ids=prompt, completion_ids=torch.randint(3, VOCAB, (c,), generator=g).tolist(),
-                behaviour_logprobs=(-torch.rand(c, generator=g) * 2 - 3).tolist(), version=0,
+                behaviour_logprobs=(-torch.rand(c, generator=g) * 2 - 3).tolist(), version=k % 2,
                 group_id=GroupId(0, k), advantage=0.0 if k == 1 else float(i % 3) - 0.9))
         groups.append(rollouts)
     return groups
@@ -75,7 +77,7 @@ def _sharded_step(store, rank: int, world_size: int, share: str, trainer_pass: s
         groups = _groups(6)
         mine = [r for k in SHARES[share][rank] for r in groups[k]]
         cfg = dataclasses.replace(CFG, trainer_pass=trainer_pass)
-        m = rl.train_step(model, optimizer, mine, cfg, pad_id=PAD, ranks=sharding.Ranks())
+        m = rl.train_step(model, optimizer, mine, cfg, pad_id=PAD, ranks=sharding.Ranks(), policy_version=1)
         sharding.gather_full_weights(model, None if full is None else list(full.parameters()))
         if rank == 0:
             torch.save({**{n: p.detach() for n, p in full.named_parameters()},
@@ -98,16 +100,49 @@ def test_a_sharded_step_on_two_ranks_is_the_step_of_one_process(tmp_path, share,
 
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    reference = rl.train_step(model, optimizer, [r for g in _groups(6) for r in g], CFG, pad_id=PAD)
+    reference = rl.train_step(model, optimizer, [r for g in _groups(6) for r in g], CFG, pad_id=PAD,
+                              policy_version=1)
     sharded = torch.load(out, weights_only=True)
     metrics = dict(zip(keys, sharded.pop("metrics").tolist()))
     assert sorted(reference) == keys
+    assert {"mismatch/lag0/kl", "mismatch/lag1/kl"} <= set(keys)  # the mismatch of both lags, summed over ranks
     for k in keys:
         assert metrics[k] == pytest.approx(reference[k], rel=1e-5, abs=1e-6), k
     assert reference["frac_skipped"] == pytest.approx(GROUP / (6 * GROUP)), "group 1 was not passed"
     for name, p in model.named_parameters():
         torch.testing.assert_close(sharded[name], p.detach(), **TOL, msg=name)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), _model().parameters()))
+
+
+def _no_signal_step(store, rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        model = _model()
+        sharding.shard(model)
+        mine = _groups(2)[1] if rank == 0 else []  # advantages all 0 on rank 0, no rollout on rank 1
+        m = rl.train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mine, CFG, pad_id=PAD,
+                          ranks=sharding.Ranks(), policy_version=3)
+        return json.dumps({k: v for k, v in m.items() if k.startswith("mismatch/")})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_mismatch_is_measured_when_no_rank_has_a_rollout_to_train():
+    """No rank runs the training pass; each runs one forward for the mismatch (rank 1 a
+    placeholder, which counts for nothing): the figures of rank 0's rollouts alone."""
+    store = loopback_store(timeout_s=60)
+    results = run_roles(_no_signal_step, 2, store.port, 180)
+    assert [r for _, r in results if r.startswith("ERROR")] == []
+    assert results[0][1] == results[1][1]
+    model = _model()
+    reference = rl.train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), _groups(2)[1], CFG, pad_id=PAD,
+                              policy_version=3)
+    sharded = json.loads(results[0][1])
+    expected = {k: v for k, v in reference.items() if k.startswith("mismatch/")}
+    assert set(expected) == {f"mismatch/lag2/{s}" for s in ("ratio_mean", "ratio_max", "frac_truncated", "kl")}
+    assert sharded == pytest.approx(expected, rel=1e-5)
 
 
 def _no_rollouts_anywhere(store, rank: int, world_size: int) -> str:

@@ -25,8 +25,13 @@ from ``logits.process_logits`` with one uniform number per row (``logits.draw``)
 log-prob recorded by ``logits.token_logprobs``, the function the trainer's
 ``rl.completion_logprobs`` uses too.
 
+A generator may run its model's linear layers at another precision than fp32
+(``precision.quantize_``: bf16, int8, fp8): both paths then compute with the same
+quantized kernels, and the log-probs recorded are the quantized model's.
+
 Modules: ``logits`` (the distribution and its log-probs), ``kv_cache`` (the cache, its
-storage, the transformers version check), ``llama_fast``, ``generic``, ``decode``.
+storage, the transformers version check), ``llama_fast``, ``generic``, ``decode``,
+``kernels`` (linear kernels per precision) and ``precision`` (the generator's precision).
 """
 
 from __future__ import annotations
@@ -38,15 +43,17 @@ from transformers import PreTrainedModel
 
 # kv_cache first: importing it checks the transformers version before anything uses it.
 from app.sampling import kv_cache
-from app.sampling import decode
+from app.sampling import decode, precision
 from app.sampling.generic import cache_kwarg, prefill_groups
 from app.sampling.kv_cache import TESTED_TRANSFORMERS, KVBufferLayer, ReusedStorage, new_cache
 from app.sampling.llama_fast import LlamaFastPath
 from app.sampling.logits import draw, process_logits, token_logprobs
+from app.sampling.precision import GEN_PRECISIONS, GenPrecision, GenWeights, quantize_
 
 __all__ = ["SamplingParams", "Samples", "sample", "process_logits", "token_logprobs", "draw",
            "cache_kwarg", "prefill_groups", "KVBufferLayer", "ReusedStorage", "new_cache",
-           "LlamaFastPath", "TESTED_TRANSFORMERS"]
+           "LlamaFastPath", "TESTED_TRANSFORMERS", "GEN_PRECISIONS", "GenPrecision", "GenWeights",
+           "quantize_"]
 
 
 @dataclass(kw_only=True)
@@ -91,7 +98,8 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingPar
     weight = next(model.parameters())
     B, T = len(prompts), params.max_new_tokens
     P = max(len(p) for p in prompts)
-    fast_path = LlamaFastPath(model, P + T) if LlamaFastPath.supports(model) else None
+    fast_path = (LlamaFastPath(model, P + T, precision.fast_linears(model))
+                 if LlamaFastPath.supports(model) else None)
     shape = fast_path.storage_shape(B, P + T) if fast_path is not None else None
     with kv_cache.KV_STORAGE.lend(shape, weight.dtype, weight.device) as storage:
         cache, fast = new_cache(model, P + T, storage)

@@ -12,9 +12,14 @@ this path supports) and, on CPU, writes it into storage lent by ``kv_cache.KV_ST
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
+
+from app.sampling.kernels import DenseKernel, LinearKernel
 
 # The fast path prefills prompts in chunks of about this many tokens: its
 # temporaries (the MLP's is 8 x tokens x intermediate bytes in fp32) then stay small
@@ -33,6 +38,45 @@ def _rope_type(config) -> str:
     return (rope or {}).get("rope_type", "default")
 
 
+@dataclass
+class FusedLinears:
+    """The fast path's matmuls: per layer (qkv, o, gate_up, down), then the LM head."""
+
+    layers: list[tuple[LinearKernel, LinearKernel, LinearKernel, LinearKernel]]
+    head: LinearKernel
+
+
+def fused_weights(model: PreTrainedModel
+                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """The fast path's weight matrices, ``(out, in)`` like ``nn.Linear``'s, new tensors:
+    per layer q/k/v and gate/up concatenated (one matmul each), then the LM head.
+
+    Norm weights scale the inputs of the matmul that follows, and the attention scale
+    commutes with rotary: both are folded in. And x * rsqrt(mean(x^2) + eps) ==
+    x * rsqrt(sum(x^2) + E * eps) * sqrt(E): a sum is cheaper than a mean, and sqrt(E)
+    goes into the weights with the norm's own (``LlamaFastPath._norm`` uses E * eps)."""
+    cfg, body = model.config, model.model
+    root_E = cfg.hidden_size ** 0.5
+    layers = []
+    for layer in body.layers[: cfg.num_hidden_layers]:
+        attn, mlp = layer.self_attn, layer.mlp
+        w_qkv = torch.cat([attn.q_proj.weight * attn.scaling, attn.k_proj.weight, attn.v_proj.weight])
+        w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        layers.append((w_qkv * (layer.input_layernorm.weight * root_E), attn.o_proj.weight,
+                       w_gate_up * (layer.post_attention_layernorm.weight * root_E),
+                       mlp.down_proj.weight))
+    return layers, model.lm_head.weight * (body.norm.weight * root_E)
+
+
+def fused_linears(model: PreTrainedModel, kernel: Callable[[torch.Tensor], LinearKernel]) -> FusedLinears:
+    """``fused_weights`` as kernels: the decoder layers' built by ``kernel``, the LM head's
+    always fp32 (the logits are the distribution sampled from: precision matters most
+    there, and the head is a small share of a decoder's matmuls)."""
+    layers, head = fused_weights(model)
+    return FusedLinears(layers=[tuple(kernel(w) for w in ws) for ws in layers],  # type: ignore[misc]
+                        head=DenseKernel(head))
+
+
 class LlamaFastPath:
     """Prefill and decode steps of a Llama-architecture model, computed straight from its
     weights.
@@ -41,10 +85,12 @@ class LlamaFastPath:
     calls, kwargs plumbing, mask and output bookkeeping) and in fresh allocations as in
     arithmetic. This does the same math with fewer ops and fewer temporaries:
 
-    - q/k/v and gate/up are one matmul each, over weights concatenated when the path is
-      built (a copy for the duration of one ``sample`` call) with the norms' weights and
-      the attention scale folded in; residual adds are fused into the matmuls
-      (``addmm_``), SiLU and the gate product run in place;
+    - q/k/v and gate/up are one matmul each, over weights concatenated with the norms'
+      weights and the attention scale folded in (``fused_weights``): in fp32 a copy made
+      when the path is built, for the duration of one ``sample`` call; at another
+      generator precision, kernels ``precision.GenWeights`` builds once per weight
+      version (``linears``); residual adds are fused into the fp32 matmuls (``addmm_``),
+      SiLU and the gate product run in place;
     - rotary cos/sin are computed once per call for every position, then looked up;
     - the prefill packs the prompts (no padding in any matmul) and pads only for
       attention, right-padded so that plain causal attention needs no mask; it runs in
@@ -58,32 +104,17 @@ class LlamaFastPath:
     knows (``supports``), on a cache of ``KVBufferLayer``s.
     """
 
-    def __init__(self, model: PreTrainedModel, max_positions: int) -> None:
+    def __init__(self, model: PreTrainedModel, max_positions: int,
+                 linears: FusedLinears | None = None) -> None:
         cfg, body = model.config, model.model
         self.model = model
         self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = body.layers[0].self_attn.head_dim
-        self.scaling = body.layers[0].self_attn.scaling
-        self.eps = cfg.rms_norm_eps
-        # Norm weights scale the inputs of the matmul that follows, and the attention
-        # scale commutes with rotary: both are folded into the (copied) weights.
-        E = cfg.hidden_size
-        # x * rsqrt(mean(x^2) + eps) == x * rsqrt(sum(x^2) + E * eps) * sqrt(E): a sum is
-        # cheaper than a mean, and sqrt(E) goes into the weights with the norm's own.
-        self.eps_sum, root_E = E * self.eps, E ** 0.5
-        self.layers = []
-        for layer in body.layers[: cfg.num_hidden_layers]:
-            attn, mlp = layer.self_attn, layer.mlp
-            w_qkv = torch.cat([attn.q_proj.weight * self.scaling, attn.k_proj.weight,
-                               attn.v_proj.weight])
-            w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            self.layers.append((
-                (w_qkv * (layer.input_layernorm.weight * root_E)).t(),
-                attn.o_proj.weight.t(),
-                (w_gate_up * (layer.post_attention_layernorm.weight * root_E)).t(),
-                mlp.down_proj.weight.t(),
-            ))
-        self.w_head = (model.lm_head.weight * (body.norm.weight * root_E)).t()
+        self.eps_sum = cfg.hidden_size * cfg.rms_norm_eps  # see fused_weights
+        # fp32 unless the generator runs at another precision (``precision.GenWeights``
+        # keeps its kernels from one weight version to the next).
+        linears = linears or fused_linears(model, DenseKernel)
+        self.layers, self.head = linears.layers, linears.head
         D = self.head_dim
         weight = body.embed_tokens.weight
         positions_1L = torch.arange(max_positions, device=weight.device)[None]
@@ -117,12 +148,12 @@ class LlamaFastPath:
                 ) -> torch.Tensor:
         return torch.addcmul(qk_NXD * cos_N1D, qk_NXD.roll(self.head_dim // 2, -1), sin_N1D)
 
-    def _mlp_(self, h_NE: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    def _mlp_(self, h_NE: torch.Tensor, w_gate_up: LinearKernel, w_down: LinearKernel) -> None:
         """``h_NE += MLP(norm(h_NE))``, in place."""
-        gate_up_NI = torch.mm(self._norm(h_NE), w_gate_up)
+        gate_up_NI = w_gate_up(self._norm(h_NE))
         half = gate_up_NI.shape[-1] // 2
         act_NI = F.silu(gate_up_NI[:, :half], inplace=True).mul_(gate_up_NI[:, half:])
-        h_NE.addmm_(act_NI, w_down)
+        w_down.add_to_(h_NE, act_NI)
 
     def prefill(self, prompts: list[list[int]], cache: DynamicCache
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,7 +201,7 @@ class LlamaFastPath:
         qkv_pad = h_NE.new_zeros((U * P, H + 2 * K, D))
         rotary = self._rotary(pos_N)
         for i, ((w_qkv, w_o, w_gate_up, w_down), kv) in enumerate(zip(self.layers, cache.layers)):
-            qkv_NXD = torch.mm(self._norm(h_NE), w_qkv).view(N, H + 2 * K, D)
+            qkv_NXD = w_qkv(self._norm(h_NE)).view(N, H + 2 * K, D)
             qkv_NXD[:, : H + K] = self._rotate(qkv_NXD[:, : H + K], *rotary)
             qkv_pad[slot_N] = qkv_NXD
             qkv_UXPD = qkv_pad.view(U, P, H + 2 * K, D).transpose(1, 2)
@@ -186,9 +217,9 @@ class LlamaFastPath:
                 valid_UP = (torch.arange(P)[None, :] < lengths_U[:, None]).to(device)
                 o_NE = self._attend(qkv_NXD[last_U, :H], kv.key_buf[rows, :, :P],
                                     kv.value_buf[rows, :, :P], self.mask_bias(valid_UP))
-            h_NE.addmm_(o_NE, w_o)
+            w_o.add_to_(h_NE, o_NE)
             self._mlp_(h_NE, w_gate_up, w_down)
-        return torch.mm(self._norm(h_NE), self.w_head)
+        return self.head(self._norm(h_NE))
 
     def mask_bias(self, valid_RL: torch.Tensor) -> torch.Tensor:
         """Additive attention bias ``(R, 1, 1, L)``: 0 where valid, -inf elsewhere."""
@@ -215,9 +246,9 @@ class LlamaFastPath:
         h_RE = self.model.model.embed_tokens(tok_R)
         rotary = self._rotary(pos_R)
         for (w_qkv, w_o, w_gate_up, w_down), kv in zip(self.layers, cache.layers):
-            qkv_RXD = torch.mm(self._norm(h_RE), w_qkv).view(R, H + 2 * K, D)
+            qkv_RXD = w_qkv(self._norm(h_RE)).view(R, H + 2 * K, D)
             qk_RXD = self._rotate(qkv_RXD[:, : H + K], *rotary)
             k_RKLD, v_RKLD = kv.update(qk_RXD[:, H:, None], qkv_RXD[:, H + K:, None])
-            h_RE.addmm_(self._attend(qk_RXD[:, :H], k_RKLD, v_RKLD, bias_R11L), w_o)
+            w_o.add_to_(h_RE, self._attend(qk_RXD[:, :H], k_RKLD, v_RKLD, bias_R11L))
             self._mlp_(h_RE, w_gate_up, w_down)
-        return torch.mm(self._norm(h_RE), self.w_head)
+        return self.head(self._norm(h_RE))
