@@ -168,7 +168,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
             slots = budget.reserve(gen_cfg.gen_batch_prompts, version)
             if not slots:
                 with timeline.idle("staleness_bound"):
-                    _wait_for_weights_or_lost_slots(rt, receiver, version)
+                    _wait_for_weights_or_lost_slots(rt, receiver, version, check)
                 continue
             slot_ids = budget.slot_ids(slots)
         held.take(slot_ids)
@@ -214,7 +214,10 @@ LOST_SLOTS_POLL_S = 0.1
 call; new weights are a local check, made every 5 ms)."""
 
 
-def _wait_for_weights_or_lost_slots(rt: runtime.Runtime, receiver: ElasticReceiver, version: int) -> None:
+def _wait_for_weights_or_lost_slots(rt: runtime.Runtime, receiver: ElasticReceiver, version: int,
+                                    check: weight_digest.DigestCheck | None) -> None:
+    """Until newer weights or lost slots arrive. A version refused meanwhile (its digest)
+    is reported at once: this generator may not generate again before the run ends."""
     next_poll = time.monotonic()
     while receiver.latest_version() == version:
         if rt.should_stop():
@@ -222,6 +225,8 @@ def _wait_for_weights_or_lost_slots(rt: runtime.Runtime, receiver: ElasticReceiv
         if time.monotonic() >= next_poll:
             if membership.lost_slots_waiting(rt.store):
                 return
+            if check is not None and (refused := check.new_counts()):
+                rt.emit(metrics.scalars(refused, role="generator", replica=rt.replica), flush=True)
             next_poll = time.monotonic() + LOST_SLOTS_POLL_S
         time.sleep(0.005)
 

@@ -115,6 +115,7 @@ class DigestCheck:
         frames.check_secret(secret)
         self.store, self.secret, self.where = store, secret, names.member("generator", replica)
         self.counts: Counter[str] = Counter()
+        self._reported: dict[str, float] = {}  # what new_counts last returned
         self._corrupt = _corrupt_versions(replica)
 
     def __call__(self, version: int, runs: Sequence[torch.Tensor]) -> bool:
@@ -153,3 +154,11 @@ class DigestCheck:
 
     def metrics(self) -> dict[str, float]:
         return {names.weight_digest_metric(k): float(n) for k, n in dict(self.counts).items()}
+
+    def new_counts(self) -> dict[str, float]:
+        """``metrics()`` when they changed since the last call, else an empty dict."""
+        now = self.metrics()
+        if now == self._reported:
+            return {}
+        self._reported = now
+        return now

@@ -68,6 +68,7 @@ def test_a_generator_takes_only_weights_that_match_the_signed_record(store, capl
                                "security/weight_digest/bad_record": 2.0}
     refusals = [r.getMessage() for r in caplog.records]
     assert len(refusals) == 3 and "altered in flight" in refusals[1]  # once per reason
+    assert check.new_counts() == check.metrics() and check.new_counts() == {}  # reported once a change
 
 
 def test_old_records_are_deleted_as_new_ones_are_published(store):
