@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -51,11 +52,14 @@ def _contains(outer: nn.Module, module: nn.Module) -> bool:
 
 
 def shard(model: nn.Module) -> None:
-    """FSDP2 over the default process group, in place: every decoder layer, then the root."""
+    """FSDP2 over the default process group, in place: every decoder layer, then the root,
+    on the device the model is on (``--device``): FSDP2's default mesh is CUDA whenever a
+    GPU exists, and would move a trainer forced onto the CPU there."""
     layers = decoder_layers(model)
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     for unit in (*layers, model):  # each FSDP unit reduces its own gradients
         assert isinstance(unit, FSDPModule)
         unit.set_gradient_divide_factor(1.0)  # summed: see the module's docstring

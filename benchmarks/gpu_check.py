@@ -18,9 +18,10 @@ the error); the exit code is 1 when one failed, 2 when this machine has no CUDA 
   samples with them;
 - ``weight_plane_nccl``: the same with the generator on ``cuda:1``: NCCL (skipped, and
   said so, on a machine with one GPU);
-- ``fsdp2_step``: one training step with the model sharded by FSDP2 (``fully_shard`` per
-  decoder layer, then the root) over ``min(2, GPUs)`` ranks, against the same step
-  unsharded on the same data (losses and updated weights compared);
+- ``fsdp2_step``: one training step of the trainer's FSDP2 path (``app.sharding``:
+  ``fully_shard`` per decoder layer, then the root) over ``min(2, GPUs)`` ranks with
+  uneven shares of the batch, against one process's unsharded step on the whole batch
+  (losses, and weights after an SGD step, compared);
 - ``app_run``: the TorchX app on ``local_cwd`` for a few steps with ``--trainer_gpu 1
   --generator_gpu 1``: steps done, weight syncs and GPU metrics in ``metrics.db``, and
   the weight plane's backend from the trainer's log.
@@ -54,7 +55,7 @@ sys.path.insert(0, str(ROOT))  # `python benchmarks/gpu_check.py` from anywhere 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from app import devices, rl, tasks  # noqa: E402
+from app import devices, rl, sharding, tasks  # noqa: E402
 from app.contract import GroupId, Rollout, RolloutGroup  # noqa: E402
 from app.policy import load_policy  # noqa: E402
 from app.sampling import SamplingParams  # noqa: E402
@@ -105,11 +106,16 @@ def _with_advantages(groups: list[RolloutGroup]) -> list[Rollout]:
     return rollouts
 
 
-def _train_once(model, rollouts: list[Rollout], dtype: torch.dtype, pad_id: int) -> dict[str, float]:
+def _train_once(model, rollouts: list[Rollout], dtype: torch.dtype, pad_id: int,
+                ranks: sharding.Ranks | None = None, *, sgd: bool = False) -> dict[str, float]:
+    """One step; ``sgd``: plain SGD at lr 1, so the update is the (clipped) gradient
+    itself and two steps' weights differ as much as their gradients (AdamW's update is
+    about lr in size whatever the gradient)."""
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    optimizer = (torch.optim.SGD(model.parameters(), lr=1.0) if sgd
+                 else torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0))
     with devices.autocast(device, dtype):
-        stats = rl.train_step(model, optimizer, rollouts, rl.StepConfig(micro_batch=8), pad_id=pad_id)
+        stats = rl.train_step(model, optimizer, rollouts, rl.StepConfig(micro_batch=4), pad_id=pad_id, ranks=ranks)
     devices.synchronize(device)
     return stats
 
@@ -283,9 +289,8 @@ def _compare_sync(results: list[dict[str, Any]], *, expect: tuple[str, bool]) ->
             "bit_identical": True, "sampled_tokens_after_sync": generator["sampled_tokens"]}
 
 
-def _fsdp_rollouts(vocab: int, pad_id: int, n: int = 12) -> list[Rollout]:
-    """Made-up rollouts, the same on every rank (a CPU generator): FSDP2's averaged
-    gradient of identical shards of data is then the unsharded gradient."""
+def _fsdp_rollouts(vocab: int, pad_id: int, n: int = 13) -> list[Rollout]:
+    """Made-up rollouts of ragged lengths, the same in every process (a CPU generator)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(n):
@@ -298,24 +303,22 @@ def _fsdp_rollouts(vocab: int, pad_id: int, n: int = 12) -> list[Rollout]:
 
 
 def _fsdp_role(store, rank: int, world: int, policy: str, dry_run: bool) -> dict[str, Any]:
-    from torch.distributed.fsdp import fully_shard
-
-    device = torch.device("cpu") if dry_run else torch.device("cuda", rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("gloo" if dry_run else "nccl", store=dist.PrefixStore("fsdp", store), rank=rank,
-                            world_size=world, **({} if dry_run else {"device_id": device}))
+    """The trainer's FSDP2 step (``app.sharding``, ``rl.train_step(ranks=...)``): rank r
+    trains on rollouts r, r + world, ... (uneven shares); the reference is one process
+    on all of them, unsharded."""
+    device = devices.choose_device("cpu" if dry_run else "cuda", rank=rank)
+    dist.init_process_group("gloo" if dry_run else devices.trainer_backend(), store=dist.PrefixStore("fsdp", store),
+                            rank=rank, world_size=world)
     try:
         model, tokenizer = load_policy(policy, device=device)
         plain = copy.deepcopy(model)
         rollouts = _fsdp_rollouts(model.config.vocab_size, tokenizer.pad_token_id)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+        sharding.shard(model)
         t0 = time.perf_counter()
-        sharded = _train_once(model, rollouts, torch.float32, tokenizer.pad_token_id)
+        sharded = _train_once(model, rollouts[rank::world], torch.float32, tokenizer.pad_token_id,
+                              ranks=sharding.Ranks(device), sgd=True)
         step_s = time.perf_counter() - t0
-        reference = _train_once(plain, rollouts, torch.float32, tokenizer.pad_token_id)
+        reference = _train_once(plain, rollouts, torch.float32, tokenizer.pad_token_id, sgd=True)
         full = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
         diff = max(float((full[n] - p.detach()).abs().max()) for n, p in plain.named_parameters())
         return {"loss": sharded["loss"], "loss_unsharded": reference["loss"], "max_weight_diff": diff,
