@@ -19,7 +19,7 @@ from app.contract import GroupId, Rollout, RolloutGroup
 from app.packing import packed_completion_logprobs
 from app.policy import encode_prompts
 from app.rewards import CompositeReward, RewardResult
-from app.sharding import Ranks, full_value
+from app.sharding import Ranks, full_value, reshard
 from app.sampling import SamplingParams, cache_kwarg, sample, token_logprobs
 
 
@@ -229,17 +229,18 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
         ratio_max = ranks.max([ratio_max])[0]
     weights = sums.pop("weights")
     stats = {k: (v if k == "loss" else v / weights) for k, v in sums.items()}
-    if n_chunks == 0:  # an all-zero gradient, as the full pass would have given
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        stats.update(ratio_mean=1.0, frac_truncated=0.0)
     if policy_version is not None:
         if n_chunks == 0:  # no rank ran the training pass: one forward each (a collective when sharded)
             chunk = rollouts[: cfg.micro_batch] or [_placeholder(pad_id)]
             with torch.no_grad():
                 passed = _logprobs(model, chunk, cfg, pad_id=pad_id)
+            reshard(model)  # no backward follows: the root's parameters would stay whole
             seen += [_tokens(chunk, *passed, policy_version)] if rollouts else []
         stats.update(_mismatch(seen, cfg.rho_max, ranks))
+    if n_chunks == 0:  # an all-zero gradient, as the full pass would have given
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        stats.update(ratio_mean=1.0, frac_truncated=0.0)
     grad_norm = full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
     optimizer.step()
     return {**stats, "ratio_max": ratio_max, "grad_norm": float(grad_norm),

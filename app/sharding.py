@@ -87,6 +87,15 @@ def gather_full_weights(model: nn.Module, into: Sequence[torch.Tensor] | None) -
             into[i].copy_(full)
 
 
+def reshard(model: nn.Module) -> None:
+    """Back to sharded parameters after a forward pass that no backward follows: FSDP2
+    keeps the root's parameters whole after its forward (the backward would need them
+    at once), so until then ``model.parameters()`` yields plain tensors beside the
+    layers' DTensors. A model that is not sharded is left as it is."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value (a collective), or the tensor itself."""
     return t.full_tensor() if isinstance(t, DTensor) else t

@@ -368,7 +368,7 @@ def check_app_run(t: Target) -> dict[str, Any]:
     db = sqlite3.connect(runs / app_id / "metrics.db")
     try:
         steps = db.execute("SELECT MAX(step) FROM scalars WHERE name = 'train/step_s'").fetchone()[0]
-        syncs = db.execute("SELECT COUNT(*) FROM weight_sync WHERE receiver != 'trainer'").fetchone()[0]
+        syncs = db.execute("SELECT COUNT(*) FROM weight_sync WHERE receiver NOT LIKE 'trainer%'").fetchone()[0]
         gpu_metrics = dict(db.execute("SELECT role, COUNT(*) FROM scalars WHERE name LIKE 'device/%' "
                                       "GROUP BY role").fetchall())
         idle = dict(db.execute("SELECT role, SUM(CASE WHEN kind = 'idle' THEN t1 - t0 ELSE 0 END) / SUM(t1 - t0) "

@@ -43,7 +43,7 @@ def test_async_app_with_reward_executor(tiny_policy, tmp_path):
             versions = [v for (v,) in rows(db, f"SELECT version FROM weight_sync WHERE receiver = "
                                                f"'{receiver}' ORDER BY t")]
             assert len(versions) >= 2 and versions == list(range(len(versions))), (receiver, versions)
-        sent = [v for (v,) in rows(db, "SELECT version FROM weight_sync WHERE receiver = 'trainer' "
+        sent = [v for (v,) in rows(db, "SELECT version FROM weight_sync WHERE receiver = 'trainer/0' "
                                        "ORDER BY t")]
         assert sent == list(range(STEPS + 1))
 

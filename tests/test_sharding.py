@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from app import rl, sharding, train_state
 from app.contract import GroupId
@@ -124,6 +125,9 @@ def _no_signal_step(store, rank: int, world_size: int) -> str:
         mine = _groups(2)[1] if rank == 0 else []  # advantages all 0 on rank 0, no rollout on rank 1
         m = rl.train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), mine, CFG, pad_id=PAD,
                           ranks=sharding.Ranks(), policy_version=3)
+        # The forward with no backward after it left no parameter whole (the next step's
+        # gradient clipping would meet plain tensors beside DTensors).
+        assert all(isinstance(p, DTensor) for p in model.parameters())
         return json.dumps({k: v for k, v in m.items() if k.startswith("mismatch/")})
     finally:
         dist.destroy_process_group()
