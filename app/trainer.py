@@ -496,7 +496,8 @@ class Trainer:
         if hasattr(self, "writer"):
             try:
                 self._drain_metrics()
-                if counts := self.rejections.metrics():  # with those of the last drain
+                # What was refused after the last step (frames, control writes) is counted too.
+                if counts := {**self.rejections.metrics(), **self.rt.security_metrics()}:
                     self._record(metrics.scalars(counts, role="trainer", step=self.version))
             finally:
                 self.writer.close(finished=not failed)

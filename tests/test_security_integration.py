@@ -23,7 +23,10 @@ import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 6
+STEPS = 40
+"""Enough for the run to go on for seconds after the forged writes (a step of the tiny
+policy can take 0.05 s): the controller finds an overwritten record it published at its
+next heartbeat, up to a second later."""
 
 
 def forge_control_writes(app: App) -> None:
