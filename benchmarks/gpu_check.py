@@ -41,6 +41,7 @@ import multiprocessing as mp
 import os
 import platform
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +64,8 @@ from app.transport import connect_store, host_store  # noqa: E402
 from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group  # noqa: E402
 
 CHECKS = ("environment", "generator", "trainer", "weight_plane_shared", "weight_plane_nccl", "fsdp2_step",
-          "app_run")
+          "app_run", "gpu_tests")
+GPU_TEST_TIMEOUT_S = 300.0
 ROLE_TIMEOUT_S = 240.0
 APP_TIMEOUT_S = 300.0
 APP_STEPS = 3
@@ -389,6 +391,20 @@ def check_app_run(t: Target) -> dict[str, Any]:
             "weight_plane": plane, "trainer": placed}
 
 
+def check_gpu_tests(t: Target) -> dict[str, Any]:
+    """The tests marked ``gpu`` (the quantized generators' bf16 and fp8 kernels, the
+    devices' CUDA paths, the weight digest of CUDA weights), which plain pytest skips
+    without a GPU: run here, on the GPU."""
+    if t.dry_run:
+        raise Skipped("the gpu-marked tests need CUDA; a dry run leaves them out")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=GPU_TEST_TIMEOUT_S)
+    summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    if proc.returncode != 0:
+        raise AssertionError(f"pytest -m gpu: {summary}\n{proc.stdout[-4000:]}")
+    return {"pytest": summary}
+
+
 def _logged(log_text: str, prefix: str) -> str | None:
     """The rest of the first log line that holds ``prefix``."""
     return next((line.split(prefix, 1)[1] for line in log_text.splitlines() if prefix in line), None)
@@ -397,7 +413,7 @@ def _logged(log_text: str, prefix: str) -> str | None:
 CHECK_FUNCTIONS: dict[str, Callable[[Target], dict[str, Any]]] = {
     "environment": check_environment, "generator": check_generator, "trainer": check_trainer,
     "weight_plane_shared": check_weight_plane_shared, "weight_plane_nccl": check_weight_plane_nccl,
-    "fsdp2_step": check_fsdp2_step, "app_run": check_app_run}
+    "fsdp2_step": check_fsdp2_step, "app_run": check_app_run, "gpu_tests": check_gpu_tests}
 
 
 # --------------------------------------------------------------------------- main
@@ -438,7 +454,7 @@ def _headline(entry: dict[str, Any]) -> str:
     if entry["status"] != "ok":
         return (entry.get("reason") or entry.get("error", "")).splitlines()[0][:160]
     keys = ("gpus", "device", "tokens_per_s", "precision", "loss", "loss_fp32", "backend", "staged", "send_s",
-            "ranks", "loss_unsharded", "max_weight_diff", "steps", "weight_plane")
+            "ranks", "loss_unsharded", "max_weight_diff", "steps", "weight_plane", "pytest")
     return ", ".join(f"{k}={entry[k]}" for k in keys if k in entry)[:300]
 
 
