@@ -317,10 +317,13 @@ class Trainer:
                     weight_digest.sent_runs(self.params, self.digest_layout)))
             self.rt.emit(metrics.scalars({names.WEIGHT_DIGEST_S: time.perf_counter() - t0}, role="trainer",
                                          step=self.version))
+        if self.rank == 0:
+            # Published before the send: a generator may push a group of this version as soon
+            # as it has the weights, and a reader (a reward executor) refuses a version it has
+            # not seen published as from the future.
+            self.rt.control.set_version(self.version)
         with self.timeline.busy("weight_sync"):
             stats = self.sender.send(self.version)
-        if self.rank == 0:
-            self.rt.control.set_version(self.version)
         self.rt.emit([metrics.weight_sync(stats.version, names.member("trainer", self.rank), stats.bytes,
                                           stats.seconds)])
 
