@@ -45,6 +45,13 @@ class FusedLinears:
     layers: list[tuple[LinearKernel, LinearKernel, LinearKernel, LinearKernel]]
     head: LinearKernel
 
+    def load_(self, other: FusedLinears) -> None:
+        """Take ``other``'s weights into these kernels' storage, in place (see
+        ``LinearKernel.load_``)."""
+        for mine, theirs in zip([*self.layers, (self.head,)], [*other.layers, (other.head,)]):
+            for kernel, source in zip(mine, theirs):
+                kernel.load_(source)
+
 
 def fused_weights(model: PreTrainedModel
                   ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]:
@@ -242,13 +249,38 @@ class LlamaFastPath:
         """Logits ``(R, V)`` of the token after ``tok_R`` (at positions ``pos_R``); appends
         the step's keys and values to ``cache``. ``bias_R11L`` masks the cache (see
         ``mask_bias``), this step's position included."""
+        return self._decode(tok_R, pos_R, lambda i, k, v: cache.layers[i].update(k, v), bias_R11L)
+
+    def decode_at(self, tok_R: torch.Tensor, pos_R: torch.Tensor,
+                  kv: list[tuple[torch.Tensor, torch.Tensor]], slot_1: torch.Tensor,
+                  bias_R11C: torch.Tensor) -> torch.Tensor:
+        """``decode`` with fixed shapes and no host sync (``static_decode``'s step): the
+        step's keys and values go to cache position ``slot_1`` (a one-element device
+        tensor) of each layer's full-capacity buffers ``kv`` (``(R, K, C, D)`` keys and
+        values), ``bias_R11C`` is opened there in place, and attention runs over all C
+        positions, the bias hiding the ones not written yet."""
+        bias_R11C.index_fill_(-1, slot_1, 0.0)
+
+        def append(i: int, k_RK1D: torch.Tensor, v_RK1D: torch.Tensor):
+            k_RKCD, v_RKCD = kv[i]
+            k_RKCD.index_copy_(2, slot_1, k_RK1D)
+            v_RKCD.index_copy_(2, slot_1, v_RK1D)
+            return k_RKCD, v_RKCD
+
+        return self._decode(tok_R, pos_R, append, bias_R11C)
+
+    def _decode(self, tok_R: torch.Tensor, pos_R: torch.Tensor,
+                append: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                bias_R11L: torch.Tensor) -> torch.Tensor:
+        """One decode step; ``append(layer, k_RK1D, v_RK1D)`` stores the step's keys and
+        values and returns the layer's ``(R, K, L, D)`` keys and values to attend to."""
         R, H, K, D = tok_R.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         h_RE = self.model.model.embed_tokens(tok_R)
         rotary = self._rotary(pos_R)
-        for (w_qkv, w_o, w_gate_up, w_down), kv in zip(self.layers, cache.layers):
+        for i, (w_qkv, w_o, w_gate_up, w_down) in enumerate(self.layers):
             qkv_RXD = w_qkv(self._norm(h_RE)).view(R, H + 2 * K, D)
             qk_RXD = self._rotate(qkv_RXD[:, : H + K], *rotary)
-            k_RKLD, v_RKLD = kv.update(qk_RXD[:, H:, None], qkv_RXD[:, H + K:, None])
+            k_RKLD, v_RKLD = append(i, qk_RXD[:, H:, None], qkv_RXD[:, H + K:, None])
             w_o.add_to_(h_RE, self._attend(qk_RXD[:, :H], k_RKLD, v_RKLD, bias_R11L))
             self._mlp_(h_RE, w_gate_up, w_down)
         return self.head(self._norm(h_RE))
