@@ -280,7 +280,9 @@ class StaticDecoder:
                     st.slot_1.fill_(0)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: the weight receiver's thread may use the GPU meanwhile (its
+            # work is not captured, and does not break this capture).
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._step(st, key)
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
