@@ -5,6 +5,8 @@ CUDA capture is in ``test_static_decode_gpu.py``."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -177,6 +179,9 @@ def test_new_weights_are_copied_into_the_same_storage_and_sampled_from(llama, pr
     assert torch.equal(after.tokens_BT, expected.tokens_BT)
     assert not torch.equal(after.tokens_BT, before.tokens_BT)
     assert not decoder.refresh_weights()  # nothing changed since the last call
+    twin = copy.deepcopy(model)  # a reference model: its own decoder, made at its first call
+    assert getattr(twin, static_decode._ATTACHED) is None
+    assert static_decode.decoder_for(twin) is not decoder
 
 
 def test_models_without_the_fast_path_keep_the_eager_loop(tokenizer, prompts):  # noqa: F811

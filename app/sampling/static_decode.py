@@ -189,6 +189,12 @@ class StaticDecoder:
         self._pool = None
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo: dict) -> None:
+        """A copy of the model (a reference model, a quantized generator copy) gets no
+        decoder: this one's state and graphs belong to the original's weights; the copy
+        makes its own at its first static call."""
+        return None
+
     # -- weights -------------------------------------------------------------------
     def _weights_stamp(self) -> tuple:
         """Changes whenever a parameter is written in place (the weight receiver's swap)
