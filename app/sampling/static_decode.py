@@ -82,11 +82,15 @@ MIN_BUCKET_ROWS = 8
 """The smallest batch bucket (see the module docstring)."""
 
 CHECK_EVERY = 8
-"""Decode steps between two host reads of the live rows. Measured on CPU (2-core EPYC,
-default policy, 32 rows, ``benchmarks/sampler.py --check-every``): on a CPU a read costs
-nothing (the host is the device), and what a larger k costs is the steps finished rows
-run after the last of them ends (at most k - 1); 8 was within noise of 1-4 there. To
-re-measure on a GPU, where the read stalls the launch queue: TODO(gpu)."""
+"""Decode steps between two host reads of the live rows. On a GPU a read stalls the launch
+queue until the device catches up; what a larger k costs is up to k - 1 steps run after
+the last row ended, and k - 1 steps in a bigger bucket after rows could have left it.
+Measured on CPU only, where a read costs nothing (``benchmarks/sampler.py --sampler
+captured --check-every 1 4 8 16 --config default --rows 32 64``, 2 shared cores, loaded;
+``benchmarks/results/sampler_decoders_cpu.json``): 32 rows 3204 / 3440 / 3453 / 2686
+tokens/s, 64 rows 5727 / 5128 / 4923 / 5298: 8 costs at most about the noise there, 16
+starts to cost. TO RE-MEASURE ON A GPU (``--device cuda``), where the reads are what k
+saves."""
 
 CAPACITY_QUANTUM = 64
 """KV capacity is rounded up to a multiple of this many positions, so calls whose
