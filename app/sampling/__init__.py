@@ -19,8 +19,12 @@ Which code runs when (``sample`` decides, once per call):
   prefilled in length groups; into transformers' ``DynamicCache`` with 2D masks when
   some layer is not (sliding windows, linear attention): slower, still correct.
 
-Both go through the same loop (``decode.run``): identical prompts prefilled once and
-fanned out, finished rows dropped from the batch and the cache, one token per step drawn
+On CUDA a Llama-architecture model decodes through ``static_decode`` instead (the same
+fast path and sampling in fixed-shape steps, captured as CUDA graphs; ``decoder`` and
+``DEFAULT_DECODER`` below); on CPU, and for every other model, the eager loop runs.
+
+Both eager paths go through the same loop (``decode.run``): identical prompts prefilled
+once and fanned out, finished rows dropped from the batch and the cache, one token per step drawn
 from ``logits.process_logits`` with one uniform number per row (``logits.draw``), its
 log-prob recorded by ``logits.token_logprobs``, the function the trainer's
 ``rl.completion_logprobs`` uses too.
@@ -31,7 +35,8 @@ quantized kernels, and the log-probs recorded are the quantized model's.
 
 Modules: ``logits`` (the distribution and its log-probs), ``kv_cache`` (the cache, its
 storage, the transformers version check), ``llama_fast``, ``generic``, ``decode``,
-``kernels`` (linear kernels per precision) and ``precision`` (the generator's precision).
+``static_decode``, ``kernels`` (linear kernels per precision) and ``precision`` (the
+generator's precision).
 """
 
 from __future__ import annotations
