@@ -125,6 +125,7 @@ def bucket_for(live: int, sizes: tuple[int, ...]) -> int:
 
 
 def capacity_for(positions: int) -> int:
+    """The KV capacity of a state for ``positions`` positions (``CAPACITY_QUANTUM``)."""
     return -(-positions // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
 
 
