@@ -53,10 +53,15 @@ class FusedLinears:
                 kernel.load_(source)
 
 
-def fused_weights(model: PreTrainedModel
-                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """The fast path's weight matrices, ``(out, in)`` like ``nn.Linear``'s, new tensors:
-    per layer q/k/v and gate/up concatenated (one matmul each), then the LM head.
+FusedWeights = tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]
+
+
+def fused_weights(model: PreTrainedModel, out: FusedWeights | None = None) -> FusedWeights:
+    """The fast path's weight matrices, ``(out, in)`` like ``nn.Linear``'s: per layer
+    q/k/v and gate/up concatenated (one matmul each), then the LM head. New tensors, or
+    with ``out`` (an earlier result for this model) those, rewritten in place: no new
+    storage for a new weight version (what the static decoder's captured steps read).
+    The o and down matrices are the parameters themselves.
 
     Norm weights scale the inputs of the matmul that follows, and the attention scale
     commutes with rotary: both are folded in. And x * rsqrt(mean(x^2) + eps) ==
@@ -65,21 +70,31 @@ def fused_weights(model: PreTrainedModel
     cfg, body = model.config, model.model
     root_E = cfg.hidden_size ** 0.5
     layers = []
-    for layer in body.layers[: cfg.num_hidden_layers]:
+    for i, layer in enumerate(body.layers[: cfg.num_hidden_layers]):
         attn, mlp = layer.self_attn, layer.mlp
-        w_qkv = torch.cat([attn.q_proj.weight * attn.scaling, attn.k_proj.weight, attn.v_proj.weight])
-        w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        layers.append((w_qkv * (layer.input_layernorm.weight * root_E), attn.o_proj.weight,
-                       w_gate_up * (layer.post_attention_layernorm.weight * root_E),
-                       mlp.down_proj.weight))
-    return layers, model.lm_head.weight * (body.norm.weight * root_E)
+        dst = out[0][i] if out is not None else (None,) * 4
+        w_qkv = _cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dst[0])
+        w_qkv[: attn.q_proj.weight.shape[0]].mul_(attn.scaling)
+        w_qkv.mul_(layer.input_layernorm.weight * root_E)
+        w_gate_up = _cat([mlp.gate_proj.weight, mlp.up_proj.weight], dst[2])
+        w_gate_up.mul_(layer.post_attention_layernorm.weight * root_E)
+        layers.append((w_qkv, attn.o_proj.weight, w_gate_up, mlp.down_proj.weight))
+    head = _cat([model.lm_head.weight], out[1] if out is not None else None)
+    return layers, head.mul_(body.norm.weight * root_E)
 
 
-def fused_linears(model: PreTrainedModel, kernel: Callable[[torch.Tensor], LinearKernel]) -> FusedLinears:
-    """``fused_weights`` as kernels: the decoder layers' built by ``kernel``, the LM head's
-    always fp32 (the logits are the distribution sampled from: precision matters most
-    there, and the head is a small share of a decoder's matmuls)."""
-    layers, head = fused_weights(model)
+def _cat(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    """``torch.cat(parts)``: a new tensor, or into ``out``."""
+    return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+
+
+def fused_linears(model: PreTrainedModel, kernel: Callable[[torch.Tensor], LinearKernel],
+                  weights: FusedWeights | None = None) -> FusedLinears:
+    """``fused_weights`` (or ``weights``, made by it) as kernels: the decoder layers'
+    built by ``kernel``, the LM head's always fp32 (the logits are the distribution
+    sampled from: precision matters most there, and the head is a small share of a
+    decoder's matmuls)."""
+    layers, head = weights or fused_weights(model)
     return FusedLinears(layers=[tuple(kernel(w) for w in ws) for ws in layers],  # type: ignore[misc]
                         head=DenseKernel(head))
 

@@ -37,11 +37,13 @@ add captures.
 Host syncs: the live rows are counted on the host every ``CHECK_EVERY`` steps only (to
 stop early and to compact); in between, steps are queued back to back.
 
-Weights: the step reads the fast path's fused kernels from storage this decoder owns
-(``FusedLinears.load_`` copies a new version into it, in place, when the model's
-parameters have changed since the last call, which the weight receiver's in-place
-copy shows in their version counters). A new version therefore needs no recapture and
-no new allocation of what the graphs read.
+Weights: the step reads the fast path's fused kernels from storage this decoder owns,
+refreshed in place when the model's parameters have changed since the last call (the
+weight receiver's in-place copy shows in their version counters): at fp32 the fused
+matrices are rewritten where they are (``fused_weights(out=...)``; o and down are the
+parameters themselves), at another precision the kernels ``GenWeights.refresh`` built
+are copied in (``FusedLinears.load_``). A new version therefore needs no recapture and
+no new storage for what the graphs read.
 
 On CPU the same code runs without capture (``capture=False``): the bucketing, masks and
 in-place updates are what the CPU tests check. Whether a CPU generator uses it is
@@ -68,9 +70,8 @@ import torch
 from transformers import PreTrainedModel
 
 from app.sampling import decode, precision
-from app.sampling.kernels import DenseKernel
 from app.sampling.kv_cache import new_cache
-from app.sampling.llama_fast import FusedLinears, LlamaFastPath, fused_linears
+from app.sampling.llama_fast import FusedLinears, FusedWeights, LlamaFastPath, fused_linears, fused_weights
 from app.sampling.logits import inverse_cdf, process_logits, token_logprobs
 
 if TYPE_CHECKING:
@@ -191,6 +192,7 @@ class StaticDecoder:
         self.capture_s = 0.0
         """Seconds spent capturing graphs, all of them (0 on CPU)."""
         self._stamp: tuple | None = None
+        self._fused: FusedWeights | None = None
         self._pool = None
         self._lock = threading.Lock()
 
@@ -214,11 +216,16 @@ class StaticDecoder:
         stamp = self._weights_stamp()
         if stamp == self._stamp:
             return False
+        quantized = precision.fast_linears(self.model)
         if self.linears is None:
-            self.linears = fused_linears(self.model, precision.fast_kernel(self.model))
+            # fp32: the kernels are the fused matrices themselves (and the o and down
+            # parameters), which a new version rewrites in place.
+            self._fused = None if quantized is not None else fused_weights(self.model)
+            self.linears = fused_linears(self.model, precision.fast_kernel(self.model), self._fused)
+        elif quantized is not None:
+            self.linears.load_(quantized)  # the precision's kernels for this version
         else:
-            newer = precision.fast_linears(self.model) or fused_linears(self.model, DenseKernel)
-            self.linears.load_(newer)
+            fused_weights(self.model, out=self._fused)
         self._stamp = stamp
         return True
 
