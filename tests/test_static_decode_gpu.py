@@ -101,3 +101,22 @@ def test_after_a_weight_swap_the_captured_graphs_sample_from_the_new_weights(tok
     expected = sample(other, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="eager")
     assert torch.equal(after.tokens_BT, expected.tokens_BT)
     assert not torch.equal(after.tokens_BT, before.tokens_BT)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() < precision.FP8_MIN_CAPABILITY,
+                    reason="fp8 needs compute capability 8.9")
+def test_fp8_generators_run_the_captured_steps(batch):
+    """fp8 kernels in the graphs (their activation scales are computed on the device):
+    finite log-probs, the precision's kernels in the decoder. Dimensions are multiples
+    of 16, as ``torch._scaled_mm`` wants."""
+    from test_quantized_gpu import llama as fp8_llama
+
+    model = fp8_llama()
+    precision.quantize_(model, "fp8").refresh()
+    rows = [[t % 60 + 3 for t in p] for p in batch]  # the model's 64-token vocabulary
+    out = sample(model, rows, SamplingParams(max_new_tokens=12, temperature=1.0), eos_id=-1, pad_id=PAD,
+                 generator=torch.Generator(device="cuda").manual_seed(0))
+    decoder = static_decode.decoder_for(model)
+    assert decoder.graphs and torch.isfinite(out.logprobs_BT).all() and (out.logprobs_BT <= 0).all()
+    assert type(decoder.linears.layers[0][0]).__name__ == "Fp8Kernel"

@@ -281,6 +281,9 @@ class StaticDecoder:
         if not keys:
             return
         t0 = time.perf_counter()
+        # One memory pool for every bucket's graph: they never run concurrently, and no
+        # tensor a capture allocates outlives it (every output is a state tensor made
+        # outside), so any order of replays is safe.
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         for key in keys:
