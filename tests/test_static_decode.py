@@ -188,6 +188,20 @@ def test_new_weights_are_copied_into_the_same_storage_and_sampled_from(llama, pr
     assert static_decode.decoder_for(twin) is not decoder
 
 
+def test_parameters_rebound_to_new_storage_are_sampled_from(tokenizer, prompts):  # noqa: F811
+    """Not what the weight receiver does (it copies in place), but a ``.data`` rebinding
+    must not leave the steps reading the old storage."""
+    model = make_model("llama", len(tokenizer))
+    greedy = SamplingParams(max_new_tokens=8, temperature=0)
+    sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="static")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data * 1.5
+    after = sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="static")
+    assert torch.equal(after.tokens_BT, sample(model, prompts, greedy, eos_id=-1, pad_id=PAD,
+                                               decoder="eager").tokens_BT)
+
+
 def test_models_without_the_fast_path_keep_the_eager_loop(tokenizer, prompts):  # noqa: F811
     gpt2 = make_model("gpt2", len(tokenizer))
     out = sample(gpt2, prompts, SamplingParams(max_new_tokens=4), eos_id=-1, pad_id=PAD,

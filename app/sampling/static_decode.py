@@ -209,6 +209,10 @@ class StaticDecoder:
         fast = precision.fast_linears(self.model)
         return (id(fast), *((p.data_ptr(), p._version) for p in self.model.parameters()))
 
+    @staticmethod
+    def _storage(stamp: tuple | None) -> tuple | None:
+        return None if stamp is None else tuple(ptr for ptr, _ in stamp[1:])
+
     @torch.inference_mode()
     def refresh_weights(self) -> bool:
         """Bring the fused kernels the steps read up to the model's weights, in place;
@@ -216,6 +220,13 @@ class StaticDecoder:
         stamp = self._weights_stamp()
         if stamp == self._stamp:
             return False
+        if self.linears is not None and self._storage(stamp) != self._storage(self._stamp):
+            # Parameters rebound to new storage (not copied into, as the weight receiver
+            # does): the kernels and graphs read the old one. Start over (rare).
+            log.info("static decoder: the model's parameters moved to new storage; rebuilding its "
+                     "weights, state and graphs")
+            self.linears = self.state = None
+            self.graphs.clear()
         quantized = precision.fast_linears(self.model)
         if self.linears is None:
             # fp32: the kernels are the fused matrices themselves (and the o and down
