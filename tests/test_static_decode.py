@@ -233,3 +233,20 @@ def test_int8_runs_through_the_same_static_step(tokenizer, batch):
     weights.refresh()
     sample(model, batch, greedy, eos_id=-1, pad_id=PAD, decoder="static")
     assert decoder.linears.layers[0][0].packed is not packed
+
+
+def test_generators_decode_as_gen_decoder_says(tokenizer):  # noqa: F811
+    """``--gen-decoder`` reaches ``sample`` through ``rl.generate_groups``."""
+    from app import rl, tasks
+    from app.config import GeneratorConfig
+
+    problems = tasks.make_split("eval", 2, seed=0)
+    for decoder in ("eager", "static"):
+        model = make_model("llama", len(tokenizer))
+        gen = GeneratorConfig(max_new_tokens=6, gen_decoder=decoder)
+        groups = rl.generate_groups(model, tokenizer, problems, group_size=2, params=gen.sampling(), version=0,
+                                    rng=torch.Generator().manual_seed(0), decoder=gen.gen_decoder)
+        assert hasattr(model, static_decode._ATTACHED) == (decoder == "static")
+        assert all(r.behaviour_logprobs and max(r.behaviour_logprobs) <= 0 for g in groups for r in g.rollouts)
+    with pytest.raises(ValueError, match="gen_decoder"):
+        GeneratorConfig(gen_decoder="graphs")  # type: ignore[arg-type]
