@@ -72,7 +72,7 @@ point of ``static_decode``; its speed-up is to be measured on a GPU,
 ``benchmarks/gpu_check.py``). CPU: eager, because the static steps were slower there,
 side by side (``benchmarks/sampler.py --sampler captured eager ... --config default``,
 default policy, 2 shared cores): 0.65x eager at 32 rows in one run, 0.94x (32 rows) and
-0.76-0.89x (64 rows) in another; at par on a random-init 60M Llama, where the matmuls
+0.76-0.89x (64 rows) in another, 0.76x and 0.62x in a third (15 repeats); at par on a random-init 60M Llama, where the matmuls
 dominate (1.04x fp32, 0.94x int8, 16 rows). A CPU has no launches to save, and pays for
 what static shapes add: attention over the full capacity, rows kept until the next
 bucket down."""
