@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from app.answers import AnswerFormat
 from app.devices import DeviceChoice, TrainPrecision
 from app.rl import StepConfig
-from app.sampling import GEN_PRECISIONS, GenPrecision, SamplingParams
+from app.sampling import GEN_PRECISIONS, Decoder, GenPrecision, SamplingParams
 from app.tasks import PROMPT_TEMPLATE
 
 
@@ -229,8 +229,15 @@ class GeneratorConfig:
     full-precision weights it receives, at every version; the log-probs it records are
     the quantized model's, so AIPO's ratio carries the mismatch. One the machine cannot
     run is refused at start-up, naming those it can (see README, Quantized generators)."""
+    gen_decoder: Decoder = "auto"
+    """How generators decode a Llama-architecture policy: ``auto`` (static steps captured
+    as CUDA graphs on CUDA, the eager loop on CPU: ``app.sampling.DEFAULT_DECODER``),
+    ``eager`` or ``static`` (refused at the first batch for a policy the Llama fast path
+    does not run). Other policies always decode eagerly. See README, Devices."""
 
     def __post_init__(self) -> None:
+        if self.gen_decoder not in get_args(Decoder):
+            raise ValueError(f"gen_decoder must be one of {', '.join(get_args(Decoder))}, got {self.gen_decoder!r}")
         if self.gen_precision not in GEN_PRECISIONS:
             raise ValueError(f"gen_precision must be one of {', '.join(GEN_PRECISIONS)}, got {self.gen_precision!r}")
         if self.temperature <= 0:

@@ -178,7 +178,8 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
             groups = rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slot_ids],
                                         group_size=trainer_cfg.group_size, params=sampling,
                                         version=version, rng=rng, generator_id=rt.replica,
-                                        first_seq=sent, format_prompt=prompts.format_prompt)
+                                        first_seq=sent, format_prompt=prompts.format_prompt,
+                                        decoder=gen_cfg.gen_decoder)
         dt = time.time() - t0
         sent += len(groups)
         with timeline.idle("queue_full"):

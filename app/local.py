@@ -86,7 +86,7 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
                 groups = rl.generate_groups(gen_model, tokenizer, prompts.order.take(B),
                                             group_size=cfg.group_size, params=sampling,
                                             version=step - 1, rng=rng, first_seq=(step - 1) * B,
-                                            format_prompt=prompts.format_prompt)
+                                            format_prompt=prompts.format_prompt, decoder=gen.gen_decoder)
             t_gen = time.time() - t0
             with timeline.busy("reward"):
                 rl.score_groups(groups, reward)

@@ -20,7 +20,7 @@ from app.packing import packed_completion_logprobs
 from app.policy import encode_prompts
 from app.rewards import CompositeReward, RewardResult
 from app.sharding import Ranks, full_value, reshard
-from app.sampling import SamplingParams, cache_kwarg, sample, token_logprobs
+from app.sampling import Decoder, SamplingParams, cache_kwarg, sample, token_logprobs
 
 
 @dataclass(kw_only=True)
@@ -298,16 +298,18 @@ def generate_groups(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                     problems: Sequence[tasks.Problem], *, group_size: int, params: SamplingParams,
                     version: int, rng: torch.Generator | None = None, generator_id: int = 0,
                     first_seq: int = 0,
-                    format_prompt: Callable[[str], str] = tasks.format_prompt) -> list[RolloutGroup]:
+                    format_prompt: Callable[[str], str] = tasks.format_prompt,
+                    decoder: Decoder = "auto") -> list[RolloutGroup]:
     """A group of ``group_size`` completions for each problem, sampled in one batch and
     tagged with ``version``; group ids ``(generator_id, first_seq + i)``. Each rollout's
-    ``task`` is its problem's ``meta()`` (reference answer and its format)."""
+    ``task`` is its problem's ``meta()`` (reference answer and its format); ``decoder``:
+    ``sample``'s."""
     model.eval()
     texts = [format_prompt(p.question) for p in problems]
     prompts = encode_prompts(tokenizer, texts)
     repeated = [ids for ids in prompts for _ in range(group_size)]
     out = sample(model, repeated, params, eos_id=tokenizer.eos_token_id,
-                 pad_id=tokenizer.pad_token_id, generator=rng)
+                 pad_id=tokenizer.pad_token_id, generator=rng, decoder=decoder)
     groups = []
     for g, (p, text, ids) in enumerate(zip(problems, texts, prompts)):
         group_id = GroupId(generator_id, first_seq + g)

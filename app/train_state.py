@@ -50,7 +50,7 @@ DIR_NAME = "train_state"
 STATE_FILE = "state.json"
 FORMAT = 1
 RESUMABLE = frozenset({
-    "steps", "save_every", "keep_last", "eval_every", "tensorboard", "threads", "gen_threads",
+    "steps", "save_every", "keep_last", "eval_every", "tensorboard", "threads", "gen_threads", "gen_decoder",
     "micro_batch", "trainer_pass", "gen_batch_prompts", "device", "reward_timeout_s", "weight_sync_timeout_s",
     "weight_digest", "runs_dir", "run_id", "resume",
     "num_generators", "num_reward", "trainer_ranks"})

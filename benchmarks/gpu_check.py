@@ -9,6 +9,10 @@ the error); the exit code is 1 when one failed, 2 when this machine has no CUDA 
 
 - ``environment``: torch and CUDA versions, the GPUs, bf16 support, NCCL and NVML;
 - ``generator``: the policy on ``cuda:0`` samples groups (tokens/s, finite log-probs);
+- ``static_decoder``: the static decoder (``app.sampling.static_decode``: captured CUDA
+  graphs) against the eager loop on the policy: the same greedy tokens, log-probs within
+  1e-5, both sides' tokens/s and the capture's seconds (the dry run: the same steps on
+  the CPU, without capture);
 - ``trainer``: one AIPO step on ``cuda:0`` in bf16 autocast (where the GPU runs it; the
   dry run too) and the same step in fp32 from the same weights: losses side by side
   (5% apart fails), weights stay fp32;
@@ -24,7 +28,13 @@ the error); the exit code is 1 when one failed, 2 when this machine has no CUDA 
   (losses, and weights after an SGD step, compared);
 - ``app_run``: the TorchX app on ``local_cwd`` for a few steps with ``--trainer_gpu 1
   --generator_gpu 1``: steps done, weight syncs and GPU metrics in ``metrics.db``, and
-  the weight plane's backend from the trainer's log.
+  the weight plane's backend from the trainer's log;
+- ``sampler_benchmark``: issue 18's table, ``benchmarks/sampler.py`` with ``SAMPLER_BENCH_ARGS``
+  (the captured and eager samplers, ``generate`` and ``generate`` with a static cache; 60M
+  fp32 at 64 rows, 374M bf16 at 64 and 256), its JSON beside this report as
+  ``sampler_gpu.json`` (to commit as ``benchmarks/results/sampler_gpu.json``), within
+  ``SAMPLER_BENCH_TIMEOUT_S`` (what it measured before a timeout is kept); skipped by the
+  dry run;
 
 The JSON (``--json``; default ``$OUT/gpu_check.json`` when ``$OUT`` is set, else
 ``benchmarks/results/gpu_check.json``, ``gpu_check_cpu_dry_run.json`` for a dry run)
@@ -58,14 +68,18 @@ import torch.distributed as dist  # noqa: E402
 
 from app import devices, rl, sharding, tasks  # noqa: E402
 from app.contract import GroupId, Rollout, RolloutGroup  # noqa: E402
-from app.policy import load_policy  # noqa: E402
+from app.policy import encode_prompts, load_policy  # noqa: E402
 from app.sampling import SamplingParams  # noqa: E402
 from app.transport import connect_store, host_store  # noqa: E402
 from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group  # noqa: E402
 
-CHECKS = ("environment", "generator", "trainer", "weight_plane_shared", "weight_plane_nccl", "fsdp2_step",
-          "app_run", "gpu_tests")
+CHECKS = ("environment", "generator", "static_decoder", "trainer", "weight_plane_shared", "weight_plane_nccl",
+          "fsdp2_step", "app_run", "sampler_benchmark", "gpu_tests")
 GPU_TEST_TIMEOUT_S = 300.0
+SAMPLER_BENCH_TIMEOUT_S = 300.0
+SAMPLER_BENCH_ARGS = ["--device", "cuda", "--sampler", "captured", "eager", "generate", "generate_static",
+                      "--case", "60m:64:fp32", "374m:64:bf16", "374m:256:bf16", "--group-size", "4",
+                      "--prompt-tokens", "64", "--max-new-tokens", "128", "--repeats", "2", "--threads", "0"]
 ROLE_TIMEOUT_S = 240.0
 APP_TIMEOUT_S = 300.0
 APP_STEPS = 3
@@ -202,6 +216,33 @@ def check_generator(t: Target) -> dict[str, Any]:
     tokens = sum(len(r.completion_ids) for r in rollouts)
     return {"device": devices.describe(device), "sequences": len(rollouts), "tokens": tokens,
             "tokens_per_s": round(tokens / seconds, 1), "device_metrics": devices.device_metrics(device)}
+
+
+def check_static_decoder(t: Target) -> dict[str, Any]:
+    from app.sampling import sample, static_decode
+
+    device = devices.choose_device("cpu" if t.dry_run else "cuda")
+    model, tokenizer = load_policy(t.policy, device=device)
+    problems = tasks.make_split("eval", PROMPTS, seed=0)
+    prompts = [p for p in encode_prompts(tokenizer, [tasks.format_prompt(p.question) for p in problems])
+               for _ in range(GROUP)]
+    greedy = SamplingParams(max_new_tokens=24, temperature=0)
+    ids = dict(eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    out, tokens_per_s = {}, {}
+    for decoder in ("eager", "static", "eager", "static"):  # the second round is timed
+        t0 = time.perf_counter()
+        out[decoder] = sample(model, prompts, greedy, decoder=decoder, **ids)
+        devices.synchronize(device)
+        tokens_per_s[decoder] = round(int(out[decoder].lengths_B.sum()) / (time.perf_counter() - t0), 1)
+    if not torch.equal(out["static"].tokens_BT, out["eager"].tokens_BT):
+        raise AssertionError("the static decoder's greedy tokens differ from the eager loop's")
+    diff = float((out["static"].logprobs_BT - out["eager"].logprobs_BT).abs().max())
+    if diff > 1e-5:
+        raise AssertionError(f"the static decoder's log-probs differ from the eager loop's by {diff:g}")
+    decoder = static_decode.decoder_for(model)
+    return {"device": devices.describe(device), "captured": decoder.capture, "graphs": len(decoder.graphs),
+            "capture_s": round(decoder.capture_s, 3), "tokens_per_s": tokens_per_s["static"],
+            "eager_tokens_per_s": tokens_per_s["eager"], "max_logprob_diff": diff}
 
 
 def check_trainer(t: Target) -> dict[str, Any]:
@@ -405,13 +446,36 @@ def check_gpu_tests(t: Target) -> dict[str, Any]:
     return {"pytest": summary}
 
 
+def check_sampler_benchmark(t: Target) -> dict[str, Any]:
+    """``benchmarks/sampler.py`` with ``SAMPLER_BENCH_ARGS``: issue 18's table on this GPU."""
+    if t.dry_run:
+        raise Skipped("the GPU table needs CUDA; on CPU run benchmarks/sampler.py --sampler ... --config default")
+    out = default_json(False).parent / "sampler_gpu.json"
+    try:
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sampler.py"), *SAMPLER_BENCH_ARGS,
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=SAMPLER_BENCH_TIMEOUT_S, check=True)
+        finished = True
+    except subprocess.TimeoutExpired:
+        finished = False  # the JSON holds the cases measured so far
+    except subprocess.CalledProcessError as e:
+        raise AssertionError(f"benchmarks/sampler.py failed:\n{e.stderr[-3000:]}") from e
+    runs = json.loads(out.read_text())["runs"] if out.exists() else []
+    table = {f"{r['config']} {r['precision']} {r['rows']} {r['sampler']}": round(r["tokens_per_s"])
+             for r in runs}
+    return {"json": str(out), "finished": finished, "tokens_per_s": table,
+            "warmup_s": {f"{r['config']} {r['precision']} {r['rows']} {r['sampler']}": round(r["warmup_s"], 1)
+                         for r in runs}}
+
+
 def _logged(log_text: str, prefix: str) -> str | None:
     """The rest of the first log line that holds ``prefix``."""
     return next((line.split(prefix, 1)[1] for line in log_text.splitlines() if prefix in line), None)
 
 
 CHECK_FUNCTIONS: dict[str, Callable[[Target], dict[str, Any]]] = {
-    "environment": check_environment, "generator": check_generator, "trainer": check_trainer,
+    "environment": check_environment, "generator": check_generator, "static_decoder": check_static_decoder,
+    "trainer": check_trainer, "sampler_benchmark": check_sampler_benchmark,
     "weight_plane_shared": check_weight_plane_shared, "weight_plane_nccl": check_weight_plane_nccl,
     "fsdp2_step": check_fsdp2_step, "app_run": check_app_run, "gpu_tests": check_gpu_tests}
 
@@ -453,7 +517,7 @@ def run_checks(names: list[str], target: Target) -> dict[str, dict[str, Any]]:
 def _headline(entry: dict[str, Any]) -> str:
     if entry["status"] != "ok":
         return (entry.get("reason") or entry.get("error", "")).splitlines()[0][:160]
-    keys = ("gpus", "device", "tokens_per_s", "precision", "loss", "loss_fp32", "backend", "staged", "send_s",
+    keys = ("gpus", "device", "tokens_per_s", "eager_tokens_per_s", "capture_s", "precision", "loss", "loss_fp32", "backend", "staged", "send_s",
             "ranks", "loss_unsharded", "max_weight_diff", "steps", "weight_plane", "pytest")
     return ", ".join(f"{k}={entry[k]}" for k in keys if k in entry)[:300]
 

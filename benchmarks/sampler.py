@@ -32,11 +32,40 @@ measurement (``config``, ``rows``, ``precision``, ``sampler`` "eager", ``tokens_
 plus ``params`` and the seconds one quantization of the weights took, ``quantize_s``).
 
     python benchmarks/sampler.py --precision fp32 int8 bf16 --json benchmarks/results/sampler_precision.json
+
+With ``--sampler`` it compares decoders (``compare_samplers``), side by side, interleaved,
+on each ``--config`` x ``--rows`` x ``--precision`` (or each ``--case CONFIG:ROWS:PRECISION``):
+
+- ``captured``: ``sample(decoder="static")`` (``app.sampling.static_decode``): captured CUDA
+  graphs on CUDA, the same static steps without capture on CPU;
+- ``eager``: ``sample(decoder="eager")``, the decode loop of ``app.sampling.decode``;
+- ``generate``: ``model.generate`` with per-token log-probs, as above;
+- ``generate_static``: the same with ``cache_implementation="static"`` (transformers then
+  compiles the forward and replays it as CUDA graphs on CUDA; on CPU it does not compile).
+
+Configs: ``default`` (the warm-started policy, its task prompts, fp32 only), ``60m`` and
+``374m`` (random-init Llamas with a 32000-token vocabulary, ``SIZED_CONFIGS``; prompts of
+``--prompt-tokens`` random tokens, rows = rows / ``--group-size`` prompts x that many
+samples). Precision: the sampler sides run ``quantize_(model, precision)`` (the
+generator's ``--gen-precision``); the ``generate`` sides run the model cast to that
+dtype (bf16), the nearest thing ``generate`` offers. Each side's first call (capture,
+compilation, allocator warm-up) is timed apart as ``warmup_s``. JSON: ``device``, then
+``runs`` of flat objects (``config``, ``rows``, ``precision``, ``sampler``,
+``tokens_per_s``, ``warmup_s``, ``median_tokens``, ``params``,
+``weight_read_limit_tokens_per_s``: rows / (weight bytes / ``WEIGHT_READ_BYTES_PER_S``),
+one read of the weights per step, on CUDA only). ``--check-every K ...`` repeats the
+``captured`` side at each ``static_decode.CHECK_EVERY`` (field ``check_every``).
+
+    python benchmarks/sampler.py --sampler captured eager generate generate_static --config default --rows 32
+    python benchmarks/sampler.py --device cuda --sampler captured eager generate generate_static \\
+        --case 60m:64:fp32 374m:64:bf16 374m:256:bf16 --max-new-tokens 128 --repeats 3 \\
+        --json benchmarks/results/sampler_gpu.json        # the issue's table (benchmarks/gpu_check.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -50,13 +79,27 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from app import tasks
 from app.policy import encode_prompts, load_policy
-from app.sampling import GEN_PRECISIONS, SamplingParams, quantize_, sample
+from app.sampling import GEN_PRECISIONS, SamplingParams, quantize_, sample, static_decode
 
 LARGE_CONFIG = dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=8, num_attention_heads=8,
                     num_key_value_heads=8, max_position_embeddings=512, rms_norm_eps=1e-5,
                     tie_word_embeddings=True, attn_implementation="sdpa")
 """The larger Llama of ``--precision``: 30.2M parameters with the default 512-token
 vocabulary, ~98% of them in the decoder layers' linear layers."""
+
+
+SIZED_CONFIGS = {
+    "60m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=8),
+    "374m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=16),
+}
+"""The random-init Llamas of ``--sampler`` (32000-token vocabulary, untied head): 60.0M
+and 373.9M parameters."""
+SIZED_VOCAB = 32000
+SAMPLERS = ("captured", "eager", "generate", "generate_static")
+WEIGHT_READ_BYTES_PER_S = 4.3e12
+"""HBM bandwidth the weight-read limit assumes: an H200's (issue 18's table)."""
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,22 +124,27 @@ def count_tokens(tokens_BT: torch.Tensor, eos_id: int) -> int:
 
 
 def run_sampler(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams, *,
-                eos_id: int, pad_id: int, seed: int) -> int:
-    out = sample(model, prompts, params, eos_id=eos_id, pad_id=pad_id,
-                 generator=torch.Generator().manual_seed(seed))
-    return int(out.lengths_B.sum())
+                eos_id: int, pad_id: int, seed: int, decoder: str = "auto") -> int:
+    device = next(model.parameters()).device
+    out = sample(model, prompts, params, eos_id=eos_id, pad_id=pad_id, decoder=decoder,
+                 generator=torch.Generator(device=device).manual_seed(seed))
+    return int(out.lengths_B.sum())  # a host read: the work is done when it returns
 
 
 def run_generate(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams, *,
-                 eos_id: int, pad_id: int, seed: int, num_return_sequences: int = 1) -> int:
+                 eos_id: int, pad_id: int, seed: int, num_return_sequences: int = 1,
+                 cache_implementation: str | None = None) -> int:
     ids, mask = left_pad(prompts, pad_id)
+    device = next(model.parameters()).device
     torch.manual_seed(seed)
+    extra = {"cache_implementation": cache_implementation} if cache_implementation else {}
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=params.temperature,
+            input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
+            temperature=params.temperature,
             top_p=params.top_p, top_k=0, max_new_tokens=params.max_new_tokens,
             eos_token_id=eos_id, pad_token_id=pad_id, num_return_sequences=num_return_sequences,
-            output_scores=True, return_dict_in_generate=True)
+            output_scores=True, return_dict_in_generate=True, **extra)
         new_BT = out.sequences[:, ids.shape[1]:]
         # What the RL generator would record: log mu(y_t) of each sampled token.
         scores_BTV = torch.stack(out.scores, dim=1)
@@ -108,11 +156,16 @@ def run_generate(model: PreTrainedModel, prompts: list[list[int]], params: Sampl
 
 def interleaved(sides: dict[str, Callable[[int], int]], repeats: int, warmup: int = 2
                 ) -> dict[str, dict[str, float]]:
-    """Run the sides in turn ``repeats`` times (after ``warmup`` untimed rounds); per
-    side: median seconds, median tokens and median tokens/s over the repeats."""
+    """Run the sides in turn ``repeats`` times (after ``warmup`` rounds, timed apart as
+    ``warmup_s``, the first round's seconds: capture, compilation); per side: median
+    seconds, median tokens and median tokens/s over the repeats."""
+    warmup_s = {k: 0.0 for k in sides}
     for r in range(warmup):
-        for fn in sides.values():
+        for name, fn in sides.items():
+            t0 = time.perf_counter()
             fn(10_000 + r)
+            if r == 0:
+                warmup_s[name] = time.perf_counter() - t0
     times: dict[str, list[float]] = {k: [] for k in sides}
     tokens: dict[str, list[int]] = {k: [] for k in sides}
     for r in range(repeats):
@@ -121,7 +174,7 @@ def interleaved(sides: dict[str, Callable[[int], int]], repeats: int, warmup: in
             n = fn(r)
             times[name].append(time.perf_counter() - t0)
             tokens[name].append(n)
-    return {name: {"median_s": statistics.median(times[name]),
+    return {name: {"median_s": statistics.median(times[name]), "warmup_s": warmup_s[name],
                    "median_tokens": statistics.median(tokens[name]),
                    "tokens_per_s": statistics.median(n / t for n, t in
                                                      zip(tokens[name], times[name]))}
@@ -144,10 +197,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--precision", nargs="+", choices=GEN_PRECISIONS, default=None,
                         help="compare these generator precisions (see the module docstring)")
     parser.add_argument("--rows", type=int, nargs="+", default=[32],
-                        help="--precision: decode batch sizes (prompts x G=--group-size)")
+                        help="--precision, --sampler: decode batch sizes (prompts x G=--group-size)")
+    parser.add_argument("--sampler", nargs="+", choices=SAMPLERS, default=None,
+                        help="compare these decoders side by side (see the module docstring)")
+    parser.add_argument("--config", nargs="+", choices=("default", *SIZED_CONFIGS), default=["default"],
+                        help="--sampler: models to run (default: the warm-started policy)")
+    parser.add_argument("--case", nargs="+", default=None, metavar="CONFIG:ROWS:PRECISION",
+                        help="--sampler: these combinations instead of --config x --rows x --precision")
+    parser.add_argument("--device", default="cpu", help="--sampler: cpu or cuda")
+    parser.add_argument("--prompt-tokens", type=int, default=64,
+                        help="--sampler: prompt length of the random-init configs")
+    parser.add_argument("--check-every", type=int, nargs="+", default=None,
+                        help="--sampler: run the captured side at each of these CHECK_EVERY values")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.sampler:
+        return compare_samplers(args)
     if args.precision:
         return compare_precisions(args)
 
@@ -256,6 +322,105 @@ def compare_precisions(args: argparse.Namespace) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
+
+
+def _cases(args: argparse.Namespace) -> list[tuple[str, int, str]]:
+    if args.case:
+        out = []
+        for case in args.case:
+            config, rows, prec = case.split(":")
+            out.append((config, int(rows), prec))
+        return out
+    return [(c, r, p) for c in args.config for r in args.rows for p in (args.precision or ["fp32"])]
+
+
+def sized_model(config: str, device: torch.device) -> PreTrainedModel:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=SIZED_VOCAB, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+                      attn_implementation="sdpa", **SIZED_CONFIGS[config])
+    return LlamaForCausalLM(cfg).to(device).eval()
+
+
+def compare_samplers(args: argparse.Namespace) -> dict:
+    """Tokens/s of each ``args.sampler`` side per case, interleaved (see the docstring)."""
+    device = torch.device(args.device)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0)
+    G, runs = args.group_size, []
+    base: dict[str, tuple] = {}
+    for config, rows, prec in _cases(args):
+        if config not in base:
+            base.clear()  # one config's models on the device at a time
+            if config == "default":
+                if args.policy is None:
+                    from app.warmstart import ensure_warmstart
+                    args.policy = str(ensure_warmstart())
+                model, tokenizer = load_policy(args.policy, device=device, dtype=torch.float32)
+                ids = (tokenizer.eos_token_id, tokenizer.pad_token_id)
+            else:
+                model, tokenizer, ids = sized_model(config, device), None, (2, 0)
+            base[config] = (model.eval(), tokenizer, ids)
+        model, tokenizer, (eos_id, pad_id) = base[config]
+        if tokenizer is not None:
+            problems = tasks.make_split("eval", max(1, rows // G), seed=0)
+            prompts = encode_prompts(tokenizer, [tasks.format_prompt(p.question) for p in problems])
+        else:
+            g = torch.Generator().manual_seed(0)
+            prompts = torch.randint(3, SIZED_VOCAB, (max(1, rows // G), args.prompt_tokens), generator=g).tolist()
+        repeated = [p for p in prompts for _ in range(G)][:rows]
+        distinct = prompts[: max(1, rows // G)]
+        ours = copy.deepcopy(model)
+        weights = quantize_(ours, prec)
+        if weights is not None:
+            weights.refresh()
+        theirs = model if prec == "fp32" else copy.deepcopy(model).to(torch.bfloat16)
+        common = dict(eos_id=eos_id, pad_id=pad_id)
+        sides: dict[str, Callable[[int], int]] = {}
+        for name in args.sampler:
+            if name == "captured":
+                for k in args.check_every or [static_decode.CHECK_EVERY]:
+                    label = name if not args.check_every else f"captured@{k}"
+                    sides[label] = functools.partial(_captured, ours, repeated, params, k, common)
+            elif name == "eager":
+                sides[name] = lambda s: run_sampler(ours, repeated, params, seed=s, decoder="eager", **common)
+            else:
+                cache = "static" if name == "generate_static" else None
+                sides[name] = (lambda s, cache=cache: run_generate(
+                    theirs, distinct, params, seed=s, num_return_sequences=G, cache_implementation=cache, **common))
+        res = interleaved(sides, args.repeats)
+        n_params = sum(p.numel() for p in model.parameters())
+        weight_bytes = n_params * (4 if prec == "fp32" else 2 if prec == "bf16" else 1)
+        limit = rows / (weight_bytes / WEIGHT_READ_BYTES_PER_S) if device.type == "cuda" else None
+        for label, r in res.items():
+            name, _, k = label.partition("@")
+            runs.append({"config": config, "rows": len(repeated), "precision": prec, "sampler": name,
+                         "tokens_per_s": r["tokens_per_s"], "warmup_s": r["warmup_s"],
+                         "median_tokens": r["median_tokens"], "params": n_params,
+                         "weight_read_limit_tokens_per_s": limit,
+                         **({"check_every": int(k)} if k else {})})
+            print(f"{config:<8}{n_params / 1e6:>7.1f}M {len(repeated):>5} rows {prec:<5} {label:<16}"
+                  f"{r['tokens_per_s']:>10.0f} tok/s  warm-up {r['warmup_s']:.2f} s  "
+                  f"({r['median_tokens']:.0f} tokens)", flush=True)
+        del ours, theirs
+        result = {"device": device.type,
+                  "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                  "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "group_size": G,
+                  "prompt_tokens": args.prompt_tokens, "check_every": static_decode.CHECK_EVERY,
+                  "weight_read_bytes_per_s": WEIGHT_READ_BYTES_PER_S, "runs": runs}
+        if args.json:  # after every case: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _captured(model, prompts, params, check_every: int, common: dict, seed: int) -> int:
+    """The static decoder at ``check_every`` host reads (``static_decode.CHECK_EVERY``)."""
+    kept = static_decode.CHECK_EVERY
+    static_decode.CHECK_EVERY = check_every
+    try:
+        return run_sampler(model, prompts, params, seed=seed, decoder="static", **common)
+    finally:
+        static_decode.CHECK_EVERY = kept
 
 
 if __name__ == "__main__":

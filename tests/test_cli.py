@@ -156,6 +156,7 @@ def test_trainer_and_generator_flags_parse_together():
     (["--run-id", "a/b"], "run_id must be one safe path component"),
     (["--run-id", ".."], "run_id must be one safe path component"),
     (["--gen-precision", "int4"], "invalid choice"),
+    (["--gen-decoder", "graphs"], "invalid choice"),
     (["--loss", "ppo", "--no-ratio-correction"], "--no-ratio-correction is AIPO's"),
 ])
 def test_trainer_generator_validation_is_an_argparse_error(argv, message, capsys):

@@ -35,8 +35,10 @@ def test_dry_run_passes_every_check_on_the_cpu(tmp_path):
     checks = report["checks"]
     assert report["ok"] and report["dry_run"]
     assert {name: c["status"] for name, c in checks.items()} == {
-        "environment": "ok", "generator": "ok", "trainer": "ok", "weight_plane_shared": "ok",
-        "weight_plane_nccl": "skipped", "fsdp2_step": "ok", "app_run": "ok", "gpu_tests": "skipped"}
+        "environment": "ok", "generator": "ok", "static_decoder": "ok", "trainer": "ok", "weight_plane_shared": "ok",
+        "weight_plane_nccl": "skipped", "fsdp2_step": "ok", "app_run": "ok", "sampler_benchmark": "skipped",
+        "gpu_tests": "skipped"}
+    assert checks["static_decoder"]["captured"] is False  # the same steps, no capture on CPU
     assert checks["weight_plane_nccl"]["reason"] == "CPU dry run: NCCL needs GPUs"
     assert checks["weight_plane_shared"]["bit_identical"] and checks["weight_plane_shared"]["backend"] == "gloo"
     trainer = checks["trainer"]

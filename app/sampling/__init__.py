@@ -19,8 +19,12 @@ Which code runs when (``sample`` decides, once per call):
   prefilled in length groups; into transformers' ``DynamicCache`` with 2D masks when
   some layer is not (sliding windows, linear attention): slower, still correct.
 
-Both go through the same loop (``decode.run``): identical prompts prefilled once and
-fanned out, finished rows dropped from the batch and the cache, one token per step drawn
+On CUDA a Llama-architecture model decodes through ``static_decode`` instead (the same
+fast path and sampling in fixed-shape steps, captured as CUDA graphs; ``decoder`` and
+``DEFAULT_DECODER`` below); on CPU, and for every other model, the eager loop runs.
+
+Both eager paths go through the same loop (``decode.run``): identical prompts prefilled
+once and fanned out, finished rows dropped from the batch and the cache, one token per step drawn
 from ``logits.process_logits`` with one uniform number per row (``logits.draw``), its
 log-prob recorded by ``logits.token_logprobs``, the function the trainer's
 ``rl.completion_logprobs`` uses too.
@@ -31,19 +35,21 @@ quantized kernels, and the log-probs recorded are the quantized model's.
 
 Modules: ``logits`` (the distribution and its log-probs), ``kv_cache`` (the cache, its
 storage, the transformers version check), ``llama_fast``, ``generic``, ``decode``,
-``kernels`` (linear kernels per precision) and ``precision`` (the generator's precision).
+``static_decode``, ``kernels`` (linear kernels per precision) and ``precision`` (the
+generator's precision).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
 
 # kv_cache first: importing it checks the transformers version before anything uses it.
 from app.sampling import kv_cache
-from app.sampling import decode, precision
+from app.sampling import decode, precision, static_decode
 from app.sampling.generic import cache_kwarg, prefill_groups
 from app.sampling.kv_cache import TESTED_TRANSFORMERS, KVBufferLayer, ReusedStorage, new_cache
 from app.sampling.llama_fast import LlamaFastPath
@@ -53,7 +59,23 @@ from app.sampling.precision import GEN_PRECISIONS, GenPrecision, GenWeights, qua
 __all__ = ["SamplingParams", "Samples", "sample", "process_logits", "token_logprobs", "draw",
            "cache_kwarg", "prefill_groups", "KVBufferLayer", "ReusedStorage", "new_cache",
            "LlamaFastPath", "TESTED_TRANSFORMERS", "GEN_PRECISIONS", "GenPrecision", "GenWeights",
-           "quantize_"]
+           "quantize_", "Decoder", "DEFAULT_DECODER"]
+
+Decoder = Literal["auto", "eager", "static"]
+"""How ``sample`` decodes: ``eager`` the loop of ``decode.run``; ``static`` the
+fixed-shape steps of ``static_decode`` (captured as CUDA graphs on CUDA; Llama fast
+path only); ``auto`` what ``DEFAULT_DECODER`` says for the model's device."""
+
+DEFAULT_DECODER = {"cuda": "static", "cpu": "eager"}
+"""``auto``'s choice per device type (others: eager). CUDA: static, captured (the
+point of ``static_decode``; its speed-up is to be measured on a GPU,
+``benchmarks/gpu_check.py``). CPU: eager, because the static steps were slower there,
+side by side (``benchmarks/sampler.py --sampler captured eager ... --config default``,
+default policy, 2 shared cores): 0.65x eager at 32 rows in one run, 0.94x (32 rows) and
+0.76-0.89x (64 rows) in another, 0.76x and 0.62x in a third (15 repeats); at par on a random-init 60M Llama, where the matmuls
+dominate (1.04x fp32, 0.94x int8, 16 rows). A CPU has no launches to save, and pays for
+what static shapes add: attention over the full capacity, rows kept until the next
+bucket down."""
 
 
 @dataclass(kw_only=True)
@@ -89,13 +111,25 @@ class Samples:
 
 @torch.inference_mode()
 def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams, *,
-           eos_id: int, pad_id: int, generator: torch.Generator | None = None) -> Samples:
+           eos_id: int, pad_id: int, generator: torch.Generator | None = None,
+           decoder: Decoder = "auto") -> Samples:
     """Sample one completion per prompt (repeat a prompt G times for G samples: it is
     prefilled once). Rows stop at ``eos_id`` (kept, and counted in ``lengths_B``) or after
-    ``params.max_new_tokens``; ``generator`` makes the draws reproducible."""
+    ``params.max_new_tokens``; ``generator`` makes the draws reproducible (the eager and
+    the static decoder use it differently: the same seed draws different samples, and
+    equal greedy tokens)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     weight = next(model.parameters())
+    if decoder == "auto":
+        decoder = "static" if (DEFAULT_DECODER.get(weight.device.type) == "static"
+                               and LlamaFastPath.supports(model)) else "eager"
+    if decoder == "static":
+        tokens_BT, logprobs_BT, lengths_B = static_decode.decoder_for(model).run(
+            prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator)
+        return Samples(tokens_BT=tokens_BT, logprobs_BT=logprobs_BT, lengths_B=lengths_B)
+    if decoder != "eager":
+        raise ValueError(f"decoder must be one of auto, eager, static; got {decoder!r}")
     B, T = len(prompts), params.max_new_tokens
     P = max(len(p) for p in prompts)
     fast_path = (LlamaFastPath(model, P + T, precision.fast_linears(model))

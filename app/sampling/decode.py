@@ -41,12 +41,7 @@ def run(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams
     B, T = len(prompts), params.max_new_tokens
     P = max(len(p) for p in prompts)
 
-    # Prefill each distinct prompt once, shortest first (the fast path's chunks then pad
-    # little); src_B says which one each row continues.
-    unique = sorted({tuple(p) for p in prompts}, key=len)
-    index = {p: i for i, p in enumerate(unique)}
-    src_B = torch.tensor([index[tuple(p)] for p in prompts], device=device)
-    unique = [list(p) for p in unique]
+    unique, src_B = distinct_prompts(prompts, device)
     cache_arg = generic.cache_kwarg(model)
     if fast_path is not None:
         logits_RV, valid_UP, next_pos_U1 = fast_path.prefill(unique, cache)
@@ -102,9 +97,27 @@ def run(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams
                                             cache_arg=cache_arg)
         next_pos_R = next_pos_R + 1
 
-    # Lengths run to the first EOS (included), or to T; everything after it is padding.
+    return finish(tokens_BT, logprobs_BT, eos_id=eos_id, pad_id=pad_id)
+
+
+def distinct_prompts(prompts: list[list[int]], device: torch.device
+                     ) -> tuple[list[list[int]], torch.Tensor]:
+    """Each distinct prompt once, shortest first (the fast path's prefill chunks then pad
+    little), and ``src_B``: which of them each row continues."""
+    unique = sorted({tuple(p) for p in prompts}, key=len)
+    index = {p: i for i, p in enumerate(unique)}
+    src_B = torch.tensor([index[tuple(p)] for p in prompts], device=device)
+    return [list(p) for p in unique], src_B
+
+
+def finish(tokens_BT: torch.Tensor, logprobs_BT: torch.Tensor, *, eos_id: int, pad_id: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lengths run to the first EOS (included), or to T; whatever a row drew after it
+    (finished rows ride along until they leave the batch) becomes padding, in place.
+    Returns ``tokens_BT``, ``logprobs_BT``, ``lengths_B``."""
+    T = tokens_BT.shape[1]
     is_eos_BT = tokens_BT == eos_id
     lengths_B = torch.where(is_eos_BT.any(-1), is_eos_BT.int().argmax(-1) + 1, T)
-    after_BT = torch.arange(T, device=device)[None, :] >= lengths_B[:, None]
+    after_BT = torch.arange(T, device=tokens_BT.device)[None, :] >= lengths_B[:, None]
     return (tokens_BT.masked_fill_(after_BT, pad_id), logprobs_BT.masked_fill_(after_BT, 0.0),
             lengths_B)

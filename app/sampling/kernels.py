@@ -54,6 +54,12 @@ class LinearKernel(Protocol):
         """``h_NM += x_NK @ W^T`` in place (the residual add of a decoder layer)."""
         ...
 
+    def load_(self, other: "LinearKernel") -> None:
+        """Take ``other``'s weights (a kernel of the same kind and shape, built from a
+        newer version) into this kernel's own storage, in place: what a captured CUDA
+        graph reads stays where it was captured (``static_decode``)."""
+        ...
+
 
 class DenseKernel:
     """The matmul in ``dtype``: fp32 uses the weight as given (a transposed view, no
@@ -72,6 +78,12 @@ class DenseKernel:
             h_NM.addmm_(x_NK, self.w_KM)  # the add fused into the matmul
         else:
             h_NM.add_(self(x_NK))
+
+    def load_(self, other: DenseKernel) -> None:
+        # fp32 kernels of unfused matrices (o, down) are the parameters themselves, which
+        # the weight swap has already written.
+        if self.w_KM.data_ptr() != other.w_KM.data_ptr():
+            self.w_KM.copy_(other.w_KM)
 
 
 def int8_engine() -> str | None:
@@ -114,6 +126,10 @@ class Int8DynamicKernel:
     def add_to_(self, h_NM: torch.Tensor, x_NK: torch.Tensor) -> None:
         h_NM.add_(self(x_NK))
 
+    def load_(self, other: Int8DynamicKernel) -> None:
+        # An opaque prepacked object: taken as it is. CPU only, where nothing is captured.
+        self.packed = other.packed
+
 
 class Fp8Kernel:
     """e4m3 weights and activations with one scale per tensor (rowwise scales need
@@ -140,3 +156,7 @@ class Fp8Kernel:
 
     def add_to_(self, h_NM: torch.Tensor, x_NK: torch.Tensor) -> None:
         h_NM.add_(self(x_NK))
+
+    def load_(self, other: Fp8Kernel) -> None:
+        self.w_MK.copy_(other.w_MK)
+        self.w_scale.copy_(other.w_scale)

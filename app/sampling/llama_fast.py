@@ -45,11 +45,23 @@ class FusedLinears:
     layers: list[tuple[LinearKernel, LinearKernel, LinearKernel, LinearKernel]]
     head: LinearKernel
 
+    def load_(self, other: FusedLinears) -> None:
+        """Take ``other``'s weights into these kernels' storage, in place (see
+        ``LinearKernel.load_``)."""
+        for mine, theirs in zip([*self.layers, (self.head,)], [*other.layers, (other.head,)]):
+            for kernel, source in zip(mine, theirs):
+                kernel.load_(source)
 
-def fused_weights(model: PreTrainedModel
-                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """The fast path's weight matrices, ``(out, in)`` like ``nn.Linear``'s, new tensors:
-    per layer q/k/v and gate/up concatenated (one matmul each), then the LM head.
+
+FusedWeights = tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]
+
+
+def fused_weights(model: PreTrainedModel, out: FusedWeights | None = None) -> FusedWeights:
+    """The fast path's weight matrices, ``(out, in)`` like ``nn.Linear``'s: per layer
+    q/k/v and gate/up concatenated (one matmul each), then the LM head. New tensors, or
+    with ``out`` (an earlier result for this model) those, rewritten in place: no new
+    storage for a new weight version (what the static decoder's captured steps read).
+    The o and down matrices are the parameters themselves.
 
     Norm weights scale the inputs of the matmul that follows, and the attention scale
     commutes with rotary: both are folded in. And x * rsqrt(mean(x^2) + eps) ==
@@ -58,21 +70,31 @@ def fused_weights(model: PreTrainedModel
     cfg, body = model.config, model.model
     root_E = cfg.hidden_size ** 0.5
     layers = []
-    for layer in body.layers[: cfg.num_hidden_layers]:
+    for i, layer in enumerate(body.layers[: cfg.num_hidden_layers]):
         attn, mlp = layer.self_attn, layer.mlp
-        w_qkv = torch.cat([attn.q_proj.weight * attn.scaling, attn.k_proj.weight, attn.v_proj.weight])
-        w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        layers.append((w_qkv * (layer.input_layernorm.weight * root_E), attn.o_proj.weight,
-                       w_gate_up * (layer.post_attention_layernorm.weight * root_E),
-                       mlp.down_proj.weight))
-    return layers, model.lm_head.weight * (body.norm.weight * root_E)
+        dst = out[0][i] if out is not None else (None,) * 4
+        w_qkv = _cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], dst[0])
+        w_qkv[: attn.q_proj.weight.shape[0]].mul_(attn.scaling)
+        w_qkv.mul_(layer.input_layernorm.weight * root_E)
+        w_gate_up = _cat([mlp.gate_proj.weight, mlp.up_proj.weight], dst[2])
+        w_gate_up.mul_(layer.post_attention_layernorm.weight * root_E)
+        layers.append((w_qkv, attn.o_proj.weight, w_gate_up, mlp.down_proj.weight))
+    head = _cat([model.lm_head.weight], out[1] if out is not None else None)
+    return layers, head.mul_(body.norm.weight * root_E)
 
 
-def fused_linears(model: PreTrainedModel, kernel: Callable[[torch.Tensor], LinearKernel]) -> FusedLinears:
-    """``fused_weights`` as kernels: the decoder layers' built by ``kernel``, the LM head's
-    always fp32 (the logits are the distribution sampled from: precision matters most
-    there, and the head is a small share of a decoder's matmuls)."""
-    layers, head = fused_weights(model)
+def _cat(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    """``torch.cat(parts)``: a new tensor, or into ``out``."""
+    return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+
+
+def fused_linears(model: PreTrainedModel, kernel: Callable[[torch.Tensor], LinearKernel],
+                  weights: FusedWeights | None = None) -> FusedLinears:
+    """``fused_weights`` (or ``weights``, made by it) as kernels: the decoder layers'
+    built by ``kernel``, the LM head's always fp32 (the logits are the distribution
+    sampled from: precision matters most there, and the head is a small share of a
+    decoder's matmuls)."""
+    layers, head = weights or fused_weights(model)
     return FusedLinears(layers=[tuple(kernel(w) for w in ws) for ws in layers],  # type: ignore[misc]
                         head=DenseKernel(head))
 
@@ -242,13 +264,38 @@ class LlamaFastPath:
         """Logits ``(R, V)`` of the token after ``tok_R`` (at positions ``pos_R``); appends
         the step's keys and values to ``cache``. ``bias_R11L`` masks the cache (see
         ``mask_bias``), this step's position included."""
+        return self._decode(tok_R, pos_R, lambda i, k, v: cache.layers[i].update(k, v), bias_R11L)
+
+    def decode_at(self, tok_R: torch.Tensor, pos_R: torch.Tensor,
+                  kv: list[tuple[torch.Tensor, torch.Tensor]], slot_1: torch.Tensor,
+                  bias_R11C: torch.Tensor) -> torch.Tensor:
+        """``decode`` with fixed shapes and no host sync (``static_decode``'s step): the
+        step's keys and values go to cache position ``slot_1`` (a one-element device
+        tensor) of each layer's full-capacity buffers ``kv`` (``(R, K, C, D)`` keys and
+        values), ``bias_R11C`` is opened there in place, and attention runs over all C
+        positions, the bias hiding the ones not written yet."""
+        bias_R11C.index_fill_(-1, slot_1, 0.0)
+
+        def append(i: int, k_RK1D: torch.Tensor, v_RK1D: torch.Tensor):
+            k_RKCD, v_RKCD = kv[i]
+            k_RKCD.index_copy_(2, slot_1, k_RK1D)
+            v_RKCD.index_copy_(2, slot_1, v_RK1D)
+            return k_RKCD, v_RKCD
+
+        return self._decode(tok_R, pos_R, append, bias_R11C)
+
+    def _decode(self, tok_R: torch.Tensor, pos_R: torch.Tensor,
+                append: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                bias_R11L: torch.Tensor) -> torch.Tensor:
+        """One decode step; ``append(layer, k_RK1D, v_RK1D)`` stores the step's keys and
+        values and returns the layer's ``(R, K, L, D)`` keys and values to attend to."""
         R, H, K, D = tok_R.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         h_RE = self.model.model.embed_tokens(tok_R)
         rotary = self._rotary(pos_R)
-        for (w_qkv, w_o, w_gate_up, w_down), kv in zip(self.layers, cache.layers):
+        for i, (w_qkv, w_o, w_gate_up, w_down) in enumerate(self.layers):
             qkv_RXD = w_qkv(self._norm(h_RE)).view(R, H + 2 * K, D)
             qk_RXD = self._rotate(qkv_RXD[:, : H + K], *rotary)
-            k_RKLD, v_RKLD = kv.update(qk_RXD[:, H:, None], qkv_RXD[:, H + K:, None])
+            k_RKLD, v_RKLD = append(i, qk_RXD[:, H:, None], qkv_RXD[:, H + K:, None])
             w_o.add_to_(h_RE, self._attend(qk_RXD[:, :H], k_RKLD, v_RKLD, bias_R11L))
             self._mlp_(h_RE, w_gate_up, w_down)
         return self.head(self._norm(h_RE))

@@ -155,10 +155,18 @@ def draw(logp_BV: torch.Tensor, generator: torch.Generator | None = None) -> tor
     Exact sampling, like ``torch.multinomial``, with B random numbers instead of B*V.
     Zero-probability tokens (top-p's -inf) are never drawn: the CDF is flat over them.
     """
+    u_B = torch.rand(logp_BV.shape[:1], generator=generator, device=logp_BV.device)
+    return inverse_cdf(logp_BV, u_B)
+
+
+def inverse_cdf(logp_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+    """The token of each row at which the CDF of ``exp(logp_BV)`` passes ``u_B`` (uniform
+    in [0, 1), one per row) times the row's total mass: ``draw`` with its uniform numbers
+    given, so a caller can draw them ahead (the static decoder draws a whole call's at
+    once, and its captured steps read them). No host sync."""
     cdf_BV = logp_BV.exp().cumsum(-1)
     total_B1 = cdf_BV[:, -1:].contiguous()
-    u_B1 = torch.rand(total_B1.shape, generator=generator, device=cdf_BV.device) * total_B1
-    tok_B = torch.searchsorted(cdf_BV, u_B1, right=True)
+    tok_B = torch.searchsorted(cdf_BV, u_B[:, None] * total_B1, right=True)
     # Rounding can make u equal the total; the last token with mass is where the CDF first
     # reaches it, so that is the most a draw may pick.
     last_B = torch.searchsorted(cdf_BV, total_B1, right=False)

@@ -26,7 +26,7 @@ machine supports.
 from __future__ import annotations
 
 import time
-from typing import Literal, get_args
+from typing import Callable, Literal, get_args
 
 import torch
 from torch import nn
@@ -164,6 +164,15 @@ def fast_linears(model: PreTrainedModel) -> FusedLinears | None:
     if weights.fast_linears is None:
         raise RuntimeError("a quantized generator model samples before GenWeights.refresh()")
     return weights.fast_linears
+
+
+def fast_kernel(model: PreTrainedModel) -> Callable[[torch.Tensor], LinearKernel]:
+    """What builds a fast-path kernel from a full-precision weight at ``model``'s
+    generator precision (fp32 for a model ``quantize_`` left alone)."""
+    weights: GenWeights | None = getattr(model, _ATTACHED, None)
+    if weights is None:
+        return DenseKernel
+    return lambda w: make_kernel(w, weights.precision)
 
 
 def _replace_linears(model: PreTrainedModel, precision: str) -> list[QuantizedLinear]:

@@ -1,0 +1,393 @@
+"""Static-shape decoding for the Llama fast path: each decode step is one function of
+fixed shapes per batch bucket, and on CUDA it is captured once as a CUDA graph and
+replayed, so a step costs one launch and the host never waits for the device per token.
+
+Why: on a GPU the eager loop (``decode.run``) is bound by kernel launches and Python (a
+step of a 374M Llama cost ~10 ms at 64 and at 256 rows alike on an H200), and it reads
+``alive`` back to the host after every token, so the CPU cannot queue the next step.
+
+What is static (``StaticState``: device tensors allocated once, updated in place):
+
+- KV buffers at full capacity C (the call's longest prompt plus its new tokens, rounded
+  up to ``CAPACITY_QUANTUM``), two sets: the prefill's (``LlamaFastPath.prefill`` writes
+  its packed prompts there, as in the eager path) and the decode's, into which each row
+  gathers its prompt (repeated prompts fan out there). Attention covers all C positions;
+  an additive bias ``(rows, 1, 1, C)`` hides those not written yet and is opened one
+  position per step, in place, by the step itself;
+- per row: the last token, its rotary position, its output row, alive; the step counter
+  and the cache slot, one-element device tensors the step increments;
+- the outputs ``tokens_BT`` and ``logprobs_BT`` (one more row: where padding rows write)
+  and the uniform numbers ``u_BT``, one per output row and step, drawn at the start of
+  a call from the caller's generator (on the model's device): a draw does not depend
+  on which bucket or batch row the row is in, and no random state lives in a graph.
+
+One step (``StaticDecoder._step``): ``LlamaFastPath.decode_at`` (the eager decode's code,
+writing at a device-side slot), then the sampling the eager loop does, inside the step:
+temperature and top-p (``logits.process_logits``), the inverse-CDF draw at the row's u
+(``logits.inverse_cdf``), the log-prob gather, the EOS check.
+
+Buckets (``bucket_sizes``): the call's rows, then the powers of two below it down to
+``MIN_BUCKET_ROWS``. As rows finish, the batch is compacted to the smallest bucket that
+holds the live rows (the next bucket down), not to their exact count: a shape per
+bucket, captured once; the rows between the live count and the bucket are finished
+rows riding along (their tokens past EOS are masked, as in the eager loop). Below 8
+rows a GPU step costs what it costs at 8 (launch-bound), so smaller buckets would only
+add captures.
+
+Host syncs: the live rows are counted on the host every ``CHECK_EVERY`` steps only (to
+stop early and to compact); in between, steps are queued back to back.
+
+Weights: the step reads the fast path's fused kernels from storage this decoder owns,
+refreshed in place when the model's parameters have changed since the last call (the
+weight receiver's in-place copy shows in their version counters): at fp32 the fused
+matrices are rewritten where they are (``fused_weights(out=...)``; o and down are the
+parameters themselves), at another precision the kernels ``GenWeights.refresh`` built
+are copied in (``FusedLinears.load_``). A new version therefore needs no recapture and
+no new storage for what the graphs read.
+
+On CPU the same code runs without capture (``capture=False``): the bucketing, masks and
+in-place updates are what the CPU tests check. Whether a CPU generator uses it is
+``DEFAULT_DECODER`` (see there for the measurement).
+
+Why ``torch.cuda.CUDAGraph`` rather than ``torch.compile(mode="reduce-overhead")``:
+the graph's static inputs are exactly the tensors above, chosen here (KV buffers, bias,
+counters, weights updated in place), so a weight swap or a compaction cannot silently
+trigger a re-trace or a copy into compile-managed buffers, and there is no compile time
+per bucket; the fast path is already the fused math compile would produce for the
+matmuls. What compile could add (fusing the elementwise ops) is left to a GPU
+measurement.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedModel
+
+from app.sampling import decode, precision
+from app.sampling.kv_cache import new_cache
+from app.sampling.llama_fast import FusedLinears, FusedWeights, LlamaFastPath, fused_linears, fused_weights
+from app.sampling.logits import inverse_cdf, process_logits, token_logprobs
+
+if TYPE_CHECKING:
+    from app.sampling import SamplingParams
+
+log = logging.getLogger("llamarl")
+
+MIN_BUCKET_ROWS = 8
+"""The smallest batch bucket (see the module docstring)."""
+
+CHECK_EVERY = 8
+"""Decode steps between two host reads of the live rows. On a GPU a read stalls the launch
+queue until the device catches up; what a larger k costs is up to k - 1 steps run after
+the last row ended, and k - 1 steps in a bigger bucket after rows could have left it.
+Measured on CPU only, where a read costs nothing (``benchmarks/sampler.py --sampler
+captured --check-every 1 4 8 16 --config default --rows 32 64``, 2 shared cores, loaded;
+``benchmarks/results/sampler_decoders_cpu.json``): 32 rows 3204 / 3440 / 3453 / 2686
+tokens/s, 64 rows 5727 / 5128 / 4923 / 5298: 8 costs at most about the noise there, 16
+starts to cost. TO RE-MEASURE ON A GPU (``--device cuda``), where the reads are what k
+saves."""
+
+CAPACITY_QUANTUM = 64
+"""KV capacity is rounded up to a multiple of this many positions, so calls whose
+prompts differ by a few tokens share one state and one set of graphs."""
+
+CAPTURE_WARMUP_STEPS = 3
+"""Steps run on a side stream before a capture (cuBLAS and allocator warm-up, as
+``torch.cuda.graphs`` asks)."""
+
+_ATTACHED = "llamarl_static_decoder"
+
+
+def bucket_sizes(rows: int) -> tuple[int, ...]:
+    """The batch buckets of a decoder for ``rows`` rows, largest first: ``rows``, then
+    the powers of two below it down to ``MIN_BUCKET_ROWS``."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    sizes = [rows]
+    size = 1 << ((rows - 1).bit_length() - 1) if rows > 1 else 0
+    while size >= MIN_BUCKET_ROWS:
+        sizes.append(size)
+        size //= 2
+    return tuple(sizes)
+
+
+def bucket_for(live: int, sizes: tuple[int, ...]) -> int:
+    """The smallest bucket of ``sizes`` that holds ``live`` rows."""
+    fitting = [s for s in sizes if s >= live]
+    if not fitting:
+        raise ValueError(f"{live} rows exceed the largest bucket {sizes[0]}")
+    return min(fitting)
+
+
+def capacity_for(positions: int) -> int:
+    """The KV capacity of a state for ``positions`` positions (``CAPACITY_QUANTUM``)."""
+    return -(-positions // CAPACITY_QUANTUM) * CAPACITY_QUANTUM
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """What a captured step bakes in besides its shapes."""
+
+    rows: int
+    temperature: float
+    top_p: float
+    eos_id: int
+
+
+class StaticState:
+    """The device tensors every step reads and writes in place (module docstring)."""
+
+    def __init__(self, fast_path: LlamaFastPath, rows: int, capacity: int) -> None:
+        like = fast_path.cos_LD
+        L, K, D = len(fast_path.layers), fast_path.n_kv_heads, fast_path.head_dim
+        self.rows, self.capacity, self.fast_path = rows, capacity, fast_path
+        self.buckets = bucket_sizes(rows)
+        # [prefill, decode] x [keys, values] x layers x rows x kv heads x C x D; zeros, not
+        # garbage: masked positions are multiplied by 0, and 0 * NaN is NaN.
+        self.kv = like.new_zeros((2, 2, L, rows, K, capacity, D))
+        self.bias_RC = like.new_full((rows, capacity), float("-inf"))
+        self.tok_R = torch.zeros(rows, dtype=torch.long, device=like.device)
+        self.pos_R = torch.zeros_like(self.tok_R)
+        self.out_row_R = torch.full_like(self.tok_R, rows)  # row `rows`: the sink
+        self.alive_R = torch.zeros(rows, dtype=torch.bool, device=like.device)
+        self.t_1 = torch.ones(1, dtype=torch.long, device=like.device)
+        self.slot_1 = torch.zeros_like(self.t_1)
+        self.tokens_BT = torch.zeros((rows + 1, capacity), dtype=torch.long, device=like.device)
+        self.logprobs_BT = torch.zeros((rows + 1, capacity), dtype=torch.float32, device=like.device)
+        self.u_BT = torch.zeros((rows + 1, capacity), dtype=torch.float32, device=like.device)
+
+    def decode_kv(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the decode set's keys and values of the first ``rows`` rows."""
+        return [(self.kv[1, 0, i, :rows], self.kv[1, 1, i, :rows]) for i in range(self.kv.shape[2])]
+
+    def select_rows_(self, order_N: torch.Tensor, filled: int) -> None:
+        """Batch row r takes what row ``order_N[r]`` held (r < N): per-row tensors and the
+        decode set's first ``filled`` positions (``filled`` includes the prompt)."""
+        n = len(order_N)
+        for x in (self.tok_R, self.pos_R, self.out_row_R, self.alive_R, self.bias_RC):
+            x[:n] = x[order_N]
+        self.kv[1, :, :, :n, :, :filled] = self.kv[1, :, :, :, :, :filled].index_select(2, order_N)
+
+
+class StaticDecoder:
+    """The static-shape decode of one model (``decoder_for``): its state, its fused
+    weights and, on CUDA, one captured graph per bucket and sampling setting."""
+
+    def __init__(self, model: PreTrainedModel, *, capture: bool | None = None) -> None:
+        if not LlamaFastPath.supports(model):
+            raise ValueError("static decoding runs the Llama fast path, which does not support "
+                             f"{type(model).__name__}")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.linears: FusedLinears | None = None
+        self.state: StaticState | None = None
+        self.graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0
+        """Seconds spent capturing graphs, all of them (0 on CPU)."""
+        self._stamp: tuple | None = None
+        self._fused: FusedWeights | None = None
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo: dict) -> None:
+        """A copy of the model (a reference model, a quantized generator copy) gets no
+        decoder: this one's state and graphs belong to the original's weights; the copy
+        makes its own at its first static call."""
+        return None
+
+    # -- weights -------------------------------------------------------------------
+    def _weights_stamp(self) -> tuple:
+        """Changes whenever a parameter is written in place (the weight receiver's swap)
+        or rebound, or the precision's kernels are rebuilt (``GenWeights.refresh``)."""
+        fast = precision.fast_linears(self.model)
+        return (id(fast), *((p.data_ptr(), p._version) for p in self.model.parameters()))
+
+    @staticmethod
+    def _storage(stamp: tuple | None) -> tuple | None:
+        return None if stamp is None else tuple(ptr for ptr, _ in stamp[1:])
+
+    @torch.inference_mode()
+    def refresh_weights(self) -> bool:
+        """Bring the fused kernels the steps read up to the model's weights, in place;
+        True when they changed."""
+        stamp = self._weights_stamp()
+        if stamp == self._stamp:
+            return False
+        if self.linears is not None and self._storage(stamp) != self._storage(self._stamp):
+            # Parameters rebound to new storage (not copied into, as the weight receiver
+            # does): the kernels and graphs read the old one. Start over (rare).
+            log.info("static decoder: the model's parameters moved to new storage; rebuilding its "
+                     "weights, state and graphs")
+            self.linears = self.state = None
+            self.graphs.clear()
+        quantized = precision.fast_linears(self.model)
+        if self.linears is None:
+            # fp32: the kernels are the fused matrices themselves (and the o and down
+            # parameters), which a new version rewrites in place.
+            self._fused = None if quantized is not None else fused_weights(self.model)
+            self.linears = fused_linears(self.model, precision.fast_kernel(self.model), self._fused)
+        elif quantized is not None:
+            self.linears.load_(quantized)  # the precision's kernels for this version
+        else:
+            fused_weights(self.model, out=self._fused)
+        self._stamp = stamp
+        return True
+
+    # -- state and graphs ------------------------------------------------------------
+    def _state_for(self, rows: int, positions: int) -> StaticState:
+        st = self.state
+        if st is None or st.rows < rows or st.capacity < positions:
+            rows = max(rows, st.rows if st else 0)
+            capacity = capacity_for(max(positions, st.capacity if st else 0))
+            fast_path = LlamaFastPath(self.model, capacity, self.linears)
+            self.state = st = StaticState(fast_path, rows, capacity)
+            self.graphs.clear()  # they read the old state's tensors
+        return st
+
+    def _step(self, st: StaticState, key: StepKey) -> None:
+        """One decode step of the first ``key.rows`` rows, then the next token's draw."""
+        b = key.rows
+        logits_bV = st.fast_path.decode_at(st.tok_R[:b], st.pos_R[:b], st.decode_kv(b), st.slot_1,
+                                           st.bias_RC[:b, None, None, :])
+        st.pos_R[:b].add_(1)
+        st.slot_1.add_(1)
+        self._sample(st, logits_bV, key)
+
+    @staticmethod
+    def _sample(st: StaticState, logits_bV: torch.Tensor, key: StepKey) -> None:
+        """Column ``t_1`` of the outputs for the first ``len(logits_bV)`` rows; ``t_1`` + 1."""
+        b = logits_bV.shape[0]
+        logp_bV = process_logits(logits_bV, key.temperature, key.top_p)
+        rows_b, col_b = st.out_row_R[:b], st.t_1.expand(b)
+        if key.temperature == 0:
+            tok_b = logp_bV.argmax(-1)
+        else:
+            tok_b = inverse_cdf(logp_bV, st.u_BT[rows_b, col_b])
+        st.tokens_BT.index_put_((rows_b, col_b), tok_b)
+        st.logprobs_BT.index_put_((rows_b, col_b), token_logprobs(
+            logits_bV, tok_b, key.temperature, key.top_p, sampled_from_NV=logp_bV))
+        st.alive_R[:b].logical_and_(tok_b != key.eos_id)
+        st.tok_R[:b].copy_(tok_b)
+        st.t_1.add_(1)
+
+    def _run_step(self, st: StaticState, key: StepKey) -> None:
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._step(st, key)
+
+    def _capture_all(self, st: StaticState, template: StepKey) -> None:
+        """One graph per bucket at ``template``'s sampling setting (before the call
+        sets the state up: the warm-up steps write into it)."""
+        keys = [StepKey(b, template.temperature, template.top_p, template.eos_id) for b in st.buckets]
+        keys = [k for k in keys if k not in self.graphs]
+        if not keys:
+            return
+        t0 = time.perf_counter()
+        # One memory pool for every bucket's graph: they never run concurrently, and no
+        # tensor a capture allocates outlives it (every output is a state tensor made
+        # outside), so any order of replays is safe.
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        for key in keys:
+            # A state the warm-up steps can run on: position 0 visible, counters in range.
+            st.bias_RC.fill_(float("-inf"))
+            st.bias_RC[:, 0] = 0.0
+            st.t_1.fill_(1)
+            st.slot_1.fill_(0)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(CAPTURE_WARMUP_STEPS):
+                    self._step(st, key)
+                    st.t_1.fill_(1)
+                    st.slot_1.fill_(0)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the weight receiver's thread may use the GPU meanwhile (its
+            # work is not captured, and does not break this capture).
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._step(st, key)
+            self.graphs[key] = graph
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        self.capture_s += seconds
+        log.info("static decoder: captured %d decode steps (buckets %s, capacity %d) in %.2f s",
+                 len(keys), ",".join(str(k.rows) for k in keys), st.capacity, seconds)
+
+    # -- one call --------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], params: SamplingParams, *, eos_id: int, pad_id: int,
+            generator: torch.Generator | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``sample`` through static steps: ``tokens_BT``, ``logprobs_BT``, ``lengths_B``."""
+        with self._lock:
+            return self._run(prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator)
+
+    def _run(self, prompts, params, *, eos_id, pad_id, generator):
+        device = self.device
+        B, T = len(prompts), params.max_new_tokens
+        P = max(len(p) for p in prompts)
+        self.refresh_weights()
+        st = self._state_for(B, P + T)
+        b = bucket_for(B, st.buckets)
+        key = StepKey(b, params.temperature, params.top_p, eos_id)
+        if self.capture:
+            self._capture_all(st, key)
+
+        unique, src_B = decode.distinct_prompts(prompts, device)
+        cache, _ = new_cache(self.model, st.capacity, st.kv)  # writes the prefill set
+        logits_UV, valid_UP, next_pos_U1 = st.fast_path.prefill(unique, cache)
+        # Rows B..b-1 copy row 0 (finite values to compute on) and write to the sink row.
+        src_b = torch.cat([src_B, src_B[:1].expand(b - B)])
+        st.kv[1, :, :, :b, :, :P] = st.kv[0, :, :, :, :, :P].index_select(2, src_b)
+        st.bias_RC[:b].fill_(float("-inf"))
+        st.bias_RC[:b, :P].masked_fill_(valid_UP[src_b], 0.0)
+        st.pos_R[:b] = next_pos_U1[src_b, 0]
+        st.out_row_R[:b] = torch.arange(b, device=device)
+        st.out_row_R[B:b] = st.rows
+        st.alive_R[:b] = torch.arange(b, device=device) < B
+        st.tokens_BT[:B, :T] = pad_id
+        if params.temperature > 0:
+            st.u_BT[:B, :T] = torch.rand((B, T), generator=generator, device=device)
+        st.t_1.fill_(0)
+        st.slot_1.fill_(P)
+        self._sample(st, logits_UV[src_b], key)
+
+        t = 1
+        while t < T:
+            for _ in range(min(CHECK_EVERY, T - t)):
+                self._run_step(st, key)
+                t += 1
+            if t >= T:
+                break
+            live = int(st.alive_R[:b].sum())  # the one host sync per CHECK_EVERY steps
+            if live == 0:
+                break
+            smaller = bucket_for(live, st.buckets)
+            if smaller < b:
+                # Live rows first, then finished ones to fill the bucket.
+                order = torch.argsort((~st.alive_R[:b]).to(torch.uint8), stable=True)[:smaller]
+                st.select_rows_(order, P + t)
+                b = smaller
+                key = StepKey(b, params.temperature, params.top_p, eos_id)
+        return decode.finish(st.tokens_BT[:B, :T].clone(), st.logprobs_BT[:B, :T].clone(),
+                             eos_id=eos_id, pad_id=pad_id)
+
+
+def decoder_for(model: PreTrainedModel) -> StaticDecoder:
+    """The model's static decoder, made on first use and kept on the model (its state,
+    weights and graphs live as long as the model)."""
+    decoder: StaticDecoder | None = getattr(model, _ATTACHED, None)
+    if decoder is None:
+        decoder = StaticDecoder(model)
+        setattr(model, _ATTACHED, decoder)
+    return decoder
