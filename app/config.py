@@ -63,12 +63,14 @@ class TrainerConfig:
     """Deadline of one reward call; a rollout whose reward misses it is quarantined."""
     weight_sync_timeout_s: float = 30.0
     """Deadline of one weight sync and of the weight group's rendezvous: how long a
-    generator that vanished mid-sync can hold the trainer before the survivors regroup."""
+    generator that vanished mid-sync can hold the trainer before the survivors regroup;
+    also how long a generator waits for a trainer rank's weight digest record."""
     weight_digest: bool = True
-    """Publish a signed SHA-256 digest of every weight version; generators refuse weights
-    that do not match it (altered on the unauthenticated weight plane). On a CPU host
-    at 100M parameters the trainer's hash takes 1.7x a sync (benchmarks/security.py):
-    --no-weight-digest when the weight plane's network is private."""
+    """Every trainer rank publishes a signed SHA-256 digest of the shard it sends of every
+    weight version; generators refuse weights that do not match (altered on the
+    unauthenticated weight plane), naming the rank. On a CPU host at 100M parameters
+    hashing costs about a sync (benchmarks/security.py): --no-weight-digest when the
+    weight plane's network is private."""
     levels: str = "1,2,3"
     """Difficulty levels of the built-in task's training and evaluation problems."""
     dataset: str = ""

@@ -113,8 +113,9 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
     gen_weights = quantize_(model, gen_cfg.gen_precision)
     # Joins the weight plane's current epoch; after a break (another generator lost) or a
     # restart of this replica it joins the next one.
-    check = (weight_digest.DigestCheck(rt.store, rt.secret, rt.replica)
-             if trainer_cfg.weight_digest else None)  # weights altered in flight are refused
+    # Weights altered in flight are refused; it runs on the receiver's thread: a connection of its own.
+    check = (weight_digest.DigestCheck(rt.signed.clone(), rt.replica, wait_s=trainer_cfg.weight_sync_timeout_s,
+                                       should_stop=rt.should_stop) if trainer_cfg.weight_digest else None)
     receiver = ElasticReceiver(rt.signed, rt.replica, list(model.named_parameters()),
                                timeout_s=trainer_cfg.weight_sync_timeout_s, verify=check)
     receiver.start_background(should_stop=rt.should_stop)

@@ -188,9 +188,10 @@ def weight_joins_key(replica: int) -> str:
     return f"joins/{int(replica)}"
 
 
-def weight_digest_key(version: int) -> str:
-    """The trainer's signed digest of weight version ``version`` (``app.weight_digest``)."""
-    return f"{_ROOT}weight_digest/{int(version)}"
+def weight_digest_key(version: int, rank: int) -> str:
+    """Trainer rank ``rank``'s signed digest of its shard of weight version ``version``
+    (``app.weight_digest``)."""
+    return f"{_ROOT}weight_digest/{int(version)}/{int(rank)}"
 
 
 def weight_sync_announce_key(sync: int) -> str:
@@ -348,7 +349,11 @@ def rejected_metric(reason: str) -> str:
 WEIGHT_DIGEST_PREFIX = SECURITY_PREFIX + "weight_digest/"
 """Weight versions a generator refused, by reason (``app.weight_digest``)."""
 WEIGHT_DIGEST_S = "weights/digest_s"
-"""Seconds trainer replica 0 spent hashing one weight version before sending it."""
+"""Seconds a trainer rank spent hashing its shard of one weight version (``replica`` is
+the rank; on a thread, while the shard is on the wire)."""
+WEIGHT_DIGEST_WAIT_S = "weights/digest_wait_s"
+"""Seconds a trainer rank waited for that hash after its send was done: what the digest
+added to the sync."""
 
 
 def weight_digest_metric(reason: str) -> str:

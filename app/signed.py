@@ -65,7 +65,7 @@ _KINDS = {
     "members": "membership", "gone": "membership", "gone_list": "membership", "exited": "membership", "data_checked": "membership",
     "version": "version", "config": "config", "policy_path": "config", "data": "config",
     "resume": "config", "slots_done": "config", "app_id": "config",
-    "groups_reserved": "slots", "groups_dropped": "slots", "held": "held", "queue": "lost_slots",
+    "weight_digest": "weights", "groups_reserved": "slots", "groups_dropped": "slots", "held": "held", "queue": "lost_slots",
 }
 
 

@@ -6,7 +6,10 @@ of a run from it.
 
 - the model and the optimizer, written by ``torch.distributed.checkpoint`` (DCP) from
   ``get_state_dict``: a collective over the trainer ranks, each writing its own shard, so
-  the same code holds for a sharded (FSDP2) trainer;
+  the same code holds for a sharded (FSDP2) trainer. The number of trainer ranks may
+  change at a resume (``RESUMABLE``: ``trainer_ranks``): DCP reshards as it loads, so a
+  state saved by 1 rank loads on 2 and one saved by 2 loads on 1, model and optimizer
+  alike (``tests/test_train_state.py``);
 - ``state.json``: the step, the policy version, the slot ledger (which staleness slots
   were trained or dropped), the prompt order's position, the model's fingerprint and
   parameter shapes, the RNG states of trainer rank 0, the counters (dropped, skipped

@@ -55,7 +55,6 @@ from app.rewards import build_reward, parse_spec
 from app.seen_groups import REPLAY, Admission, SeenIds, taken_by_other_ranks
 from app.sampling.precision import check_precision
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
-from app.weight_layout import DEFAULT_BUCKET_MB, Layout
 from app.weight_plane import elastic_sender
 from app.weight_sync import flatten_parameters_
 from pipelines.rollouts import RolloutStream
@@ -159,9 +158,6 @@ class Trainer:
             self.membership = membership.Membership(rt.signed, {"generator": self.num_generators,
                                                                "reward": self.num_reward})
             self.membership.start()
-            # The weight digest is of the whole copy (what a generator assembles).
-            self.params = list(self.full_model.named_parameters())
-            self.digest_layout = Layout(self.params, int(DEFAULT_BUCKET_MB * 2**20))
         # Every trainer rank sends its own shard straight to every generator (no gather);
         # rank 0 leads the plane's epochs (app.weight_plane).
         self.sender = elastic_sender(rt.signed, list(self.model.named_parameters()), rank=self.rank,
@@ -169,6 +165,9 @@ class Trainer:
                                      timeout_s=cfg.weight_sync_timeout_s,
                                      gone=self.membership.gone if self.membership else None,
                                      should_stop=rt.should_stop)
+        # Every rank signs the digest of the shard it sends: no gather for it.
+        self.digest = (weight_digest.ShardDigest(rt.signed, list(self.model.named_parameters()), rank=self.rank,
+                                                 ranks=self.world) if cfg.weight_digest else None)
         self.sender.start()
         self._sync()
         self.stream = RolloutStream(
@@ -307,16 +306,11 @@ class Trainer:
 
     def _sync(self) -> None:
         """Every rank: its shard of the current version to every generator; its bytes and
-        seconds are the dashboard's per-sender row (``trainer/<rank>``). Replica 0 first
-        publishes the version's digest, of its whole copy (with several ranks, gathered
-        before every sync while the digest is on)."""
-        if self.cfg.weight_digest and self.rank == 0:  # before the send: a generator checks what it received
-            with self.timeline.busy("weight_digest"):
-                t0 = time.perf_counter()
-                weight_digest.publish(self.rt.store, self.rt.secret, self.version, weight_digest.digest(
-                    weight_digest.sent_runs(self.params, self.digest_layout)))
-            self.rt.emit(metrics.scalars({names.WEIGHT_DIGEST_S: time.perf_counter() - t0}, role="trainer",
-                                         step=self.version))
+        seconds are the dashboard's per-sender row (``trainer/<rank>``). With the digest
+        on, the rank hashes that shard on a thread while it is on the wire and publishes
+        the signed record after the send (``app.weight_digest``: a generator hashes what
+        it received first, then waits for the record)."""
+        pending = self.digest.start(self.version) if self.digest is not None else None
         if self.rank == 0:
             # Published before the send: a generator may push a group of this version as soon
             # as it has the weights, and a reader (a reward executor) refuses a version it has
@@ -324,6 +318,13 @@ class Trainer:
             self.rt.control.set_version(self.version)
         with self.timeline.busy("weight_sync"):
             stats = self.sender.send(self.version)
+        if pending is not None:
+            t0 = time.perf_counter()
+            with self.timeline.busy("weight_digest"):
+                hashed_s = pending.publish()
+            self.rt.emit(metrics.scalars({names.WEIGHT_DIGEST_S: hashed_s,
+                                          names.WEIGHT_DIGEST_WAIT_S: time.perf_counter() - t0},
+                                         role="trainer", replica=self.rank, step=self.version))
         self.rt.emit([metrics.weight_sync(stats.version, names.member("trainer", self.rank), stats.bytes,
                                           stats.seconds)])
 
@@ -437,8 +438,9 @@ class Trainer:
                                           policy_version=self.version) or None  # {}: no rank had a rollout
             t_train = time.time() - t0
             save = (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
-            # The whole copy's uses: evaluation, checkpoints, and the weight digest.
-            if step % cfg.eval_every == 0 or step == cfg.steps or save or cfg.weight_digest:
+            # The whole copy's uses: evaluation and checkpoints (the weight sync and its
+            # digest are per shard).
+            if step % cfg.eval_every == 0 or step == cfg.steps or save:
                 self._gather_full_model()
             consumed_version = self.version
             self.version += 1

@@ -131,6 +131,18 @@ class Landing:
         return [(slot.offset - span.offset, self.full_offset[slot.index] + self.shards.starts[slot.index],
                  slot.numel) for slot in span.slots if slot.numel]
 
+    def received(self, span: Span, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The span's bytes as they lie in ``flat`` (its staging run) once received: views
+        of ``flat``, in the span's order, parts back to back there as one (no copy). Never
+        empty: a span with no elements is one empty view (the digest reads its dtype)."""
+        out: list[tuple[int, int]] = []  # (staging offset, numel)
+        for _, dst, n in self.pieces(span):
+            if out and out[-1][0] + out[-1][1] == dst:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((dst, n))
+        return [flat[at:at + n] for at, n in out] or [flat[:0]]
+
     def direct(self, span: Span) -> int | None:
         """The staging offset the span's bytes land at as they are, or None when its parts
         are not back to back there (the receiver scatters them)."""

@@ -410,6 +410,11 @@ class _SenderPlan:
                 scatters += [(scratch[src:src + n], flat[dst:dst + n]) for src, dst, n in self.landing.pieces(bucket)]
         return works, scatters
 
+    def received(self, staging: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """This trainer rank's runs, as they lie in ``staging`` after a receive (what it
+        hashed: ``app.weight_digest``)."""
+        return [self.landing.received(run, flat) for run, flat in zip(self.layout.runs, staging)]
+
 
 class WeightReceiver:
     """A generator rank: receives each version on a background thread, applies it between
@@ -426,14 +431,15 @@ class WeightReceiver:
     ``params`` must be laid out by ``flatten_parameters_`` (as the generator's model is),
     so applying a version is one copy per run. The buckets are the senders' (read in the
     layout handshake); ``bucket_mb`` only cuts this side's own layout document.
-    ``verify(version, staging)``, when given, is asked after each receive whether to take
-    it (``app.weight_digest.DigestCheck``); a version it refuses is never applied: the
-    model keeps the version it has.
+    ``verify(version, senders)``, when given, is asked after each receive whether to take
+    it (``app.weight_digest.DigestCheck``; ``senders``: for each trainer rank, its runs as
+    received, each a list of views of staging); a version it refuses is never applied:
+    the model keeps the version it has.
     """
 
     def __init__(self, groups: WeightGroup | Iterable[WeightGroup], params: Sequence[tuple[str, torch.Tensor]],
                  bucket_mb: float = DEFAULT_BUCKET_MB,
-                 verify: Callable[[int, list[torch.Tensor]], bool] | None = None) -> None:
+                 verify: Callable[[int, list[list[list[torch.Tensor]]]], bool] | None = None) -> None:
         self.params = list(params)  # as given: a later .data rebinding is caught at a swap
         self.layout = Layout(self.params, int(bucket_mb * 2**20))
         self.groups: list[WeightGroup] = []
@@ -572,7 +578,8 @@ class WeightReceiver:
                 with self._lock:
                     stats = self._receive()
                     # Refused: staging holds bytes not to apply, whatever it held before.
-                    taken = self.verify is None or self.verify(stats.version, self._staging)
+                    taken = self.verify is None or self.verify(
+                        stats.version, [plan.received(self._staging) for plan in self._senders])
                     self._staged_version = stats.version if taken else self._applied_version
                 with self._stats_lock:
                     self._stats.append(stats)

@@ -7,12 +7,14 @@ Messages, per rollout group (in this process): a group of ``--group-size`` compl
 check). The HMAC alone over the same frame is timed too, to show what signing costs.
 
 Weights, per sync (a trainer and one generator process, gloo on loopback, ~``--params``
-fp32 parameters shaped like a small Llama): a plain sync (``WeightSender.send`` until the
-generator's background receiver has the version staged) against a sync with the digest
-(the trainer hashes its flat buffers and publishes the signed record, then sends; the
-generator hashes what it received and checks it before staging), round-robin, median of
-``--repeats`` rounds after a warm-up. The trainer's hashing and the generator's check are
-also timed on their own.
+fp32 parameters shaped like a small Llama), three ways round-robin (``METHODS``), median
+of ``--repeats`` rounds after a warm-up: a plain sync; the digest before the send (the
+trainer hashes and publishes its signed record, then sends: the path before the digest
+was overlapped); the digest beside the send (hashed on a thread while the weights are on
+the wire, published after the send: what every trainer rank does now). Each is timed as
+the trainer pays it (until its send and digest are done) and until the generator has the
+version staged (its check included: it hashes what it received, then reads the record).
+The trainer's hashing and the generator's check are also timed on their own.
 
     python benchmarks/security.py --json benchmarks/results/security.json [--params 100e6]
 """
@@ -34,8 +36,8 @@ from app import weight_digest
 from app.contract import GroupId, Rejections, Rollout, RolloutGroup, from_message, to_message
 from app.frames import decode, encode
 from app.seen_groups import Admission
+from app.signed import SignedStore
 from app.transport import connect_store, host_store
-from app.weight_layout import DEFAULT_BUCKET_MB, Layout
 from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
 from weight_sync import _Steps, llama_like_params
 
@@ -109,6 +111,12 @@ def bench_messages(args: argparse.Namespace) -> dict:
 _wait = _Steps.wait_until  # weight_sync.py's poll with a deadline
 
 
+METHODS = ("plain", "digest_serial", "digest_overlap")
+"""Round-robin, one version each: no digest; hash then publish then send (the path before:
+what trainer replica 0 did); hash on a thread while the weights are on the wire, publish
+after the send (``ShardDigest.start``: what every trainer rank does now)."""
+
+
 def weight_role(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
@@ -118,41 +126,46 @@ def weight_role(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -
     flatten_parameters_([p for _, p in params])
     rounds = args.repeats + 1  # the first is a warm-up
     times: dict[str, list[float]] = {}
+
+    def timed(name: str, seconds: float, r: int) -> None:
+        if r:
+            times.setdefault(name, []).append(seconds)
+
     if rank == 0:
         sender = WeightSender(group, params)
-        layout = Layout(params, int(DEFAULT_BUCKET_MB * 2**20))
+        shard = weight_digest.ShardDigest(SignedStore(store, SECRET, "trainer/0"), params, rank=0, ranks=1)
         version = 0
         for r in range(rounds):
-            for method in ("plain", "digest"):  # round-robin: host load lands on both alike
-                version += 1  # odd: plain, even: with the digest (the generator checks those)
+            for method in METHODS:  # round-robin: host load lands on all alike
+                version += 1  # the generator checks the versions of the digest methods
                 t0 = time.perf_counter()
-                if method == "digest":
-                    t1 = time.perf_counter()
-                    hexdigest = weight_digest.digest(weight_digest.sent_runs(params, layout))
-                    weight_digest.publish(store, SECRET, version, hexdigest)
-                    if r:
-                        times.setdefault("trainer_digest", []).append(time.perf_counter() - t1)
+                if method == "digest_serial":
+                    timed("trainer_digest", shard.now(version), r)
+                pending = shard.start(version) if method == "digest_overlap" else None
                 sender.send(version)
+                if pending is not None:
+                    t1 = time.perf_counter()
+                    timed("trainer_digest_overlapped", pending.publish(), r)
+                    timed("trainer_digest_wait", time.perf_counter() - t1, r)
+                timed(f"trainer_{method}", time.perf_counter() - t0, r)  # what a trainer step pays
                 _wait(lambda: store.check([f"bench/staged/{version}"]), f"version {version} staged")
-                if r:
-                    times.setdefault(method, []).append(time.perf_counter() - t0)
+                timed(method, time.perf_counter() - t0, r)  # until the generator has it staged
         out.put((rank, {"times": times, "params": sum(p.numel() for _, p in params),
-                        "bytes": layout.nbytes}))
+                        "bytes": sum(p.numel() * p.element_size() for _, p in params)}))
         return
-    check = weight_digest.DigestCheck(store, SECRET, 0)
+    check = weight_digest.DigestCheck(SignedStore(store, SECRET, "generator/0"), 0, wait_s=600.0)
 
-    def verify(version: int, staging: list[torch.Tensor]) -> bool:
-        if version % 2:
+    def verify(version: int, senders: list) -> bool:
+        if METHODS[(version - 1) % len(METHODS)] == "plain":
             return True
         t0 = time.perf_counter()
-        ok = check(version, staging)
-        if version > 2:
-            times.setdefault("generator_check", []).append(time.perf_counter() - t0)
+        ok = check(version, senders)
+        timed("generator_check", time.perf_counter() - t0, version > len(METHODS))
         return ok
 
     receiver = WeightReceiver(group, params, verify=verify)
     receiver.start_background()
-    for version in range(1, 2 * rounds + 1):
+    for version in range(1, len(METHODS) * rounds + 1):
         _wait(lambda: receiver.latest_version() == version, f"version {version}")
         store.set(f"bench/staged/{version}", "1")
     receiver.stop_background()
@@ -174,9 +187,18 @@ def bench_weights(args: argparse.Namespace) -> dict:
         raise RuntimeError(f"benchmark: the generator refused versions: {generator['refused']}")
     t = {**trainer["times"], **generator["times"]}
     med = {k: statistics.median(v) for k, v in t.items()}
-    paired = statistics.median(d / p for d, p in zip(t["digest"], t["plain"]))
+
+    def paired(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(t[a], t[b]))
+
     return {"seconds": med, "all_seconds": t, "params": trainer["params"], "bytes": trainer["bytes"],
-            "paired_ratio_digest_vs_plain": paired, "trainer_digest_share_of_sync": med["trainer_digest"] / med["plain"],
+            "paired_ratio_serial_vs_plain": paired("digest_serial", "plain"),
+            "paired_ratio_overlap_vs_plain": paired("digest_overlap", "plain"),
+            "paired_ratio_overlap_vs_serial": paired("digest_overlap", "digest_serial"),
+            "trainer_paired_ratio_serial_vs_plain": paired("trainer_digest_serial", "trainer_plain"),
+            "trainer_paired_ratio_overlap_vs_plain": paired("trainer_digest_overlap", "trainer_plain"),
+            "trainer_paired_ratio_overlap_vs_serial": paired("trainer_digest_overlap", "trainer_digest_serial"),
+            "trainer_digest_share_of_sync": med["trainer_digest"] / med["trainer_plain"],
             "digest_threads": min(8, os.cpu_count() or 1)}
 
 
@@ -201,13 +223,20 @@ def main() -> None:
         print(f"  {name:<18}{value:>10.1f} us")
     print(f"  before {msgs['before_us']:.1f} us/group, after {msgs['after_us']:.1f} us/group "
           f"(dedupe +{100 * msgs['dedupe_overhead']:.2f} %)")
-    s = weights["seconds"]
-    print(f"\nweights: {weights['params'] / 1e6:.1f} M params, {weights['bytes'] / 2**20:.0f} MiB fp32, "
+    s, w = weights["seconds"], weights
+    print(f"\nweights: {w['params'] / 1e6:.1f} M params, {w['bytes'] / 2**20:.0f} MiB fp32, "
           f"trainer -> 1 generator, gloo loopback, median of {args.repeats}")
-    print(f"  plain sync             {s['plain']:.3f} s")
-    print(f"  sync with digest       {s['digest']:.3f} s  (paired ratio {weights['paired_ratio_digest_vs_plain']:.2f})")
-    print(f"  trainer hash + publish {s['trainer_digest']:.3f} s  "
-          f"({100 * weights['trainer_digest_share_of_sync']:.0f} % of a plain sync)")
+    print(f"  {'':<16}{'trainer pays':>14}{'until staged':>14}")
+    for m in METHODS:
+        print(f"  {m:<16}{s[f'trainer_{m}']:>12.3f} s{s[m]:>12.3f} s")
+    print(f"  paired ratios, trainer pays: serial/plain {w['trainer_paired_ratio_serial_vs_plain']:.2f}, "
+          f"overlap/plain {w['trainer_paired_ratio_overlap_vs_plain']:.2f}, "
+          f"overlap/serial {w['trainer_paired_ratio_overlap_vs_serial']:.2f}")
+    print(f"  paired ratios, until staged: serial/plain {w['paired_ratio_serial_vs_plain']:.2f}, "
+          f"overlap/plain {w['paired_ratio_overlap_vs_plain']:.2f}, "
+          f"overlap/serial {w['paired_ratio_overlap_vs_serial']:.2f}")
+    print(f"  trainer hash + publish {s['trainer_digest']:.3f} s alone, {s['trainer_digest_overlapped']:.3f} s "
+          f"beside the send ({s['trainer_digest_wait']:.3f} s waited after it)")
     print(f"  generator check        {s['generator_check']:.3f} s")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

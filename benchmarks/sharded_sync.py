@@ -22,6 +22,17 @@ holds the bytes (and every trainer rank is done):
   which every trainer rank sends its flat shard to each generator point to point (the
   bytes only, like ``raw``): what one group instead of a group per trainer rank costs.
 
+With ``--digest``, two more, the weight digest's cost (``app.weight_digest``) before and
+after it went per shard; the generators check every version of them (a refusal stops
+the benchmark):
+
+- ``sharded_digest``: ``sharded`` with the digest as the trainer ranks make it now: each
+  hashes its own shard on a thread while it sends it, publishes its signed record after;
+  each generator hashes each rank's runs in its staging and checks them;
+- ``gather_digest``: the path before: the gather of ``gather`` on every sync (the digest
+  was of replica 0's whole copy), rank 0 hashes the whole model and publishes, then
+  sends; each generator hashes and checks the whole.
+
 The first ``sharded`` round is checked: the generators' staging equals the trainer's
 full weights bit for bit.
 """
@@ -37,11 +48,18 @@ import time
 import torch
 import torch.distributed as dist
 
+from app.signed import SignedStore
 from app.transport import connect_store, host_store
+from app.weight_digest import DigestCheck, ShardDigest
 from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
 from benchmarks.weight_sync import llama_like_params
 
 METHODS = ("sharded", "gather", "raw", "p2p")
+DIGEST_METHODS = ("sharded_digest", "gather_digest")
+SECRET = bytes(range(32))
+DIGEST_VERSIONS = 1000
+"""The digest methods send version ``DIGEST_VERSIONS + round``: they reuse the receivers
+of ``sharded`` and ``gather``, which hold that round's version already."""
 TIMEOUT_S = 900.0
 
 
@@ -106,14 +124,24 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
         gather_sender = WeightSender(group, flat_full)
     del full
     raw = torch.randn(sharded.layout.nbytes // 4)
+    me = SignedStore(store, SECRET, f"trainer/{rank}")
+    shard_digest = ShardDigest(me, params, rank=rank, ranks=ranks)
+    full_digest = ShardDigest(me, flat_full, rank=0, ranks=1) if rank == 0 else None
 
-    def gather(rep: int) -> None:
+    def gather(rep: int, digest: bool = False) -> None:
         gathered = [p.full_tensor() if ranks > 1 else p for _, p in params]
         if rank == 0:
             with torch.no_grad():
                 for (_, dst), src in zip(flat_full, gathered):
                     dst.copy_(src)
+            if digest:
+                full_digest.now(rep)
             gather_sender.send(rep)
+
+    def send_shard_digest(rep: int) -> None:
+        pending = shard_digest.start(rep)
+        sharded.send(rep)
+        pending.publish()
 
     per_sender: list[float] = []
 
@@ -129,6 +157,9 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
 
     methods = {"sharded": send_shard, "gather": gather, "raw": lambda rep: group.wait(group.broadcast(raw)),
                "p2p": send_p2p}
+    if args.digest:
+        methods.update(sharded_digest=lambda rep: send_shard_digest(DIGEST_VERSIONS + rep),
+                       gather_digest=lambda rep: gather(DIGEST_VERSIONS + rep, digest=True))
     result: dict[str, list[float]] = {}
     for rep in range(-1, args.repeats):
         for name, fn in methods.items():
@@ -169,12 +200,18 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
     raw = torch.empty(sum(shard_bytes) // 4)
     raw_parts = list(raw.split([b // 4 for b in shard_bytes]))
 
-    def receive_with(receiver: WeightReceiver):
+    check = DigestCheck(SignedStore(store, SECRET, f"generator/{replica}"), replica, wait_s=TIMEOUT_S)
+
+    def receive_with(receiver: WeightReceiver, digest: bool = False):
         def receive(rep: int) -> None:
+            version = DIGEST_VERSIONS + rep if digest else rep
             # One receiver thread at a time: both would answer group 0's next sync.
+            receiver.verify = check if digest else None
             receiver.start_background()
-            barrier._wait(lambda: receiver.latest_version() == rep, f"version {rep}")
+            barrier._wait(lambda: receiver.latest_version() == version or bool(check.counts), f"version {version}")
             receiver.stop_background()
+            if check.counts:
+                raise RuntimeError(f"benchmark: generator {replica} refused a version: {check.refused}")
         return receive
 
     def receive_raw(rep: int) -> None:
@@ -189,6 +226,9 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
 
     methods = {"sharded": receive_with(sharded), "gather": receive_with(gather), "raw": receive_raw,
                "p2p": receive_p2p}
+    if args.digest:
+        methods.update(sharded_digest=receive_with(sharded, digest=True),
+                       gather_digest=receive_with(gather, digest=True))
     checked = False
     for rep in range(-1, args.repeats):
         for name, fn in methods.items():
@@ -246,7 +286,18 @@ def run(ranks: int, args) -> dict:
     # the load that other processes put on a shared host.
     paired = {m: statistics.median(t / r for t, r in zip(times[m], times["raw"])) for m in METHODS}
     paired_vs_gather = statistics.median(s / g for s, g in zip(times["sharded"], times["gather"]))
+    digest = {}
+    if args.digest:
+        def paired_to(a: str, b: str) -> float:
+            return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+        digest = {"sharded_digest_s": statistics.median(times["sharded_digest"]),
+                  "gather_digest_s": statistics.median(times["gather_digest"]),
+                  "paired_sharded_digest_vs_gather_digest": paired_to("sharded_digest", "gather_digest"),
+                  "paired_sharded_digest_vs_sharded": paired_to("sharded_digest", "sharded"),
+                  "paired_gather_digest_vs_gather": paired_to("gather_digest", "gather")}
     return {
+        **digest,
         "sharded_s": med["sharded"], "gather_s": med["gather"], "raw_s": med["raw"], "p2p_s": med["p2p"],
         "sharded_vs_gather": med["sharded"] / med["gather"], "sharded_vs_raw": med["sharded"] / med["raw"],
         "paired_sharded_vs_gather": paired_vs_gather, "paired_sharded_vs_raw": paired["sharded"],
@@ -266,4 +317,8 @@ def main(args: argparse.Namespace) -> dict:
         r = by_ranks[str(ranks)]
         print(f"  {ranks} trainer rank(s): sharded {r['sharded_s']:.3f} s, gather {r['gather_s']:.3f} s, "
               f"raw {r['raw_s']:.3f} s, p2p {r['p2p_s']:.3f} s (load {load:.1f})", flush=True)
+        if args.digest:
+            print(f"    with the digest: per shard, overlapped (now) {r['sharded_digest_s']:.3f} s, gathered "
+                  f"(before) {r['gather_digest_s']:.3f} s; paired now/before "
+                  f"{r['paired_sharded_digest_vs_gather_digest']:.2f}", flush=True)
     return by_ranks

@@ -26,6 +26,11 @@ broadcast and a raw broadcast of the same bytes (``benchmarks/sharded_sync.py``)
 JSON then holds ``by_trainer_ranks["N"] = {sharded_s, gather_s, raw_s, ...}``:
 
     python benchmarks/weight_sync.py --trainer-ranks 1 2 4 --json benchmarks/results/weight_sync_sharded.json
+
+``--digest`` adds, per N, the sync with the weight digest per shard (now) and with the
+gather and whole-model digest it needed before (``sharded_digest_s``, ``gather_digest_s``):
+
+    python benchmarks/weight_sync.py --trainer-ranks 1 2 --digest --json benchmarks/results/weight_digest_sharded.json
 """
 
 from __future__ import annotations
@@ -214,6 +219,9 @@ def main() -> None:
     ap.add_argument("--trainer-ranks", type=int, nargs="+", default=None,
                     help="compare the sharded sync, gather-then-broadcast and a raw broadcast for each "
                          "of these numbers of trainer ranks (instead of the one-trainer comparison)")
+    ap.add_argument("--digest", action="store_true",
+                    help="with --trainer-ranks: also the sync with the weight digest, per shard (now) and "
+                         "of the gathered whole model (before)")
     args = ap.parse_args()
     if args.trainer_ranks:
         sharded_comparison(args)

@@ -122,6 +122,12 @@ def test_two_sharded_trainer_ranks(tiny_policy, tmp_path, max_staleness):
                         "GROUP BY receiver ORDER BY receiver") == [("trainer/0", 3), ("trainer/1", 3)]
         used = rows(db, "SELECT count(*) FROM staleness WHERE used = 1")[0][0]
         assert used == 2 * PROMPTS_PER_STEP * GROUP_SIZE
+        # The weight digest (on by default) is per shard, each rank its own: the whole
+        # weights are gathered only for step 2 (it evaluates and saves), not for step 1.
+        assert rows(db, "SELECT replica, count(*) FROM intervals WHERE role = 'trainer' AND what = 'weight_gather' "
+                        "GROUP BY replica ORDER BY replica") == [(0, 1), (1, 1)]
+        assert rows(db, f"SELECT DISTINCT replica FROM scalars WHERE name = '{names.WEIGHT_DIGEST_S}' "
+                        "ORDER BY replica") == [(0,), (1,)]
         assert f"run finished: finished 2 steps" in app.log("trainer")
         assert [s for (s,) in rows(db, f"SELECT step FROM scalars WHERE name = '{names.eval_metric('accuracy')}' "
                                        "ORDER BY step")] == [0, 2]

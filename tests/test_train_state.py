@@ -23,8 +23,8 @@ def _trainer_model(seed: int = 0):
     return model, tokenizer, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _step(model, optimizer) -> None:
-    ids = torch.tensor([[1, 5, 6, 7, 8]])
+def _step(model, optimizer, shift: int = 0) -> None:
+    ids = torch.tensor([[1, 5, 6, 7, 8]]) + shift
     optimizer.zero_grad()
     model(ids, labels=ids).loss.backward()
     optimizer.step()
@@ -196,3 +196,88 @@ def test_two_trainer_ranks_save_and_load_collectively(tmp_path):
     # Slots 0, 2, 4, 6 and 1, 3, 7: all up to 4, then 6 and 7 (5 was in flight).
     assert results == [(0, "5 [6, 7] True"), (1, "5 [6, 7] True")]
     assert json.loads((tmp_path / "train_state" / train_state.STATE_FILE).read_text())["step"] == 1
+
+
+# --------------------------------------------------------------------------- another rank count
+
+def _whole_state(model, optimizer) -> dict:
+    """Model and optimizer state, whole (a collective with FSDP2: every rank gathers),
+    keyed by name: what a resume must restore, whatever the number of trainer ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True) if train_state._distributed() else None
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    tensors = {f"model/{k}": v.detach().clone() for k, v in model_sd.items()}
+    for fqn, state in optim_sd["state"].items():
+        tensors.update({f"optimizer/{fqn}/{k}": torch.as_tensor(v).clone() for k, v in state.items()})
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": sorted(g["params"])}
+              for g in optim_sd["param_groups"]]
+    return {"tensors": tensors, "groups": groups}
+
+
+def _tiny_trainer(ranks: int, seed: int = 0):
+    """What app.trainer holds, for a tiny Llama: one rank's model flattened, several
+    ranks' sharded by FSDP2 (``app.sharding``); AdamW."""
+    from app import sharding
+    from tiny_models import tiny_llama
+
+    model = tiny_llama()
+    if seed:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(seed)
+    if ranks == 1:
+        flatten_parameters_(model)
+    else:
+        sharding.shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _load_then_save_on_two_ranks(store, rank: int, world_size: int, one: str, two: str, out: str) -> str:
+    """2 FSDP2 ranks (of other weights) load a 1-rank training state from ``one``; then
+    train a step each on their own tokens (FSDP2 adds the gradients) and save to ``two``.
+    Rank 0 writes the whole state it held after each to ``out``-loaded / ``out``-saved."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        model, optimizer = _tiny_trainer(world_size, seed=1)
+        train_state.load(one, model, optimizer)
+        loaded = _whole_state(model, optimizer)
+        _step(model, optimizer, shift=rank)
+        train_state.save(two, model, optimizer, {"step": 2} if rank == 0 else None)
+        saved = _whole_state(model, optimizer)
+        if rank == 0:
+            torch.save(loaded, f"{out}-loaded")
+            torch.save(saved, f"{out}-saved")
+        return "ok"
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a["groups"] == b["groups"]
+    assert sorted(a["tensors"]) == sorted(b["tensors"])
+    assert any(k.endswith("/exp_avg_sq") for k in a["tensors"])  # the optimizer's state is there
+    for name, t in a["tensors"].items():
+        assert torch.equal(t, b["tensors"][name]), name
+
+
+@pytest.mark.integration
+def test_one_ranks_state_resumes_on_two_sharded_ranks_and_back(tmp_path):
+    """``trainer_ranks`` may change at a resume (``RESUMABLE``): DCP reshards as it loads.
+    1 -> 2: a one-process trainer's state (flattened model, as app.trainer keeps it)
+    loaded by 2 FSDP2 ranks is, whole, the state saved. 2 -> 1: the state those ranks
+    saved after a step of their own, loaded by one process, is, whole, what they held."""
+    store = loopback_store(timeout_s=60)
+    one, two, out = tmp_path / "one_rank", tmp_path / "two_ranks", tmp_path / "whole"
+    model, optimizer = _tiny_trainer(1)
+    _step(model, optimizer)
+    train_state.save(one, model, optimizer, {"step": 1})
+    results = run_roles(_load_then_save_on_two_ranks, 2, store.port, 180, str(one), str(two), str(out))
+    assert results == [(0, "ok"), (1, "ok")], results
+    _assert_same_state(torch.load(f"{out}-loaded", weights_only=True), _whole_state(model, optimizer))
+    fresh, fresh_opt = _tiny_trainer(1, seed=1)  # other weights: all of them must be loaded
+    train_state.load(two, fresh, fresh_opt)
+    _assert_same_state(_whole_state(fresh, fresh_opt), torch.load(f"{out}-saved", weights_only=True))

@@ -1,7 +1,10 @@
-"""The signed weight digest (``app.weight_digest``): the same digest whatever the sender's
-memory layout, a changed byte changes it, and a generator refuses a version whose bytes
-do not match the trainer's signed record, keeping the one it has (a real gloo weight
-group, in processes, with the test hook altering one version in flight)."""
+"""The signed weight digest (``app.weight_digest``), one per trainer rank: the same digest
+whatever memory the bytes sit in (a sender's separate parameters, a flat buffer, a
+generator's staging), a changed byte changes it, and a generator refuses a version whose
+bytes from any trainer rank do not match that rank's signed record, keeping the one it
+has and naming the rank (real gloo weight groups, in processes: one trainer rank with the
+test hook altering a version in flight; 2 and 3 FSDP2 ranks, uneven shards, one of which
+sends bytes other than those it signed)."""
 
 from __future__ import annotations
 
@@ -12,36 +15,41 @@ import time
 import pytest
 import torch
 
-from app import frames, names, weight_digest
-from app.weight_digest import DigestCheck, digest, publish, sent_runs
+from app import names, weight_digest
+from app.weight_digest import DigestCheck, ShardDigest, digest, run_pieces
 from app.weight_layout import Layout
-from app.weight_sync import WeightReceiver, WeightSender, init_weight_group
-from role_processes import loopback_store, run_roles
+from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
+from role_processes import loopback_store, run_roles, signed
 from test_weight_sync import BUCKET_MB, _assert_same, flattened, model_params
 
-SECRET = bytes(range(32))
-
-
-def runs_of(params) -> list[torch.Tensor]:
-    return sent_runs(params, Layout(params, int(BUCKET_MB * 2**20)))
+def runs_of(params) -> list[list[torch.Tensor]]:
+    return run_pieces(params, Layout(params, int(BUCKET_MB * 2**20)))
 
 
 @pytest.mark.parametrize("chunk_bytes", [weight_digest.CHUNK_BYTES, 1000])  # 1000: cuts inside tensors
-def test_the_digest_is_the_same_for_packed_and_flat_senders(monkeypatch, chunk_bytes):
+def test_the_digest_is_the_bytes_whatever_memory_they_sit_in(monkeypatch, chunk_bytes):
     monkeypatch.setattr(weight_digest, "CHUNK_BYTES", chunk_bytes)
-    packed = runs_of(model_params(3))  # separate allocations: packed copies
+    apart = runs_of(model_params(3))  # separate allocations (some not contiguous)
     flat = runs_of(flattened(model_params(3)))  # views of the flat buffers
-    assert digest(packed) == digest(flat)
-    received = [torch.empty_like(r).copy_(r) for r in flat]  # what a generator stages
-    assert digest(received) == digest(flat)
+    assert digest(apart) == digest(flat)
+    whole = [torch.cat(pieces) for pieces in apart]  # one tensor per run: what a generator stages
+    assert digest(whole) == digest(apart)
+    # Other cuts of the same bytes: two pieces per run, split anywhere.
+    halves = [[w[:w.numel() // 3], w[w.numel() // 3:]] for w in whole]
+    assert digest(halves) == digest(whole)
 
 
 def test_one_changed_byte_or_another_order_changes_the_digest():
-    runs = runs_of(flattened(model_params(3)))
+    runs = [torch.cat(pieces) for pieces in runs_of(flattened(model_params(3)))]
     before = digest(runs)
     runs[0].view(torch.uint8)[12345] ^= 1
     assert digest(runs) != before
     assert digest(runs[::-1]) != digest(runs)
+
+
+def test_a_run_of_pieces_of_several_dtypes_is_refused():
+    with pytest.raises(ValueError, match="one dtype"):
+        digest([[torch.zeros(2), torch.zeros(2, dtype=torch.float64)]])
 
 
 @pytest.fixture()
@@ -49,33 +57,84 @@ def store():
     return loopback_store(timeout_s=30)
 
 
-def test_a_generator_takes_only_weights_that_match_the_signed_record(store, caplog):
-    runs = runs_of(flattened(model_params(1)))
-    check = DigestCheck(store, SECRET, 0)
+def test_a_generator_takes_only_weights_that_match_every_ranks_signed_record(store, caplog):
+    params = flattened(model_params(1))
+    runs = runs_of(params)
+    rank0 = ShardDigest(signed(store, "trainer/0"), params, rank=0, ranks=2)
+    check = DigestCheck(signed(store, "generator/0"), 0, wait_s=0.0)
+    theirs = [[torch.zeros(3)]]  # trainer rank 1's runs (one float run)
     with caplog.at_level(logging.ERROR, logger="llamarl"):
-        assert not check(1, runs)  # nothing published yet
-        publish(store, SECRET, 1, digest(runs))
-        assert check(1, runs)
-        altered = [r.clone() for r in runs]
-        altered[1].view(torch.uint8)[0] ^= 0x80
-        assert not check(1, altered) and not check(1, altered)
-        # A record for another version, or one not signed with the app's secret.
-        store.set(names.weight_digest_key(2), frames.encode({"version": 1, "digest": digest(runs)}, SECRET))
-        assert not check(2, runs)
-        store.set(names.weight_digest_key(3), frames.encode({"version": 3, "digest": digest(runs)}, bytes(32)))
-        assert not check(3, runs)
+        assert not check(1, [runs, theirs])  # nothing published yet
+        assert check.refused == {0: "no_record", 1: "no_record"}
+        rank0.publish(1, digest(runs))
+        signed(store, "trainer/1").put(names.weight_digest_key(1, 1), {"version": 1, "rank": 1, "ranks": 2, "digest": digest(theirs)})
+        assert check(1, [runs, theirs])  # signed by trainer/1 for rank 1: taken
+        altered = [[t.clone() for t in pieces] for pieces in runs]
+        altered[1][0].view(torch.uint8)[0] ^= 0x80
+        assert not check(1, [altered, theirs]) and check.refused == {0: "mismatch"}
+        assert not check(1, [runs, [[torch.ones(3)]]]) and check.refused == {1: "mismatch"}
+        # Rank 1's record written by rank 0, one copied to another version's key, and one
+        # not signed with the app's secret: none is rank 1's word for version 2 / 3.
+        signed(store, "trainer/0").put(names.weight_digest_key(2, 1),
+                                       {"version": 2, "rank": 1, "ranks": 2, "digest": digest(theirs)})
+        rank0.publish(2, digest(runs))
+        assert not check(2, [runs, theirs]) and check.refused == {1: "bad_record"}
+        store.set(names.weight_digest_key(3, 1), store.get(names.weight_digest_key(1, 1)))
+        store.set(names.weight_digest_key(3, 0), signed(store, "trainer/0", secret=bytes(32)).seal(
+            names.weight_digest_key(3, 0), {"version": 3, "rank": 0, "ranks": 2, "digest": digest(runs)}))
+        assert not check(3, [runs, theirs]) and check.refused == {0: "bad_record", 1: "bad_record"}
     assert check.metrics() == {"security/weight_digest/no_record": 1.0, "security/weight_digest/mismatch": 2.0,
                                "security/weight_digest/bad_record": 2.0}
     refusals = [r.getMessage() for r in caplog.records]
-    assert len(refusals) == 3 and "altered in flight" in refusals[1]  # once per reason
+    assert len(refusals) == 3, refusals  # once per reason
+    assert "trainer rank 0's shard (mismatch)" in refusals[1] and "altered in flight" in refusals[1]
+    assert "trainer rank 1's shard (bad_record)" in refusals[2]
     assert check.new_counts() == check.metrics() and check.new_counts() == {}  # reported once a change
 
 
 def test_old_records_are_deleted_as_new_ones_are_published(store):
+    rank = ShardDigest(signed(store, "trainer/1"), model_params(0), rank=1, ranks=2)
     for version in range(10):
-        publish(store, SECRET, version, "d")
-    kept = [v for v in range(10) if store.check([names.weight_digest_key(v)])]
+        rank.publish(version, "d")
+    kept = [v for v in range(10) if store.check([names.weight_digest_key(v, 1)])]
     assert kept == [6, 7, 8, 9]
+
+
+def test_a_record_published_while_the_generator_waits_is_taken(store):
+    """The trainer rank publishes once its own hash is done (it hashed while sending): a
+    generator that finished first waits for the record, within its deadline."""
+    import threading
+
+    params = flattened(model_params(2))
+    rank0 = ShardDigest(signed(store, "trainer/0"), params, rank=0, ranks=1)
+    pending = rank0.start(5)
+    check = DigestCheck(signed(store, "generator/0"), 0, wait_s=60.0)
+    later = threading.Timer(0.2, pending.publish)
+    later.start()
+    try:
+        assert check(5, [runs_of(params)])
+    finally:
+        later.join()
+    stopped = DigestCheck(signed(store, "generator/0"), 0, wait_s=60.0, should_stop=lambda: True)
+    assert not stopped(6, [runs_of(params)]) and stopped.refused == {0: "no_record"}
+
+
+def _wait_checked(store, version: int) -> None:
+    """A trainer rank: until the generator has checked ``version``."""
+    deadline = time.monotonic() + 60
+    while not store.check([f"test/checked/{version}"]):
+        assert time.monotonic() < deadline, f"the generator never checked version {version}"
+        time.sleep(0.005)
+
+
+def _received(receiver: WeightReceiver, version: int) -> tuple[int | None, int | None]:
+    """The generator: once ``version`` is received (taken or refused), its newest staged
+    version and what a swap applies."""
+    deadline = time.monotonic() + 60
+    while not [s for s in receiver.pop_stats() if s.version == version]:
+        assert time.monotonic() < deadline, f"version {version} never arrived"
+        time.sleep(0.005)
+    return receiver.latest_version(), receiver.swap_if_newer()
 
 
 def _refuse_an_altered_version(store, rank: int, world_size: int) -> str:
@@ -83,34 +142,28 @@ def _refuse_an_altered_version(store, rank: int, world_size: int) -> str:
     if rank == 0:
         live = flattened(model_params(0))
         sender = WeightSender(group, live, bucket_mb=BUCKET_MB)
-        layout = Layout(live, int(BUCKET_MB * 2**20))
+        shard = ShardDigest(signed(store, "trainer/0"), live, rank=0, ranks=1)
         for version in (1, 2, 3):
             with torch.no_grad():
                 for (_, p), (_, new) in zip(live, model_params(version)):
                     p.copy_(new)
-            publish(store, SECRET, version, digest(sent_runs(live, layout)))
+            pending = shard.start(version)  # hashed while the weights are on the wire
             sender.send(version)
-            deadline = time.monotonic() + 30
-            while not store.check([f"test/checked/{version}"]):
-                assert time.monotonic() < deadline, f"generator never checked version {version}"
-                time.sleep(0.005)
+            pending.publish()
+            _wait_checked(store, version)
         return "sent"
     os.environ[weight_digest.TEST_CORRUPT_ENV] = "0:2,5:3"  # generator 0, version 2 (and another's)
     live = flattened(model_params(0, seed=7))
-    check = DigestCheck(store, SECRET, 0)
+    check = DigestCheck(signed(store, "generator/0"), 0, wait_s=30.0)
     receiver = WeightReceiver(group, live, bucket_mb=BUCKET_MB, verify=check)
     receiver.start_background()
     outcome = []
     for version in (1, 2, 3):
-        deadline = time.monotonic() + 30
-        while not [s for s in receiver.pop_stats() if s.version == version]:
-            assert time.monotonic() < deadline, f"version {version} never arrived"
-            time.sleep(0.005)
-        outcome.append((receiver.latest_version(), receiver.swap_if_newer()))
+        outcome.append(_received(receiver, version))
         _assert_same(live, model_params(1 if version == 2 else version))  # 2 refused: 1 kept
         store.set(f"test/checked/{version}", "1")
     receiver.stop_background()
-    assert check.metrics() == {"security/weight_digest/mismatch": 1.0}
+    assert check.metrics() == {"security/weight_digest/mismatch": 1.0} and check.refused == {0: "mismatch"}
     return repr(outcome)
 
 
@@ -122,6 +175,70 @@ def test_a_generator_refuses_a_version_altered_in_flight_and_keeps_its_own(store
     assert results[1] == repr([(1, 1), (1, None), (3, 3)]), results
 
 
+def _tamper_one_shard(store, index: int, world_size: int, tampered: int) -> str:
+    """Processes 0..N-1: FSDP2 trainer ranks, each with a weight group of its own to the
+    generator (process N). Version 2: rank ``tampered`` signs its shard's digest, then
+    sends other bytes (one value changed: what an attacker on its group's wire does)."""
+    from test_sharded_weight_sync import ShardedModel, _publish_full_state, _train_step, _trainer_model
+
+    ranks = world_size - 1
+    torch.set_num_threads(1)
+    if index < ranks:
+        model = _trainer_model(store, index, ranks)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        params = list(model.named_parameters())
+        group = init_weight_group(store, 0, 2, torch.device("cpu"), timeout_s=60, prefix=f"test/w/{index}")
+        sender = WeightSender(group, params, rank=index, ranks=ranks)
+        shard = ShardDigest(signed(store, f"trainer/{index}"), params, rank=index, ranks=ranks)
+        for version in (1, 2, 3):
+            _train_step(model, optimizer, version)
+            _publish_full_state(store, model, version, index)
+            if version == 2 and index == tampered:
+                shard.now(version)  # the digest of the true shard...
+                local = next(p.to_local() for _, p in params if p.to_local().numel())
+                with torch.no_grad():
+                    local.view(-1)[0] += 1.0  # ...and other bytes on the wire
+                    sender.send(version)
+                    local.view(-1)[0] -= 1.0
+            else:
+                pending = shard.start(version)
+                sender.send(version)
+                pending.publish()
+            _wait_checked(store, version)
+        torch.distributed.destroy_process_group()
+        return "sent"
+    model = ShardedModel(seed=100)
+    flatten_parameters_(model)
+    live = list(model.named_parameters())
+    check = DigestCheck(signed(store, "generator/0"), 0, wait_s=60.0)
+    groups = (init_weight_group(store, 1, 2, torch.device("cpu"), timeout_s=60, prefix=f"test/w/{r}")
+              for r in range(ranks))
+    receiver = WeightReceiver(groups, live, verify=check)
+    receiver.start_background()
+    outcome = []
+    for version in (1, 2, 3):
+        outcome.append(_received(receiver, version))
+        shown = 1 if version == 2 else version  # 2 refused: 1 kept
+        for name, p in live:
+            assert p.detach().contiguous().view(torch.uint8).numpy().tobytes() == store.get(
+                f"test/full/{shown}/{name}"), (version, name)
+        if version == 2:
+            outcome.append(dict(check.refused))
+        store.set(f"test/checked/{version}", "1")
+    receiver.stop_background()
+    outcome.append(check.metrics())
+    return repr(outcome)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("ranks, tampered", [(2, 0), (3, 2)])  # 3: uneven shards, rank 2's the smallest
+def test_a_shard_sent_other_than_signed_is_refused_naming_its_trainer_rank(store, ranks, tampered):
+    results = dict(run_roles(_tamper_one_shard, ranks + 1, store.port, 180, tampered))
+    assert all(results[r] == "sent" for r in range(ranks)), results
+    assert results[ranks] == repr([(1, 1), (1, None), {tampered: "mismatch"}, (3, 3),
+                                   {"security/weight_digest/mismatch": 1.0}]), results
+
+
 @pytest.mark.gpu
 def test_a_cuda_run_has_the_digest_of_its_host_copy(monkeypatch):
     """On CUDA each chunk is copied to the host to be hashed: the digest is the bytes',
@@ -129,3 +246,4 @@ def test_a_cuda_run_has_the_digest_of_its_host_copy(monkeypatch):
     monkeypatch.setattr(weight_digest, "CHUNK_BYTES", 1 << 20)
     runs = [torch.randn(3_000_000, device="cuda"), torch.randn(70_000, device="cuda").bfloat16()]
     assert digest(runs) == digest([r.cpu() for r in runs])
+    assert digest([[r[:12345], r[12345:]] for r in runs]) == digest(runs)  # pieces on the GPU
