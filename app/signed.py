@@ -39,6 +39,7 @@ secret file, are authentic too). The store must listen only where the roles need
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import logging
 import threading
@@ -66,6 +67,7 @@ _KINDS = {
     "version": "version", "config": "config", "policy_path": "config", "data": "config",
     "resume": "config", "slots_done": "config", "app_id": "config",
     "groups_reserved": "slots", "groups_dropped": "slots", "held": "held", "queue": "lost_slots",
+    "incarnation": "incarnation",
 }
 
 
@@ -185,11 +187,14 @@ class SignedStore:
         view.prefix, view._root, view._state = prefix, root, self._state
         return view
 
-    def clone(self) -> "SignedStore":
-        """The same reader state and counts over a new connection (for another thread)."""
+    def clone(self, timeout: datetime.timedelta | None = None) -> "SignedStore":
+        """The same reader state and counts over a new connection (for another thread);
+        ``timeout``: that connection's own timeout for blocking calls."""
         if not isinstance(self._root, dist.TCPStore):
             return self
         root = self._root.clone()
+        if timeout is not None:
+            root.set_timeout(timeout)
         store = dist.PrefixStore(self.prefix.rstrip("/"), root) if self.prefix else root
         return self._view(store, root, self.prefix)
 
@@ -249,6 +254,17 @@ class SignedStore:
         if now != raw and now:
             self.rejections(full, now, "overwrote a value published here")
         return now == raw
+
+    def forget(self, key: str) -> None:
+        """Drop what this process holds for ``key``: no longer reasserted, nor remembered
+        as accepted (for keys read once, e.g. the weight plane's per-sync ones: memory stays
+        bounded over a long run)."""
+        full = self.prefix + key
+        with self._state.publishing, self._state.lock:
+            self._state.kept.pop(full, None)
+            self._state.accepted.pop(full, None)
+            for pair in [p for p in self._state.newest if p[0] == full]:
+                del self._state.newest[pair]
 
     def reassert(self) -> list[str]:
         """Publish again each kept record (of this process, whatever the view) that was
@@ -311,6 +327,20 @@ class SignedStore:
     def last(self, key: str) -> Record | None:
         """The newest record of ``key`` accepted here, without asking the store."""
         return self._state.accepted.get(self.prefix + key)
+
+    def settled(self, keys: list[str], writers: list[Writers]) -> list[Record] | None:
+        """The records of keys each written once (``writers[i]`` may write ``keys[i]``),
+        once every one has an authentic record, else ``None``: one round trip while any
+        is missing, two once all are there (a forged value is counted and waited past)."""
+        recs = [self.last(key) for key in keys]
+        pending = [i for i, rec in enumerate(recs) if rec is None]
+        if not pending:
+            return recs  # type: ignore[return-value]
+        if not self.store.check([keys[i] for i in pending]):
+            return None
+        for i, raw in zip(pending, self.store.multi_get([keys[i] for i in pending])):
+            recs[i] = self.open(keys[i], raw, writers[i])
+        return recs if all(rec is not None for rec in recs) else None  # type: ignore[return-value]
 
     def get(self, key: str, writers: Writers = None, default: Any = None) -> Any:
         rec = self.record(key, writers)

@@ -34,6 +34,7 @@ from app import weight_digest
 from app.contract import GroupId, Rejections, Rollout, RolloutGroup, from_message, to_message
 from app.frames import decode, encode
 from app.seen_groups import Admission
+from app.signed import SignedStore
 from app.transport import connect_store, host_store
 from app.weight_layout import DEFAULT_BUCKET_MB, Layout
 from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
@@ -112,7 +113,8 @@ _wait = _Steps.wait_until  # weight_sync.py's poll with a deadline
 def weight_role(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
-    group = init_weight_group(store, rank, 2, torch.device("cpu"), timeout_s=600)
+    signed = SignedStore(store, SECRET, f"member/{rank}")  # the weight plane signs its keys
+    group = init_weight_group(signed, rank, 2, torch.device("cpu"), timeout_s=600)
     torch.manual_seed(rank)
     params = llama_like_params(args.params)
     flatten_parameters_([p for _, p in params])

@@ -16,7 +16,7 @@ from app import frames, names, weight_digest
 from app.weight_digest import DigestCheck, digest, publish, sent_runs
 from app.weight_layout import Layout
 from app.weight_sync import WeightReceiver, WeightSender, init_weight_group
-from role_processes import loopback_store, run_roles
+from role_processes import loopback_store, run_roles, weight_member
 from test_weight_sync import BUCKET_MB, _assert_same, flattened, model_params
 
 SECRET = bytes(range(32))
@@ -79,7 +79,7 @@ def test_old_records_are_deleted_as_new_ones_are_published(store):
 
 
 def _refuse_an_altered_version(store, rank: int, world_size: int) -> str:
-    group = init_weight_group(store, rank, world_size, torch.device("cpu"), timeout_s=30)
+    group = init_weight_group(weight_member(store, rank), rank, world_size, torch.device("cpu"), timeout_s=30)
     if rank == 0:
         live = flattened(model_params(0))
         sender = WeightSender(group, live, bucket_mb=BUCKET_MB)
