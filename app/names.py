@@ -118,8 +118,8 @@ def exited_key(member_id: str) -> str:
 
 
 def incarnation_key(member_id: str) -> str:
-    """Counter: how many processes of ``member_id`` have started in this app (a restarted
-    generator numbers its groups after its earlier processes': ``app.seen_groups``)."""
+    """Generator ``member_id``'s signed record of its processes' incarnations under this
+    run attempt (``app.incarnations``): the readers take groups from those only."""
     return f"{_ROOT}incarnation/{member_id}"
 
 

@@ -46,13 +46,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from app import (checkpoint, cli, data, devices, frames, health, membership, metrics, names, rl, runtime, sharding,
-                 steps, train_state, transport, weight_digest)
+from app import (checkpoint, cli, data, devices, frames, health, incarnations, membership, metrics, names, rl, runtime,
+                 sharding, steps, train_state, transport, weight_digest)
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
-from app.seen_groups import REPLAY, Admission, SeenIds, taken_by_other_ranks
+from app.seen_groups import REPLAY, SeenIds, taken_by_other_ranks
 from app.sampling.precision import check_precision
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
 from app.weight_layout import DEFAULT_BUCKET_MB, Layout
@@ -179,7 +179,8 @@ class Trainer:
             on_drop=self._on_drop, normalize_std=cfg.normalize_std, should_stop=rt.should_stop,
             timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,
             health=lambda: health.check_health(rt.control),
-            admit=Admission(current_version=lambda: self.version, published_version=rt.control.version),
+            admit=incarnations.admission(rt.signed, runtime.run_attempt(rt), current_version=lambda: self.version,
+                                         published_version=rt.control.version),
             vocab_size=self.model.get_input_embeddings().num_embeddings)
 
     def _shard(self) -> None:
