@@ -222,6 +222,7 @@ class ElasticSender:
             if self._sender is not None:
                 # Kept until the run ends: a collective it started may still be running in
                 # the backend's thread, which a destructor would wait for.
+                self._sender.group.forget_keys()
                 self._retired.append(self._sender)
                 self._sender = None
             self.epoch += 1
@@ -367,6 +368,7 @@ class ShardFollower:
             raise WeightLayoutError(f"weight plane epoch {epoch} has {roster['senders']} trainer ranks "
                                     f"sending; this is rank {self.rank} of {self.ranks}")
         if self._sender is not None:
+            self._sender.group.forget_keys()
             self._retired.append(self._sender)
             self._sender = None
         self.epoch = epoch
@@ -530,6 +532,8 @@ class ElasticReceiver:
             self._retired_version = staged if staged is not None else self._retired_version
             # Kept: an abandoned receive may still write into its staging buffers until
             # the group's timeout, and its backend's destructor would wait for it.
+            for group in self._current.groups:
+                group.forget_keys()
             self._retired.append(self._current)
             self._current = None
 

@@ -126,6 +126,18 @@ class WeightGroup:
         """Who may write rank ``rank``'s keys of this group."""
         return None if self.members is None else (self.members[rank],)
 
+    def forget_keys(self) -> None:
+        """Neither re-publish nor remember this group's records any more (a newer group
+        replaced it): what the heartbeat checks, and memory, stay bounded across epochs."""
+        if self.signed is None:
+            return
+        ranks = range(self.world_size)
+        keys = [names.weight_rank_present_key(r) for r in ranks]
+        keys += [names.weight_layout_key(h, r) for h in range(1, self.handshakes + 1) for r in ranks]
+        keys += [names.weight_sync_announce_key(n) for n in range(max(1, self.syncs - _KEEP_ANNOUNCED), self.syncs + 2)]
+        for key in keys:
+            self.signed.forget(key)
+
     def broadcast(self, tensor: torch.Tensor) -> dist.Work:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
