@@ -157,7 +157,7 @@ class _ReaderState:
 
     def __init__(self) -> None:
         self.accepted: dict[str, Record] = {}
-        self.newest: dict[tuple[str, str], int] = {}  # (key, writer) -> newest n accepted
+        self.newest: dict[str, dict[str, int]] = {}  # key -> writer -> newest n accepted
         self.kept: dict[str, bytes] = {}  # records this process published, to reassert
         self.lock = threading.Lock()
         # Held across a kept record's write and each reassert: a reassert between the
@@ -263,8 +263,7 @@ class SignedStore:
         with self._state.publishing, self._state.lock:
             self._state.kept.pop(full, None)
             self._state.accepted.pop(full, None)
-            for pair in [p for p in self._state.newest if p[0] == full]:
-                del self._state.newest[pair]
+            self._state.newest.pop(full, None)
 
     def reassert(self) -> list[str]:
         """Publish again each kept record (of this process, whatever the view) that was
@@ -302,7 +301,7 @@ class SignedStore:
             self.rejections(full, raw, f"written by {str(writer)[:40]!r}, who may not write it")
             return None
         with self._state.lock:
-            newest = self._state.newest.get((full, writer), -1)
+            newest = self._state.newest.get(full, {}).get(writer, -1)
         if n <= newest:
             self.rejections(full, raw, f"a replay: counter {n} of {writer}, newest seen {newest}")
             return None
@@ -312,7 +311,8 @@ class SignedStore:
         rec, full = Record(raw, writer, n, value), self.prefix + key
         with self._state.lock:
             self._state.accepted[full] = rec
-            self._state.newest[(full, writer)] = max(n, self._state.newest.get((full, writer), -1))
+            by_writer = self._state.newest.setdefault(full, {})
+            by_writer[writer] = max(n, by_writer.get(writer, -1))
         return rec
 
     def record(self, key: str, writers: Writers = None) -> Record | None:

@@ -16,9 +16,11 @@ member at that rank (``_members``); a forged one is ignored, counted under
 ``security/rejected_writes/weights`` and waited past, and an overwritten one is
 re-published by its writer. What cannot be signed is the backend's own rendezvous,
 written by torch inside ``ProcessGroupGloo``/``ProcessGroupNCCL`` through the same prefix
-store: gloo's ``<device index>/<rank>`` (each rank's listening address; measured on torch
-2.13) and NCCL's ``<communicator counter>`` (the ``ncclUniqueId``, rank 0's bootstrap
-address). A forged address there makes a member connect to the forger: the group then
+store: gloo's ``<gloo device index>/<rank>`` (each rank's listening address; seen on
+torch 2.13 through a store that logs its calls), NCCL's ``<communicator counter>`` (the
+``ncclUniqueId``, rank 0's bootstrap address: ``broadcastUniqueNCCLID``), and whatever
+else a backend keeps there. They are read inside the C++ constructor, before llamarl
+could check anything, and their format is the backend's. A forged address there makes a member connect to the forger: the group then
 fails and the plane regroups, or the forger takes part in its traffic (reads the
 weights, or sends bytes the weight digest refuses). That, and the unauthenticated,
 unencrypted traffic itself, is why the weight plane belongs on a private network
