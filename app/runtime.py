@@ -219,8 +219,11 @@ class Runtime:
     def flush_metrics(self) -> None:
         if self._pending_metrics:
             batch, self._pending_metrics = self._pending_metrics, []
+            # Every role reads the config before it has anything to report.
+            config = self.signed.last(names.CONFIG_KEY)
+            attempt = config.value.get("attempt", "") if config is not None and isinstance(config.value, dict) else ""
             msg = metrics.batch_message(batch, sender=names.member(self.role, self.replica),
-                                        stream=self._batch_stream, seq=self._batches_sent)
+                                        stream=self._batch_stream, seq=self._batches_sent, attempt=str(attempt))
             self._batches_sent += 1
             self.queue(names.METRICS).push(msg, timeout_s=30.0, should_stop=None)
 

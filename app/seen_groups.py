@@ -167,7 +167,8 @@ class Admission:
             if (now := self._from_the_future(group.version)) is not None:
                 return FUTURE_VERSION, (f"group {tuple(gid)} claims policy version {group.version}; "
                                         f"the trainer has published {now}")
-        if self.known_process is not None and not self.known_process(gid.generator, incarnation_of(gid.seq)):
+        known = self.known_process
+        if known is not None and not known(gid.generator, incarnation_of(gid.seq)):
             return REPLAY, (f"group {tuple(gid)} comes from a generator process this run attempt never "
                             "started (a frame captured before a resume)")
         if not self.seen.add(gid.generator, gid.seq):

@@ -132,6 +132,7 @@ class Trainer:
             _, _, policy = runtime.read_config(rt, 900.0)
             self.run_dir = Path(rt.signed.get(names.CONFIG_KEY)["run_dir"])
             self.model, self.tokenizer = load_policy(policy, device=self.device)
+        self.attempt = runtime.run_attempt(rt)  # this start's: groups and metrics batches of another are refused
         resumed = rt.wait_key(names.RESUME_KEY, 60.0, "resume point")
         self.start_step = self.version = resumed["step"]
         self.ledger = train_state.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger"))
@@ -179,7 +180,7 @@ class Trainer:
             on_drop=self._on_drop, normalize_std=cfg.normalize_std, should_stop=rt.should_stop,
             timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,
             health=lambda: health.check_health(rt.control),
-            admit=incarnations.admission(rt.signed, runtime.run_attempt(rt), current_version=lambda: self.version,
+            admit=incarnations.admission(rt.signed, self.attempt, current_version=lambda: self.version,
                                          published_version=rt.control.version),
             vocab_size=self.model.get_input_embeddings().num_embeddings)
 
@@ -336,6 +337,9 @@ class Trainer:
                     source, seq, batch = metrics.checked_batch(m)
                 except metrics.MalformedEvents as e:  # signed, yet not ours: dropped, counted
                     self.rejections(e.reason, f"queue {names.METRICS!r}: {e}", "events")
+                    continue
+                if source[2] != self.attempt:  # captured before a resume: its events were written then
+                    self.rejections(REPLAY, f"queue {names.METRICS!r}: batch {seq} of {source[0]} of another attempt")
                     continue
                 if not self.seen_batches.add(source, seq):
                     self.rejections(REPLAY, f"queue {names.METRICS!r}: batch {seq} of {source[0]} again")

@@ -19,8 +19,10 @@ server, just collectives in a process group of its own:
 The parameter layout (``app.weight_layout``: names, shapes, dtypes, runs, buckets, and
 each trainer rank's part of every parameter) is fixed when the sender and receivers are
 built, and checked once across all ranks then (the layout handshake: JSON documents in
-the store, each a signed record of its rank's member; a generator rebuilds each sender's buckets from its document), so a sync carries no per-tensor metadata: one small int64 header (version, layout
-fingerprint, which runs go whole) followed by the runs' bytes. A run that is one slice
+the store, each a signed record of its rank's member; a generator rebuilds each sender's
+buckets from its document), so a sync carries no per-tensor metadata: one small int64
+header (version, layout fingerprint, which runs go whole) followed by the runs' bytes.
+A run that is one slice
 of a ``flatten_parameters_`` buffer goes out as one broadcast with no copy (what the
 trainer does); any other run goes bucket by bucket, packing those that are not one
 contiguous tensor into two reused buffers, so parameters that are not one flat buffer
@@ -33,8 +35,10 @@ cannot leave. The announcement, the layout documents and each rank's presence ar
 records (``app.signed``) of the member at that rank (``init_weight_group``'s
 ``members``): a value someone else wrote there is ignored and counted, never a reason to
 start a sync, to fail a layout check or to choose a backend. The backend's own rendezvous
-keys in the same prefix store cannot be signed (``app.weight_plane``). A generator receives on a background thread into one staging buffer per
-run; ``swap_if_newer`` copies a complete version into the live model between decode
+keys in the same prefix store cannot be signed (``app.weight_plane``).
+
+A generator receives on a background thread into one staging buffer per run;
+``swap_if_newer`` copies a complete version into the live model between decode
 batches, so a generator busy decoding never holds up the trainer.
 """
 
@@ -134,7 +138,8 @@ class WeightGroup:
         ranks = range(self.world_size)
         keys = [names.weight_rank_present_key(r) for r in ranks]
         keys += [names.weight_layout_key(h, r) for h in range(1, self.handshakes + 1) for r in ranks]
-        keys += [names.weight_sync_announce_key(n) for n in range(max(1, self.syncs - _KEEP_ANNOUNCED), self.syncs + 2)]
+        recent = range(max(1, self.syncs - _KEEP_ANNOUNCED), self.syncs + 2)  # those still kept or read
+        keys += [names.weight_sync_announce_key(n) for n in recent]
         for key in keys:
             self.signed.forget(key)
 
@@ -244,7 +249,7 @@ def _wait_for_ranks(signed: SignedStore, rank: int, world_size: int, timeout_s: 
     key, in rank order."""
     signed.put(names.weight_rank_present_key(rank), device_key, keep=True)
     keys = [names.weight_rank_present_key(r) for r in range(world_size)]
-    writers = [None if members is None else (m,) for m in members or [None] * world_size]
+    writers = [None] * world_size if members is None else [(m,) for m in members]
     deadline = time.monotonic() + timeout_s
     backoff = Backoff(first_s=0.005, max_s=0.1)
     while (recs := signed.settled(keys, writers)) is None:

@@ -100,7 +100,8 @@ def test_bad_frames_on_every_queue_are_dropped_and_counted_and_the_run_finishes(
         # Signed, yet malformed: a group with a wrong type, a metrics event with a text value.
         signed[names.ROLLOUTS].push({**forged_group(seq, 0), "version": "0"}, timeout_s=10)
         signed[names.METRICS].push(metrics.batch_message([{**metrics.scalar("loss", 0.0, role="trainer"),
-                                                           "value": "x"}], sender="trainer/0", stream=1, seq=0),
+                                                           "value": "x"}], sender="trainer/0", stream=1, seq=0,
+                                                          attempt="any"),
                                    timeout_s=10)
         # Signed, well formed, outside [trainer version - max_staleness, trainer version].
         signed[names.SCORED].push(forged_group(seq + 1, 10**6), timeout_s=10)  # from the future
