@@ -8,11 +8,13 @@ reader would refuse the second one's groups as replays of the first's.
 - **Drawn, not counted.** Each generator process draws its incarnation at random among
   2**31 (``draw``): there is no counter in the store that a forged ``add`` or ``set``
   could move back, and two processes of one replica share one with odds of 2**-31.
-- **Registered under this attempt.** Before its first group, a process adds its
-  incarnation to its replica's signed record (``names.incarnation_key``, written by that
-  generator only): ``{"attempt": <this attempt's token>, "incarnations": [...]}``. The
-  attempt token is drawn by trainer replica 0 each time it starts, fresh or resumed, and
-  published with the run's config (``runtime.publish_config``).
+- **Registered under this attempt.** Before its first group, a process writes a signed
+  record at a key of its own, ``names.incarnation_key(member, incarnation)`` (written by
+  that generator only): ``{"attempt": <this attempt's token>}``. The attempt token is
+  drawn by trainer replica 0 each time it starts, fresh or resumed, and published with
+  the run's config (``runtime.publish_config``). The process re-publishes its record if
+  someone overwrites or deletes it (``SignedStore.reassert``, on each heartbeat); one key
+  per process, so no process rewrites another's registration.
 - **Checked by every reader** (``Incarnations.known``, asked by ``seen_groups.Admission``):
   a group whose incarnation is not registered under the reader's own attempt is refused
   as a replay. That is what keeps a frame captured before a resume out of the resumed
@@ -22,8 +24,12 @@ reader would refuse the second one's groups as replays of the first's.
   this attempt; an old authentic record names the old token). The trainer's replica 0
   knows its token from its own write, so a replayed config record cannot change it.
 
-A reader reads a replica's record only when a group names an incarnation it does not
-know yet (once per generator process), so the check costs nothing per group.
+A reader reads a process's record only when a group names an incarnation it does not
+know yet (once per generator process), so the check costs nothing per group. What it
+cannot stop: someone who reaches the store and learns a new process's incarnation (from
+its groups, which are signed, not encrypted) deleting that record before a reader first
+reads it; the reader refuses the process's groups until the heartbeat has put the record
+back, within a second (a denial of service, counted as replays, like deleting any key).
 """
 
 from __future__ import annotations
@@ -35,14 +41,11 @@ from app import names
 from app.seen_groups import Admission
 from app.signed import SignedStore
 
-__all__ = ["INCARNATIONS", "KEPT_INCARNATIONS", "Incarnations", "admission", "draw", "register"]
+__all__ = ["INCARNATIONS", "Incarnations", "admission", "draw", "register"]
 
 INCARNATIONS = 2**31
 """Incarnations to draw from: ``first_seq`` of the largest still fits an int64 (the
 trainer ranks exchange group ids as int64 tensors) with 2**32 groups after it."""
-KEPT_INCARNATIONS = 64
-"""Incarnations a replica's record lists (its newest processes): a reader learns each
-one when the process's first group arrives, long before 64 restarts later."""
 
 
 def draw() -> int:
@@ -50,24 +53,13 @@ def draw() -> int:
     return secrets.randbelow(INCARNATIONS) + 1
 
 
-def _listed(value: object, attempt: str) -> list[int]:
-    """The incarnations a record's value lists under ``attempt`` (none under another)."""
-    if not isinstance(value, dict) or value.get("attempt") != attempt:
-        return []
-    listed = value.get("incarnations")
-    return [i for i in listed if isinstance(i, int) and 1 <= i <= INCARNATIONS] if isinstance(listed, list) else []
-
-
 def register(signed: SignedStore, replica: int, attempt: str) -> int:
-    """Generator ``replica``'s new process: draw its incarnation and add it to the
-    replica's record under ``attempt``; returns it. ``signed`` writes as that generator."""
-    member = names.member("generator", replica)
-    key = names.incarnation_key(member)
+    """Generator ``replica``'s new process: draw its incarnation and register it under
+    ``attempt`` (re-published if overwritten); returns it. ``signed`` writes as that
+    generator."""
     incarnation = draw()
-    # The earlier processes' incarnations stay listed (a reader may not have met their
-    # last groups yet); a record of another attempt, or a forged one, lists none.
-    earlier = _listed(signed.get(key, writers=(member,)), attempt)
-    signed.put(key, {"attempt": attempt, "incarnations": (earlier + [incarnation])[-KEPT_INCARNATIONS:]})
+    signed.put(names.incarnation_key(names.member("generator", replica), incarnation), {"attempt": attempt},
+               keep=True)
     return incarnation
 
 
@@ -82,10 +74,14 @@ class Incarnations:
         """Whether generator ``generator``'s process ``incarnation`` is of this attempt."""
         if (generator, incarnation) in self._known:
             return True
+        if not 1 <= incarnation <= INCARNATIONS:  # no process draws it: not worth a store read
+            return False
         member = names.member("generator", generator)
-        listed = _listed(self.signed.get(names.incarnation_key(member), writers=(member,)), self.attempt)
-        self._known.update((generator, i) for i in listed)
-        return (generator, incarnation) in self._known
+        record = self.signed.get(names.incarnation_key(member, incarnation), writers=(member,))
+        if isinstance(record, dict) and record.get("attempt") == self.attempt:
+            self._known.add((generator, incarnation))
+            return True
+        return False
 
 
 def admission(signed: SignedStore, attempt: str, *, published_version: Callable[[], int],

@@ -13,7 +13,6 @@ from role_processes import TEST_SECRET, loopback_store, signed
 from test_seen_groups import group
 
 OLD, NEW = "attempt-before-the-resume", "attempt-after-the-resume"
-KEY = names.incarnation_key("generator/0")
 
 
 def test_every_incarnation_numbers_groups_that_fit_an_int64_and_name_it_back():
@@ -37,22 +36,24 @@ def test_a_restarted_generator_is_known_with_its_earlier_process():
 
 def test_a_forged_or_another_attempts_incarnation_record_is_ignored_and_counted():
     store = loopback_store(timeout_s=30)
-    # An authentic record of the attempt before the resume (the same secret), replayed.
-    old = signed(store, "generator/0")
-    stale = register(old, 0, OLD)
-    replayed = store.get(KEY)
+    # An authentic record of the attempt before the resume (the same secret), at its key.
+    stale = register(signed(store, "generator/0"), 0, OLD)
     reader = Incarnations(signed(store), NEW)
     assert not reader.known(0, stale)
-    store.set(KEY, b'{"attempt": "%s", "incarnations": [7]}' % NEW.encode())  # unsigned
+    key = names.incarnation_key("generator/0", 7)
+    store.set(key, b'{"attempt": "%s"}' % NEW.encode())  # unsigned
     assert not reader.known(0, 7)
     # Signed with the app's secret, but by another generator: not its to write.
-    store.set(KEY, SignedStore(store, TEST_SECRET, "generator/1").seal(KEY, {"attempt": NEW, "incarnations": [7]}))
+    store.set(key, SignedStore(store, TEST_SECRET, "generator/1").seal(key, {"attempt": NEW}))
     assert not reader.known(0, 7)
     assert reader.signed.rejections.metrics() == {names.rejected_write_metric("incarnation"): 2.0}
-    # The generator's next process finds the forged value, lists only itself, and is known.
-    fresh = register(signed(store, "generator/0"), 0, NEW)
-    assert reader.known(0, fresh) and not reader.known(0, stale) and not reader.known(0, 7)
-    store.set(KEY, replayed)  # the old attempt's record again: the reader keeps the newer one
+    # A new process's record, overwritten before any reader met it, is put back by its
+    # writer (each heartbeat reasserts), and then known.
+    generator = signed(store, "generator/0")
+    fresh = register(generator, 0, NEW)
+    store.set(names.incarnation_key("generator/0", fresh), b"forged")
+    assert not reader.known(0, fresh)
+    assert generator.reassert() == [names.incarnation_key("generator/0", fresh)]
     assert reader.known(0, fresh) and not reader.known(0, stale)
 
 
