@@ -26,7 +26,9 @@ The store's atomic operations compute values nobody signs (``add``, ``append``,
 - a list (members, failed, gone) is an unsigned list of names, only a hint of which
   records to read (appended as ``;name;`` so that bytes someone appended before cannot
   run into a name), and a signed record per name;
-- the generators' shared slot counter stays a compare-and-set, of signed records.
+- the generators' shared slot counter stays a compare-and-set, of signed records;
+- a generator process's incarnation (the first half of its group ids; an ``add`` before)
+  is drawn at random and registered as a record of its own (``app.incarnations``).
 
 What this cannot do: stop someone who can reach the port from deleting or overwriting
 keys (a denial of service; records the controller published once are re-published by
