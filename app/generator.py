@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from app import data, devices, health, membership, metrics, names, rl, runtime, transport, weight_digest
+from app import data, devices, health, incarnations, membership, metrics, names, rl, runtime, transport, weight_digest
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import to_message
 from app.policy import load_policy
@@ -133,7 +133,6 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
 def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticReceiver,
                       prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig,
                       check: weight_digest.DigestCheck | None, gen_weights: GenWeights | None) -> None:
-    store = rt.store
     device = next(model.parameters()).device
     # On a GPU a busy interval ends when the GPU is done: idle time is GPU idle time.
     timeline = metrics.Timeline("generator", rt.replica, busy_ends=functools.partial(devices.synchronize, device))
@@ -145,10 +144,10 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
     rng = devices.seeded_generator(device, gen_cfg.gen_seed)  # reseeded per batch: batch_seed
     held = membership.HeldSlots(rt.signed)
     version: int | None = None
-    # The sequence half of this generator's group ids; a restarted process continues
-    # after its earlier ones', so no id is ever used twice (readers refuse a second copy).
-    incarnation = int(store.add(names.incarnation_key(names.member("generator", rt.replica)), 1))
-    sent = first_seq(incarnation)
+    # The sequence half of this generator's group ids: a process of its own, registered
+    # under this attempt, so no id is ever used twice and readers take only this
+    # attempt's (they refuse a second copy, and a frame from before a resume).
+    sent = first_seq(incarnations.register(rt.signed, rt.replica, runtime.run_attempt(rt)))
     quantized: list[dict] = []  # quantization times, sent with the next weight-sync events
     while True:
         with timeline.idle("wait_weights"):

@@ -141,25 +141,28 @@ _FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {  # column -> (types, may b
 _NULLABLE_VALUE = {"scalar": False, "reward": True}
 
 
-def batch_message(events: list[dict[str, Any]], *, sender: str, stream: int, seq: int) -> dict[str, Any]:
+def batch_message(events: list[dict[str, Any]], *, sender: str, stream: int, seq: int,
+                  attempt: str) -> dict[str, Any]:
     """One batch of events for the ``metrics`` queue. ``sender`` (``role/replica``), a
     ``stream`` random per process and the batch's ``seq`` in it make its id: the trainer
-    writes a batch once, however often it is pushed (``app.seen_groups.SeenIds``)."""
-    return {"events": events, "from": sender, "stream": stream, "seq": seq}
+    writes a batch once, however often it is pushed (``app.seen_groups.SeenIds``).
+    ``attempt``: the run attempt's token (``runtime.run_attempt``): the trainer writes
+    only its own attempt's batches, so one captured before a resume is not written again."""
+    return {"events": events, "from": sender, "stream": stream, "seq": seq, "attempt": attempt}
 
 
-def checked_batch(msg: dict[str, Any]) -> tuple[tuple[str, int], int, list[dict[str, Any]]]:
-    """``((sender, stream), seq, events)`` of one batch from the ``metrics`` queue, every
-    event's fields checked against their columns; ``MalformedEvents`` for the first
-    thing that is not as ``batch_message`` makes it."""
-    for key, kind in (("from", str), ("stream", int), ("seq", int)):
+def checked_batch(msg: dict[str, Any]) -> tuple[tuple[str, int, str], int, list[dict[str, Any]]]:
+    """``((sender, stream, attempt), seq, events)`` of one batch from the ``metrics``
+    queue, every event's fields checked against their columns; ``MalformedEvents`` for
+    the first thing that is not as ``batch_message`` makes it."""
+    for key, kind in (("from", str), ("stream", int), ("seq", int), ("attempt", str)):
         if key not in msg:
             raise MalformedEvents(names.MISSING_FIELD, f"the batch has no {key!r}")
         if not isinstance(msg[key], kind) or isinstance(msg[key], bool):
             raise MalformedEvents(names.WRONG_TYPE, f"the batch's {key!r} is {type(msg[key]).__name__}")
     if msg["seq"] < 0:
         raise MalformedEvents(names.BAD_VALUE, "the batch's 'seq' is negative")
-    return (msg["from"], msg["stream"]), msg["seq"], _checked_events(msg)
+    return (msg["from"], msg["stream"], msg["attempt"]), msg["seq"], _checked_events(msg)
 
 
 def _checked_events(msg: dict[str, Any]) -> list[dict[str, Any]]:

@@ -117,10 +117,10 @@ def exited_key(member_id: str) -> str:
     return f"{_ROOT}exited/{member_id}"
 
 
-def incarnation_key(member_id: str) -> str:
-    """Counter: how many processes of ``member_id`` have started in this app (a restarted
-    generator numbers its groups after its earlier processes': ``app.seen_groups``)."""
-    return f"{_ROOT}incarnation/{member_id}"
+def incarnation_key(member_id: str, incarnation: int) -> str:
+    """Generator ``member_id``'s signed record that its process ``incarnation`` belongs to
+    this run attempt (``app.incarnations``): the readers take groups from those only."""
+    return f"{_ROOT}incarnation/{member_id}/{int(incarnation)}"
 
 
 def data_checked_key(member_id: str) -> str:

@@ -16,10 +16,9 @@ import time
 
 import torch
 
-from app import devices, health, membership, metrics, names, rl, runtime
+from app import devices, health, incarnations, membership, metrics, names, rl, runtime
 from app.contract import Rejections, to_message
 from app.rewards import build_reward
-from app.seen_groups import Admission
 
 MAX_GROUPS_PER_BATCH = 16
 
@@ -35,7 +34,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
     rejections = Rejections(f"reward/{rt.replica}")
     # Replays are refused here already (scoring them would be wasted), and versions the
     # trainer has not published; the trainer checks both again.
-    admit = Admission(published_version=rt.control.version)
+    admit = incarnations.admission(rt.signed, runtime.run_attempt(rt), published_version=rt.control.version)
     timeline = metrics.Timeline("reward", rt.replica)
     reported: dict[str, float] = {}
     held = membership.HeldSlots(rt.signed)

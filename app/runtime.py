@@ -219,8 +219,11 @@ class Runtime:
     def flush_metrics(self) -> None:
         if self._pending_metrics:
             batch, self._pending_metrics = self._pending_metrics, []
+            # Every role reads the config before it has anything to report.
+            config = self.signed.last(names.CONFIG_KEY)
+            attempt = config.value.get("attempt", "") if config is not None and isinstance(config.value, dict) else ""
             msg = metrics.batch_message(batch, sender=names.member(self.role, self.replica),
-                                        stream=self._batch_stream, seq=self._batches_sent)
+                                        stream=self._batch_stream, seq=self._batches_sent, attempt=str(attempt))
             self._batches_sent += 1
             self.queue(names.METRICS).push(msg, timeout_s=30.0, should_stop=None)
 
@@ -278,9 +281,10 @@ class Runtime:
 def publish_config(store: SignedStore, trainer: TrainerConfig, gen: GeneratorConfig, *,
                    policy_path: str, run_dir: str) -> None:
     """Trainer replica 0: the run's configs, for every other role to read (``read_config``),
-    so that no role can disagree with the trainer about a knob."""
+    so that no role can disagree with the trainer about a knob; and this attempt's token,
+    drawn afresh at every start, fresh or resumed (``run_attempt``)."""
     store.put(names.CONFIG_KEY, {"trainer": cli.to_dict(trainer), "generator": cli.to_dict(gen),
-                                 "run_dir": run_dir}, keep=True)
+                                 "run_dir": run_dir, "attempt": secrets.token_hex(16)}, keep=True)
     store.put(names.POLICY_KEY, policy_path, keep=True)
 
 
@@ -291,6 +295,12 @@ def read_config(rt: Runtime, timeout_s: float) -> tuple[TrainerConfig, Generator
     policy = rt.wait_key(names.POLICY_KEY, timeout_s, "policy path")
     log_to_run_dir(raw["run_dir"], rt.role, rt.replica)
     return TrainerConfig(**raw["trainer"]), GeneratorConfig(**raw["generator"]), policy
+
+
+def run_attempt(rt: Runtime, timeout_s: float = 60.0) -> str:
+    """This run attempt's token (``publish_config``): generator processes register their
+    incarnations under it, and readers take groups only from those (``app.incarnations``)."""
+    return str(rt.wait_key(names.CONFIG_KEY, timeout_s, "run config")["attempt"])
 
 
 def wait_for_exits(control: Control, members: list[str], timeout_s: float) -> list[str]:

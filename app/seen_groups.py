@@ -3,9 +3,9 @@
 A group's id is ``(generator replica, seq)`` (``app.contract.GroupId``), inside the frame's
 HMAC, so nobody without the app's secret can make a new id: a captured frame pushed again
 carries the same id, and the reader refuses it (counted as ``replay``). The id stays
-unique when a generator restarts: each generator process takes an *incarnation* number
-from the control store and starts its sequence at ``incarnation << INCARNATION_SHIFT``
-(``first_seq``), so a restarted replica never reuses the ids of its earlier process.
+unique when a generator restarts: each generator process draws an *incarnation* and
+starts its sequence at ``(incarnation - 1) << INCARNATION_SHIFT`` (``first_seq``), so a
+restarted replica never reuses the ids of its earlier process (``app.incarnations``).
 
 ``SeenIds`` is the set, keyed by the source of the ids (a generator replica; for the
 metrics batches every role sends, the role and a random stream per process). Memory is
@@ -21,9 +21,20 @@ Not the slot ledger's job and not replaced by it (``app.train_state.SlotLedger``
 ledger records *slots* (prompts) consumed, and a regenerated lost slot is a new group
 with a new id filling a slot another group may already have filled (a duplicate, counted
 under ``faults/duplicate_groups``, not a replay). A replay refused here never reaches
-the ledger: it takes no place in a batch and frees no slot. The set lives for one app
-attempt (generators restart their incarnations with a new store); across a resume the
-ledger, restored from the checkpoint, still refuses a second group for a consumed slot.
+the ledger: it takes no place in a batch and frees no slot.
+
+Across a resume the sets start empty and are not in the checkpoint; they need not be.
+Without more, a frame captured before the resume *would* be trained: the ledger refuses
+it only for a slot consumed before the checkpoint, and the old run's later frames (slots
+past the checkpoint, versions the resumed run reaches again) would fill slots of the new
+attempt, each once; and one with a high sequence number would lift its process's floor
+above the new process's genuine ids, which would then all be refused (the run would
+stall). Persisting the sets would not stop either: the old run went on after its last
+checkpoint. What stops both is ``Admission``'s ``known_process``
+(``app.incarnations.Incarnations``): a group is only taken from a generator process
+registered under the reader's own attempt, and every attempt draws a new token; a frame
+from before the resume names a process of another attempt and is refused as a ``replay``
+before it is remembered (``tests/test_seen_groups.py``).
 
 ``Admission`` is what a reader asks of each valid group: not a replay, and not from a
 policy version the trainer has not published yet (a generator only has weights the
@@ -42,21 +53,21 @@ import heapq
 from typing import Any, Callable, Hashable
 
 __all__ = ["FUTURE_VERSION", "INCARNATION_SHIFT", "REPLAY", "SEEN_WINDOW", "Admission", "SeenIds",
-           "first_seq", "taken_by_other_ranks"]
+           "first_seq", "incarnation_of", "taken_by_other_ranks"]
 
 # Why a valid group was refused (counted under ``names.REJECTED_PREFIX`` with the others).
 REPLAY, FUTURE_VERSION = "replay", "future_version"
 
 INCARNATION_SHIFT = 32
-"""A generator process numbers its groups from ``incarnation << 32``: 4 billion groups
-per process before two could collide, far beyond any run."""
+"""A generator process numbers its groups from ``(incarnation - 1) << 32``: 4 billion
+groups per process before two could collide, far beyond any run."""
 SEEN_WINDOW = 4096
 """Ids remembered per generator process below its newest (module docstring)."""
 
 
 def first_seq(incarnation: int) -> int:
-    """The first sequence number of a generator's ``incarnation``-th process (1-based):
-    0 for the first, so a run without restarts numbers its groups 0, 1, 2..."""
+    """The first sequence number of a generator process of ``incarnation`` (1-based;
+    ``app.incarnations.draw``): ``incarnation_of`` it gives ``incarnation`` back."""
     if incarnation < 1:
         raise ValueError(f"incarnations count from 1, got {incarnation}")
     return (incarnation - 1) << INCARNATION_SHIFT
@@ -115,10 +126,16 @@ class SeenIds:
         return sum(len(w.above) for w in self._by_process.values())
 
 
+def incarnation_of(seq: int) -> int:
+    """The incarnation of the generator process that numbered a group ``seq``."""
+    return (seq >> INCARNATION_SHIFT) + 1
+
+
 class Admission:
     """``admit(group)`` for ``Rejections.decode``: refuses a group whose id this reader
-    has taken already (``REPLAY``), and one from a version the trainer has not published
-    yet (``FUTURE_VERSION``). ``current_version`` is this process's own count (a trainer
+    has taken already (``REPLAY``), one from a generator process ``known_process(generator,
+    incarnation)`` does not know (``REPLAY`` too: a frame of another run attempt), and one
+    from a version the trainer has not published yet (``FUTURE_VERSION``). ``current_version`` is this process's own count (a trainer
     rank's), asked first; ``published_version`` reads the control store, asked only for
     a version above every one seen published so far (once per new version, not per
     group): a trainer rank other than replica 0 may count its step a moment after
@@ -127,8 +144,10 @@ class Admission:
 
     def __init__(self, current_version: Callable[[], int] | None = None,
                  published_version: Callable[[], int] | None = None,
-                 seen: SeenIds | None = None) -> None:
+                 seen: SeenIds | None = None,
+                 known_process: Callable[[int, int], bool] | None = None) -> None:
         self.current_version, self.published_version = current_version, published_version
+        self.known_process = known_process
         self.seen = seen or SeenIds()
         self._published = -1  # the newest version seen published (versions only grow)
 
@@ -148,6 +167,10 @@ class Admission:
             if (now := self._from_the_future(group.version)) is not None:
                 return FUTURE_VERSION, (f"group {tuple(gid)} claims policy version {group.version}; "
                                         f"the trainer has published {now}")
+        known = self.known_process
+        if known is not None and not known(gid.generator, incarnation_of(gid.seq)):
+            return REPLAY, (f"group {tuple(gid)} comes from a generator process this run attempt never "
+                            "started (a frame captured before a resume)")
         if not self.seen.add(gid.generator, gid.seq):
             return REPLAY, f"group {tuple(gid)} was taken already (a second copy of its frame)"
         return None

@@ -26,7 +26,9 @@ The store's atomic operations compute values nobody signs (``add``, ``append``,
 - a list (members, failed, gone) is an unsigned list of names, only a hint of which
   records to read (appended as ``;name;`` so that bytes someone appended before cannot
   run into a name), and a signed record per name;
-- the generators' shared slot counter stays a compare-and-set, of signed records.
+- the generators' shared slot counter stays a compare-and-set, of signed records;
+- a generator process's incarnation (the first half of its group ids; an ``add`` before)
+  is drawn at random and registered as a record of its own (``app.incarnations``).
 
 What this cannot do: stop someone who can reach the port from deleting or overwriting
 keys (a denial of service; records the controller published once are re-published by
@@ -39,6 +41,7 @@ secret file, are authentic too). The store must listen only where the roles need
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import logging
 import threading
@@ -66,6 +69,7 @@ _KINDS = {
     "version": "version", "config": "config", "policy_path": "config", "data": "config",
     "resume": "config", "slots_done": "config", "app_id": "config",
     "weight_digest": "weights", "groups_reserved": "slots", "groups_dropped": "slots", "held": "held", "queue": "lost_slots",
+    "incarnation": "incarnation",
 }
 
 
@@ -155,7 +159,7 @@ class _ReaderState:
 
     def __init__(self) -> None:
         self.accepted: dict[str, Record] = {}
-        self.newest: dict[tuple[str, str], int] = {}  # (key, writer) -> newest n accepted
+        self.newest: dict[str, dict[str, int]] = {}  # key -> writer -> newest n accepted
         self.kept: dict[str, bytes] = {}  # records this process published, to reassert
         self.lock = threading.Lock()
         # Held across a kept record's write and each reassert: a reassert between the
@@ -185,11 +189,14 @@ class SignedStore:
         view.prefix, view._root, view._state = prefix, root, self._state
         return view
 
-    def clone(self) -> "SignedStore":
-        """The same reader state and counts over a new connection (for another thread)."""
+    def clone(self, timeout: datetime.timedelta | None = None) -> "SignedStore":
+        """The same reader state and counts over a new connection (for another thread);
+        ``timeout``: that connection's own timeout for blocking calls."""
         if not isinstance(self._root, dist.TCPStore):
             return self
         root = self._root.clone()
+        if timeout is not None:
+            root.set_timeout(timeout)
         store = dist.PrefixStore(self.prefix.rstrip("/"), root) if self.prefix else root
         return self._view(store, root, self.prefix)
 
@@ -250,6 +257,16 @@ class SignedStore:
             self.rejections(full, now, "overwrote a value published here")
         return now == raw
 
+    def forget(self, key: str) -> None:
+        """Drop what this process holds for ``key``: no longer reasserted, nor remembered
+        as accepted (for keys read once, e.g. the weight plane's per-sync ones: memory stays
+        bounded over a long run)."""
+        full = self.prefix + key
+        with self._state.publishing, self._state.lock:
+            self._state.kept.pop(full, None)
+            self._state.accepted.pop(full, None)
+            self._state.newest.pop(full, None)
+
     def reassert(self) -> list[str]:
         """Publish again each kept record (of this process, whatever the view) that was
         overwritten or deleted; their full keys."""
@@ -286,7 +303,7 @@ class SignedStore:
             self.rejections(full, raw, f"written by {str(writer)[:40]!r}, who may not write it")
             return None
         with self._state.lock:
-            newest = self._state.newest.get((full, writer), -1)
+            newest = self._state.newest.get(full, {}).get(writer, -1)
         if n <= newest:
             self.rejections(full, raw, f"a replay: counter {n} of {writer}, newest seen {newest}")
             return None
@@ -296,7 +313,8 @@ class SignedStore:
         rec, full = Record(raw, writer, n, value), self.prefix + key
         with self._state.lock:
             self._state.accepted[full] = rec
-            self._state.newest[(full, writer)] = max(n, self._state.newest.get((full, writer), -1))
+            by_writer = self._state.newest.setdefault(full, {})
+            by_writer[writer] = max(n, by_writer.get(writer, -1))
         return rec
 
     def record(self, key: str, writers: Writers = None) -> Record | None:
@@ -311,6 +329,20 @@ class SignedStore:
     def last(self, key: str) -> Record | None:
         """The newest record of ``key`` accepted here, without asking the store."""
         return self._state.accepted.get(self.prefix + key)
+
+    def settled(self, keys: list[str], writers: list[Writers]) -> list[Record] | None:
+        """The records of keys each written once (``writers[i]`` may write ``keys[i]``),
+        once every one has an authentic record, else ``None``: one round trip while any
+        is missing, two once all are there (a forged value is counted and waited past)."""
+        recs = [self.last(key) for key in keys]
+        pending = [i for i, rec in enumerate(recs) if rec is None]
+        if not pending:
+            return recs  # type: ignore[return-value]
+        if not self.store.check([keys[i] for i in pending]):
+            return None
+        for i, raw in zip(pending, self.store.multi_get([keys[i] for i in pending])):
+            recs[i] = self.open(keys[i], raw, writers[i])
+        return recs if all(rec is not None for rec in recs) else None  # type: ignore[return-value]
 
     def get(self, key: str, writers: Writers = None, default: Any = None) -> Any:
         rec = self.record(key, writers)

@@ -46,13 +46,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from app import (checkpoint, cli, data, devices, frames, health, membership, metrics, names, rl, runtime, sharding,
-                 steps, train_state, transport, weight_digest)
+from app import (checkpoint, cli, data, devices, frames, health, incarnations, membership, metrics, names, rl, runtime,
+                 sharding, steps, train_state, transport, weight_digest)
 from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
-from app.seen_groups import REPLAY, Admission, SeenIds, taken_by_other_ranks
+from app.seen_groups import REPLAY, SeenIds, taken_by_other_ranks
 from app.sampling.precision import check_precision
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
 from app.weight_plane import elastic_sender
@@ -131,6 +131,7 @@ class Trainer:
             _, _, policy = runtime.read_config(rt, 900.0)
             self.run_dir = Path(rt.signed.get(names.CONFIG_KEY)["run_dir"])
             self.model, self.tokenizer = load_policy(policy, device=self.device)
+        self.attempt = runtime.run_attempt(rt)  # this start's: groups and metrics batches of another are refused
         resumed = rt.wait_key(names.RESUME_KEY, 60.0, "resume point")
         self.start_step = self.version = resumed["step"]
         self.ledger = train_state.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger"))
@@ -178,7 +179,8 @@ class Trainer:
             on_drop=self._on_drop, normalize_std=cfg.normalize_std, should_stop=rt.should_stop,
             timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,
             health=lambda: health.check_health(rt.control),
-            admit=Admission(current_version=lambda: self.version, published_version=rt.control.version),
+            admit=incarnations.admission(rt.signed, self.attempt, current_version=lambda: self.version,
+                                         published_version=rt.control.version),
             vocab_size=self.model.get_input_embeddings().num_embeddings)
 
     def _shard(self) -> None:
@@ -339,6 +341,9 @@ class Trainer:
                     source, seq, batch = metrics.checked_batch(m)
                 except metrics.MalformedEvents as e:  # signed, yet not ours: dropped, counted
                     self.rejections(e.reason, f"queue {names.METRICS!r}: {e}", "events")
+                    continue
+                if source[2] != self.attempt:  # captured before a resume: its events were written then
+                    self.rejections(REPLAY, f"queue {names.METRICS!r}: batch {seq} of {source[0]} of another attempt")
                     continue
                 if not self.seen_batches.add(source, seq):
                     self.rejections(REPLAY, f"queue {names.METRICS!r}: batch {seq} of {source[0]} again")

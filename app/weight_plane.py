@@ -8,9 +8,23 @@ group of trainer rank r rendezvouses under ``weights/<N>/<r>`` (``names.weight_e
 so no key of an old group is read by a new one. With N trainer ranks (FSDP2) each sends
 its own shard in its own group; every generator is in all of them. The epoch, the rosters,
 the join requests and the trainer ranks' attempts, results and verdicts are records
-signed by their writer (``app.signed``): one someone else wrote moves no member. The
-groups' own rendezvous (gloo's and NCCL's keys, the layout handshake) is not: the weight
-plane belongs on a private network (README, Security).
+signed by their writer (``app.signed``): one someone else wrote moves no member. So are
+the keys llamarl writes inside each group's prefix (``app.weight_sync``): each rank's
+presence and device (``present/<rank>``), its layout document (``layout/<n>/<rank>``) and
+the sender's sync announcements (``syncs/<n>``), each readable only as the record of the
+member at that rank (``_members``); a forged one is ignored, counted under
+``security/rejected_writes/weights`` and waited past, and an overwritten one is
+re-published by its writer. What cannot be signed is the backend's own rendezvous,
+written by torch inside ``ProcessGroupGloo``/``ProcessGroupNCCL`` through the same prefix
+store: gloo's ``<gloo device index>/<rank>`` (each rank's listening address; seen on
+torch 2.13 through a store that logs its calls), NCCL's ``<communicator counter>`` (the
+``ncclUniqueId``, rank 0's bootstrap address: ``broadcastUniqueNCCLID``), and whatever
+else a backend keeps there. They are read inside the C++ constructor, before llamarl
+could check anything, and their format is the backend's. A forged address there makes a member connect to the forger: the group then
+fails and the plane regroups, or the forger takes part in its traffic (reads the
+weights, or sends bytes the weight digest refuses). That, and the unauthenticated,
+unencrypted traffic itself, is why the weight plane belongs on a private network
+(README, Security).
 
 - ``ElasticSender`` (trainer replica 0, the only one that knows who is alive):
   ``send(version)``. When a send fails it waits
@@ -36,7 +50,6 @@ import time
 from typing import Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
 from app import devices, names
 from app.signed import CONTROLLER, SignedStore
@@ -75,6 +88,12 @@ def _device_of(params: list[tuple[str, torch.Tensor]]) -> torch.device:
 
 def _plane_store(signed: SignedStore) -> SignedStore:
     return signed.prefixed(names.WEIGHT_PLANE_PREFIX)
+
+
+def _members(sender: int, generators: Sequence[int]) -> list[str]:
+    """The member id of each rank of trainer rank ``sender``'s weight group: the only
+    writer of that rank's keys there (``init_weight_group``)."""
+    return [names.member("trainer", sender)] + [names.member("generator", r) for r in generators]
 
 
 def _wait_for(plane: SignedStore, key: str, timeout_s: float, should_stop: Callable[[], bool],
@@ -127,7 +146,7 @@ class ElasticSender:
     def __init__(self, signed: SignedStore, params: Sequence[tuple[str, torch.Tensor]], *,
                  num_generators: int, timeout_s: float, gone: Callable[[], set[str]],
                  should_stop: Callable[[], bool], gone_wait_s: float = 15.0, ranks: int = 1) -> None:
-        self.store, self.plane = signed.store, _plane_store(signed)
+        self.signed, self.plane = signed, _plane_store(signed)
         self.ranks = ranks
         """Trainer ranks that send (each its shard); ranks > 0 follow this one's attempts."""
         self.attempts = 0
@@ -205,15 +224,17 @@ class ElasticSender:
             if self._sender is not None:
                 # Kept until the run ends: a collective it started may still be running in
                 # the backend's thread, which a destructor would wait for.
+                self._sender.group.forget_keys()
                 self._retired.append(self._sender)
                 self._sender = None
             self.epoch += 1
             self.plane.put(names.weight_roster_key(self.epoch), {"generators": roster, "senders": self.ranks})
             self.plane.put(names.WEIGHT_EPOCH_KEY, self.epoch, keep=True)  # re-published if overwritten
             try:
-                group = init_weight_group(self.store, rank=0, world_size=len(roster) + 1, device=self.device,
+                group = init_weight_group(self.signed, rank=0, world_size=len(roster) + 1, device=self.device,
                                           timeout_s=self.timeout_s, prefix=names.weight_epoch_prefix(self.epoch),
-                                          should_stop=self.should_stop, device_key=self.device_key)
+                                          should_stop=self.should_stop, device_key=self.device_key,
+                                          members=_members(0, roster))
                 self._sender = WeightSender(group, self.params, rank=0, ranks=self.ranks)
             except WeightLayoutError:
                 raise
@@ -232,9 +253,11 @@ class ElasticSender:
             return
 
     def _present(self, roster: list[int]) -> list[int]:
-        """The generators of ``roster`` that reached the current epoch's rendezvous."""
-        group_store = dist.PrefixStore(names.weight_epoch_prefix(self.epoch, 0), self.store)
-        return [r for i, r in enumerate(roster) if group_store.check([names.weight_rank_present_key(i + 1)])]
+        """The generators of ``roster`` that reached the current epoch's rendezvous (their
+        own record of it: a forged one does not keep a missing generator in)."""
+        group = self.signed.prefixed(names.weight_epoch_prefix(self.epoch, 0))
+        return [r for i, r in enumerate(roster) if group.record(names.weight_rank_present_key(i + 1),
+                                                                 writers=(names.member("generator", r),)) is not None]
 
     def send(self, version: int) -> SyncStats:
         """Broadcast ``version`` (this rank's shard of it) to every generator in the plane,
@@ -323,7 +346,7 @@ class ShardFollower:
                  lead_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         if not 0 < rank < ranks:
             raise ValueError(f"a shard follower is a trainer rank > 0, not {rank} of {ranks}")
-        self.store, self.plane = signed.store, _plane_store(signed)
+        self.signed, self.plane = signed, _plane_store(signed)
         self.params, self.rank, self.ranks = list(params), rank, ranks
         self.timeout_s, self.should_stop = timeout_s, should_stop
         self.device = _device_of(self.params)
@@ -347,13 +370,14 @@ class ShardFollower:
             raise WeightLayoutError(f"weight plane epoch {epoch} has {roster['senders']} trainer ranks "
                                     f"sending; this is rank {self.rank} of {self.ranks}")
         if self._sender is not None:
+            self._sender.group.forget_keys()
             self._retired.append(self._sender)
             self._sender = None
         self.epoch = epoch
-        group = init_weight_group(self.store, rank=0, world_size=len(roster["generators"]) + 1,
+        group = init_weight_group(self.signed, rank=0, world_size=len(roster["generators"]) + 1,
                                   device=self.device, timeout_s=self.timeout_s,
                                   prefix=names.weight_epoch_prefix(epoch, self.rank), should_stop=self.should_stop,
-                                  device_key=self.device_key)
+                                  device_key=self.device_key, members=_members(self.rank, roster["generators"]))
         self._sender = WeightSender(group, self.params, rank=self.rank, ranks=self.ranks)
 
     def send(self, version: int) -> SyncStats:
@@ -390,7 +414,7 @@ class ElasticReceiver:
                  timeout_s: float, join_timeout_s: float = JOIN_TIMEOUT_S,
                  verify: Callable[[int, list[torch.Tensor]], bool] | None = None) -> None:
         # Its own connection: the epoch polls never queue behind the generator's other calls.
-        self.store, self.plane, self.replica = signed.store, _plane_store(signed.clone()), replica
+        self.signed, self.plane, self.replica = signed, _plane_store(signed.clone()), replica
         self.params, self.timeout_s = list(params), timeout_s
         self.device = _device_of(self.params)
         self.join_timeout_s = join_timeout_s
@@ -486,10 +510,10 @@ class ElasticReceiver:
         for it: trainer rank r > 0 joins only once rank 0's group is through its layout
         handshake, so a generator must not wait in group r's rendezvous before that."""
         for sender in range(roster["senders"]):
-            group = init_weight_group(self.store, rank=roster["generators"].index(self.replica) + 1,
+            group = init_weight_group(self.signed, rank=roster["generators"].index(self.replica) + 1,
                                       world_size=len(roster["generators"]) + 1, device=self.device,
                                       timeout_s=self.timeout_s, prefix=names.weight_epoch_prefix(epoch, sender),
-                                      should_stop=should_stop)
+                                      should_stop=should_stop, members=_members(sender, roster["generators"]))
             group.abandoned = abandoned
             yield group
 
@@ -510,6 +534,8 @@ class ElasticReceiver:
             self._retired_version = staged if staged is not None else self._retired_version
             # Kept: an abandoned receive may still write into its staging buffers until
             # the group's timeout, and its backend's destructor would wait for it.
+            for group in self._current.groups:
+                group.forget_keys()
             self._retired.append(self._current)
             self._current = None
 

@@ -19,8 +19,10 @@ server, just collectives in a process group of its own:
 The parameter layout (``app.weight_layout``: names, shapes, dtypes, runs, buckets, and
 each trainer rank's part of every parameter) is fixed when the sender and receivers are
 built, and checked once across all ranks then (the layout handshake: JSON documents in
-the store; a generator rebuilds each sender's buckets from its document), so a sync carries no per-tensor metadata: one small int64 header (version, layout
-fingerprint, which runs go whole) followed by the runs' bytes. A run that is one slice
+the store, each a signed record of its rank's member; a generator rebuilds each sender's
+buckets from its document), so a sync carries no per-tensor metadata: one small int64
+header (version, layout fingerprint, which runs go whole) followed by the runs' bytes.
+A run that is one slice
 of a ``flatten_parameters_`` buffer goes out as one broadcast with no copy (what the
 trainer does); any other run goes bucket by bucket, packing those that are not one
 contiguous tensor into two reused buffers, so parameters that are not one flat buffer
@@ -29,8 +31,14 @@ contiguous tensor into two reused buffers, so parameters that are not one flat b
 Each sync is announced by setting a per-sync key in the store before the first
 collective, so a receiver waits for the next sync by polling that key (woken within
 milliseconds, interruptible, idle otherwise) instead of sitting inside a collective it
-cannot leave. A generator receives on a background thread into one staging buffer per
-run; ``swap_if_newer`` copies a complete version into the live model between decode
+cannot leave. The announcement, the layout documents and each rank's presence are signed
+records (``app.signed``) of the member at that rank (``init_weight_group``'s
+``members``): a value someone else wrote there is ignored and counted, never a reason to
+start a sync, to fail a layout check or to choose a backend. The backend's own rendezvous
+keys in the same prefix store cannot be signed (``app.weight_plane``).
+
+A generator receives on a background thread into one staging buffer per run;
+``swap_if_newer`` copies a complete version into the live model between decode
 batches, so a generator busy decoding never holds up the trainer.
 """
 
@@ -47,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from app import devices, names
+from app.signed import SignedStore, Writers
 from app.transport import Backoff, Stopped
 from app.weight_layout import (  # flatten_parameters_: part of this plane's API
     DEFAULT_BUCKET_MB,
@@ -69,6 +78,8 @@ _RING = 2  # packing buffers: one bucket is packed while the one before it is on
 # react sooner but c10d logs two warnings for every wait that times out: 40 lines a
 # second per idle generator.)
 _POLL_MAX_S = 0.005
+# Sync announcements the sender keeps re-publishing if overwritten (``_announce``).
+_KEEP_ANNOUNCED = 4
 
 
 class WeightSyncError(RuntimeError):
@@ -95,7 +106,8 @@ class WeightGroup:
 
     backend: dist.Backend
     store: dist.Store
-    """The group's own prefix store (announcements and the layout handshake live here)."""
+    """The group's own prefix store (the backend's rendezvous, announcements and the
+    layout handshake live here)."""
     rank: int
     world_size: int
     device: torch.device
@@ -107,6 +119,29 @@ class WeightGroup:
     """Syncs this rank has taken part in; the sender's announcement keys run ahead of it."""
     handshakes: int = 0
     """Senders/receivers built on this rank so far: keys each layout handshake apart."""
+    signed: SignedStore | None = None
+    """Signed records over ``store``: this rank's presence, layout document and sync
+    announcements are records of its member id, and it reads its peers' as such."""
+    members: tuple[str, ...] | None = None
+    """The member id (``role/replica``) of each rank, whose records its keys must be;
+    ``None``: any member of the app."""
+
+    def writers(self, rank: int) -> Writers:
+        """Who may write rank ``rank``'s keys of this group."""
+        return None if self.members is None else (self.members[rank],)
+
+    def forget_keys(self) -> None:
+        """Neither re-publish nor remember this group's records any more (a newer group
+        replaced it): what the heartbeat checks, and memory, stay bounded across epochs."""
+        if self.signed is None:
+            return
+        ranks = range(self.world_size)
+        keys = [names.weight_rank_present_key(r) for r in ranks]
+        keys += [names.weight_layout_key(h, r) for h in range(1, self.handshakes + 1) for r in ranks]
+        recent = range(max(1, self.syncs - _KEEP_ANNOUNCED), self.syncs + 2)  # those still kept or read
+        keys += [names.weight_sync_announce_key(n) for n in recent]
+        for key in keys:
+            self.signed.forget(key)
 
     def broadcast(self, tensor: torch.Tensor) -> dist.Work:
         opts = dist.BroadcastOptions()
@@ -148,11 +183,17 @@ def _host_or_device(group: WeightGroup, numel: int, dtype: torch.dtype) -> torch
     return torch.empty(numel, dtype=dtype, device=group.device, pin_memory=pin)
 
 
-def init_weight_group(store: dist.Store, rank: int, world_size: int, device: torch.device,
+def init_weight_group(signed: SignedStore, rank: int, world_size: int, device: torch.device,
                       timeout_s: float = 300.0, prefix: str = names.WEIGHT_PLANE_PREFIX,
                       should_stop: Callable[[], bool] | None = None,
-                      device_key: str | None = None) -> WeightGroup:
+                      device_key: str | None = None, members: Sequence[str] | None = None) -> WeightGroup:
     """Join the weight group (collective over all ``world_size`` ranks).
+
+    ``signed``: the control store as this process's member (``app.signed``); the group
+    lives under ``prefix`` in it. ``members``: each rank's member id, the only writer of
+    its keys (``None``: any member of the app). A value at a rank's key that is not its
+    record is ignored, counted and waited past (``app.signed``); this rank's own records
+    are re-published if overwritten (``SignedStore.reassert``, on each heartbeat).
 
     ``device`` is where this rank's weights live. Every rank publishes its
     ``devices.device_key`` (``device_key`` overrides it: a test on the CPU stands in for
@@ -166,16 +207,18 @@ def init_weight_group(store: dist.Store, rank: int, world_size: int, device: tor
     if not 0 <= rank < world_size or world_size < 2:
         raise ValueError(f"weight group needs 0 <= rank < world_size and world_size >= 2, "
                          f"got rank {rank} of {world_size}")
+    if members is not None and (len(members) != world_size or members[rank] != signed.writer):
+        raise ValueError(f"weight group: rank {rank} is {signed.writer}, not "
+                         f"{members[rank] if rank < len(members) else '-'} of members {list(members)}")
     device = torch.device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if isinstance(store, dist.TCPStore):
-        # Its own connection: announcement polling never queues behind other threads'
-        # store calls, and the rendezvous waits run under this group's timeout.
-        store = store.clone()
-        store.set_timeout(timeout)
-    prefix_store = dist.PrefixStore(prefix, store)
-    keys = _wait_for_ranks(prefix_store, rank, world_size, timeout_s, should_stop,
-                           device_key or devices.device_key(device))
+    # Its own connection: announcement polling never queues behind other threads' store
+    # calls, and the rendezvous waits run under this group's timeout.
+    group_signed = signed.clone(timeout).prefixed(prefix)
+    prefix_store = group_signed.store
+    members = tuple(members) if members is not None else None
+    keys = _wait_for_ranks(group_signed, rank, world_size, timeout_s, should_stop,
+                           device_key or devices.device_key(device), members)
     path = devices.weight_plane_backend(keys)
     if path.backend == "gloo":
         device = devices.HOST
@@ -194,44 +237,59 @@ def init_weight_group(store: dist.Store, rank: int, world_size: int, device: tor
         raise WeightSyncError(f"weight group: rank {rank} of {world_size} could not connect to "
                               f"its peers within {timeout_s:g} s: {e}") from None
     return WeightGroup(backend=backend, store=prefix_store, rank=rank, world_size=world_size,
-                       device=device, timeout_s=timeout_s, path=path)
+                       device=device, timeout_s=timeout_s, path=path, signed=group_signed, members=members)
 
 
-def _wait_for_ranks(store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                    should_stop: Callable[[], bool] | None, device_key: str) -> list[str]:
-    """Every rank says it is here, with its device key, then waits until all are:
-    ``WeightSyncError`` naming the missing ranks after ``timeout_s``, ``Stopped`` as soon
-    as ``should_stop()``. Returns every rank's device key, in rank order."""
-    store.set(names.weight_rank_present_key(rank), device_key)
+def _wait_for_ranks(signed: SignedStore, rank: int, world_size: int, timeout_s: float,
+                    should_stop: Callable[[], bool] | None, device_key: str,
+                    members: tuple[str, ...] | None) -> list[str]:
+    """Every rank says it is here, with its device key (a record of its own), then waits
+    until every rank's record is there: ``WeightSyncError`` naming the missing ranks after
+    ``timeout_s``, ``Stopped`` as soon as ``should_stop()``. Returns every rank's device
+    key, in rank order."""
+    signed.put(names.weight_rank_present_key(rank), device_key, keep=True)
     keys = [names.weight_rank_present_key(r) for r in range(world_size)]
+    writers = [None] * world_size if members is None else [(m,) for m in members]
     deadline = time.monotonic() + timeout_s
     backoff = Backoff(first_s=0.005, max_s=0.1)
-    while not store.check(keys):
+    while (recs := signed.settled(keys, writers)) is None:
         if should_stop is not None and should_stop():
             raise Stopped("stopped while waiting for the weight group's ranks")
         if time.monotonic() > deadline:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            missing = [r for r, k in enumerate(keys) if signed.last(k) is None]
             raise WeightSyncError(f"weight group: rank {rank} of {world_size} waited {timeout_s:g} s "
                                   f"for ranks {missing} (rank 0 is the trainer, rank i + 1 generator i)")
         time.sleep(backoff.next())
-    return [v.decode() for v in store.multi_get(keys)]
+    return [str(rec.value) for rec in recs]
 
 
 def _handshake(group: WeightGroup, doc: dict) -> list[dict]:
-    """Every rank publishes its layout document; the peers' (every generator's on rank 0,
-    the trainer rank's on a generator), parsed. Nothing is unpickled: JSON."""
+    """Every rank publishes its layout document, a record of its own; the peers' (every
+    generator's on rank 0, the trainer rank's on a generator). Nothing is unpickled: JSON."""
     g = group
     g.handshakes += 1  # every rank builds its senders/receivers in the same order
-    g.store.set(names.weight_layout_key(g.handshakes, g.rank), json.dumps(doc))
+    g.signed.put(names.weight_layout_key(g.handshakes, g.rank), doc, keep=True)
     peers = range(1, g.world_size) if g.rank == 0 else [0]
     keys = [names.weight_layout_key(g.handshakes, r) for r in peers]
     deadline = time.monotonic() + g.timeout_s
-    while not g.store.check(keys):
+    while (recs := g.signed.settled(keys, [g.writers(r) for r in peers])) is None:
         if time.monotonic() > deadline:
             raise WeightSyncError(f"weight sync layout handshake: rank {g.rank} waited "
                                   f"{g.timeout_s:g} s for ranks {list(peers)} to publish theirs")
         time.sleep(0.005)
-    return [json.loads(raw) for raw in g.store.multi_get(keys)]
+    docs = [rec.value for rec in recs]
+    if not all(isinstance(doc, dict) for doc in docs):
+        raise WeightLayoutError("weight sync layout handshake: a peer's layout document is not a JSON object")
+    return docs
+
+
+def _announce(g: WeightGroup, version: int) -> None:
+    """Sync ``g.syncs + 1`` starts: its announcement, a record the sender re-publishes if
+    someone overwrites it while a receiver may still wait for it (``_KEEP_ANNOUNCED``
+    syncs back at most: a receiver takes part in every sync, so it read those long ago)."""
+    g.signed.put(names.weight_sync_announce_key(g.syncs + 1), version, keep=True)
+    if g.syncs + 1 > _KEEP_ANNOUNCED:
+        g.signed.forget(names.weight_sync_announce_key(g.syncs + 1 - _KEEP_ANNOUNCED))
 
 
 def _check_same_model(group: WeightGroup, mine: list, theirs: list, peer: int) -> None:
@@ -302,7 +360,7 @@ class WeightSender:
         t0 = time.perf_counter()
         try:
             params = self._local()
-            g.store.set(names.weight_sync_announce_key(g.syncs + 1), str(version))
+            _announce(g, version)
             views = [span_view(run, params, g.device) if ok else None
                      for run, ok in zip(layout.runs, self._whole_ok)]
             whole = sum(1 << r for r, view in enumerate(views) if view is not None)
@@ -513,7 +571,8 @@ class WeightReceiver:
         pending = list(self.groups)
         backoff = Backoff(max_s=_POLL_MAX_S)
         while pending:
-            pending = [g for g in pending if not g.store.check([names.weight_sync_announce_key(g.syncs + 1)])]
+            pending = [g for g in pending if g.signed.settled([names.weight_sync_announce_key(g.syncs + 1)],
+                                                              [g.writers(0)]) is None]
             if not pending:
                 break
             if self._stop.is_set() or (should_stop is not None and should_stop()):
@@ -555,6 +614,7 @@ class WeightReceiver:
                 f"trainer rank or another generator of the weight group is gone. Cause: {e}") from None
         for group in self.groups:
             group.syncs += 1
+            group.signed.forget(names.weight_sync_announce_key(group.syncs))  # read once
         return SyncStats(version=int(version), bytes=self.layout.nbytes, seconds=time.perf_counter() - t0)
 
     def start_background(self, should_stop: Callable[[], bool] | None = None) -> None:

@@ -16,6 +16,9 @@ operation cost before (a bare ``set``/``get``/``check``/``add``) and what it cos
   nothing else now, the key being absent);
 - ``heartbeats``: the controller's look at ``--members`` heartbeats
   (``Control.last_heartbeats``), a ``multi_get`` of counters before, one record per member now;
+- ``announce``: one weight sync's announcement, sender and one receiver (``app.weight_sync``):
+  ``set`` + ``check`` before; now a kept record (``put``), the one four syncs back
+  forgotten, and the receiver's ``settled`` (``check``, ``multi_get``, HMAC) and ``forget``;
 - ``seal``/``open``: the CPU part alone, no store.
 
 Median microseconds per operation over ``--repeats`` (after a warm-up; plain and signed
@@ -100,6 +103,20 @@ def main(argv: list[str] | None = None) -> None:
     controller = Control(signed)
     beat_keys = [f"bench/heartbeat/{m}" for m in members]
     opener = SignedStore(store, secret, "generator/1")
+    announcer = signed.prefixed("bench/weights")
+    receiver = SignedStore(store, secret, "generator/0").prefixed("bench/weights")
+
+    def announce_signed(i: int) -> None:
+        key = names.weight_sync_announce_key(i + 1)
+        announcer.put(key, i, keep=True)
+        announcer.forget(names.weight_sync_announce_key(i - 3))
+        assert receiver.settled([key], [("trainer/0",)]) is not None
+        receiver.forget(key)
+
+    def announce_plain(i: int) -> None:
+        key = f"bench/plain_weights/{names.weight_sync_announce_key(i + 1)}"
+        store.set(key, str(i))
+        assert store.check([key])
 
     ops = {
         "write": (lambda i: store.set(plain_key, plain_value), lambda i: signed.put(key, value)),
@@ -107,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         "read_new": (read_new_plain, read_new_signed),
         "stop_check": (lambda i: store.check(["bench/no-stop"]), lambda i: controller.stopped()),
         "heartbeats": (lambda i: store.multi_get(beat_keys), lambda i: controller.last_heartbeats()),
+        "announce": (announce_plain, announce_signed),
         "seal": (lambda i: json.dumps(value).encode(), lambda i: signed.seal(key, value)),
         "open": (lambda i: json.loads(plain_value), lambda i: opener.open(moving, fresh[i])),
     }

@@ -70,6 +70,7 @@ from app import devices, rl, sharding, tasks  # noqa: E402
 from app.contract import GroupId, Rollout, RolloutGroup  # noqa: E402
 from app.policy import encode_prompts, load_policy  # noqa: E402
 from app.sampling import SamplingParams  # noqa: E402
+from app.signed import SignedStore  # noqa: E402
 from app.transport import connect_store, host_store  # noqa: E402
 from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group  # noqa: E402
 
@@ -276,7 +277,8 @@ def _weight_plane_role(store, rank: int, world: int, policy: str, device_names: 
         torch.cuda.set_device(device)
     model, tokenizer = load_policy(policy, device=device)
     flatten_parameters_(model)
-    group = init_weight_group(store, rank, world, device, timeout_s=120)
+    signed = SignedStore(store, bytes(range(32)), f"member/{rank}")  # the weight plane signs its keys
+    group = init_weight_group(signed, rank, world, device, timeout_s=120)
     path = {"backend": group.path.backend, "staged": group.path.staged, "reason": group.path.reason}
     if rank == 0:
         rollouts = _with_advantages(_sampled_groups(model, tokenizer, device))

@@ -120,7 +120,8 @@ after the send (``ShardDigest.start``: what every trainer rank does now)."""
 def weight_role(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
-    group = init_weight_group(store, rank, 2, torch.device("cpu"), timeout_s=600)
+    signed = SignedStore(store, SECRET, f"member/{rank}")  # the weight plane signs its keys
+    group = init_weight_group(signed, rank, 2, torch.device("cpu"), timeout_s=600)
     torch.manual_seed(rank)
     params = llama_like_params(args.params)
     flatten_parameters_([p for _, p in params])

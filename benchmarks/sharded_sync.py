@@ -106,13 +106,14 @@ def _sharded_params(full: list[tuple[str, torch.Tensor]], rank: int, ranks: int)
 def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -> None:
     torch.set_num_threads(1)  # N + G processes on a few cores: no oversubscription
     store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
+    signed = SignedStore(store, bytes(range(32)), f"trainer/{rank}")  # the weight plane signs its keys
     barrier = _Barrier(store, ranks + generators)
     if ranks > 1:
         dist.init_process_group("gloo", store=dist.PrefixStore("bench/trainer", store), rank=rank,
                                 world_size=ranks)
-    group = init_weight_group(store, 0, generators + 1, torch.device("cpu"), timeout_s=600,
+    group = init_weight_group(signed, 0, generators + 1, torch.device("cpu"), timeout_s=600,
                               prefix=f"bench/weights/{rank}")
-    one_group = init_weight_group(store, rank, ranks + generators, torch.device("cpu"), timeout_s=600,
+    one_group = init_weight_group(signed, rank, ranks + generators, torch.device("cpu"), timeout_s=600,
                                   prefix="bench/one_group")
     torch.manual_seed(0)  # every rank the same full model: its chunks are consistent
     full = llama_like_params(args.params)
@@ -185,10 +186,11 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
 def generator_role(replica: int, ranks: int, generators: int, port: int, args, out) -> None:
     torch.set_num_threads(1)
     store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
+    signed = SignedStore(store, bytes(range(32)), f"generator/{replica}")  # the weight plane signs its keys
     barrier = _Barrier(store, ranks + generators)
-    groups = [init_weight_group(store, replica + 1, generators + 1, torch.device("cpu"), timeout_s=600,
+    groups = [init_weight_group(signed, replica + 1, generators + 1, torch.device("cpu"), timeout_s=600,
                                 prefix=f"bench/weights/{r}") for r in range(ranks)]
-    one_group = init_weight_group(store, ranks + replica, ranks + generators, torch.device("cpu"), timeout_s=600,
+    one_group = init_weight_group(signed, ranks + replica, ranks + generators, torch.device("cpu"), timeout_s=600,
                                   prefix="bench/one_group")
     torch.manual_seed(100 + replica)
     params = llama_like_params(args.params)

@@ -49,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.sharded_sync from this checkout
 
+from app.signed import SignedStore
 from app.transport import connect_store, host_store
 from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
 
@@ -104,8 +105,9 @@ class _Steps:
 def role(rank: int, world_size: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
     torch.set_num_threads(1)  # 3 processes on a few cores: no oversubscription
     store = connect_store(f"127.0.0.1:{port}", timeout_s=60)
+    signed = SignedStore(store, bytes(range(32)), f"member/{rank}")  # the weight plane signs its keys
     steps = _Steps(store, world_size - 1)
-    group = init_weight_group(store, rank, world_size, torch.device("cpu"), timeout_s=600)
+    group = init_weight_group(signed, rank, world_size, torch.device("cpu"), timeout_s=600)
     torch.manual_seed(rank)
     params = llama_like_params(args.params)
     nbytes = sum(p.numel() * p.element_size() for _, p in params)

@@ -16,6 +16,12 @@ def signed(store, writer: str = CONTROLLER, secret: bytes = TEST_SECRET) -> Sign
     return SignedStore(store, secret, writer)
 
 
+def weight_member(store, rank: int) -> SignedStore:
+    """Rank ``rank`` of a test's weight group as the member it stands for (trainer/0 for
+    rank 0, generator/<rank - 1> after it), for ``init_weight_group``."""
+    return signed(store, "trainer/0" if rank == 0 else f"generator/{rank - 1}")
+
+
 def control(store, writer: str = CONTROLLER) -> Control:
     """The control keys as member ``writer``: a member registers and beats as itself."""
     return Control(signed(store, writer))

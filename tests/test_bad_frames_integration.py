@@ -15,9 +15,11 @@ import time
 import pytest
 from torchx.specs import AppState
 
-from app import frames, metrics, names
+from app import frames, incarnations, metrics, names
 from app.contract import FLOOD_FRAMES, GroupId, Rollout, RolloutGroup, to_message
 from app.rewards import RewardResult
+from app.seen_groups import first_seq
+from app.signed import CONTROLLER, SignedStore
 from app.transport import StoreQueue, connect_store
 from app.weight_digest import TEST_CORRUPT_ENV
 from app_launch import APP_TIMEOUT_S, GROUP_SIZE, PROMPTS_PER_STEP, launch, rows
@@ -29,9 +31,21 @@ STEPS = 8  # room for the test to capture frames to replay while the run goes on
 QUEUES = (names.ROLLOUTS, names.SCORED, names.METRICS)  # lost_slots: signed control records
 
 
+FORGER = 99
+"""The replica of a generator that does not exist: the groups the test forges are its."""
+
+
+def register_forger(store, secret: bytes) -> int:
+    """Register a process of generator ``FORGER`` under the app's attempt, as a role with
+    the secret could (readers take groups only from registered processes); its first seq."""
+    attempt = SignedStore(store, secret, "test").get(names.CONFIG_KEY, writers=(CONTROLLER,))["attempt"]
+    return first_seq(incarnations.register(SignedStore(store, secret, names.member("generator", FORGER)),
+                                           FORGER, attempt))
+
+
 def forged_group(seq: int, version: int) -> dict:
-    """A scored group of a generator that does not exist (replica 99), signed later."""
-    gid = GroupId(99, seq)
+    """A scored group of generator ``FORGER``, signed later."""
+    gid = GroupId(FORGER, seq)
     group = RolloutGroup(group_id=gid, version=version, rollouts=[
         Rollout(prompt_ids=[5, 6], completion_ids=[7, 8], behaviour_logprobs=[-1.0, -1.0], version=version,
                 group_id=gid, task={"answer": 1.0}, result=RewardResult(1.0, {"math_verifier": 1.0}))
@@ -82,14 +96,16 @@ def test_bad_frames_on_every_queue_are_dropped_and_counted_and_the_run_finishes(
             store.queue_push(names.queue_key(queue), b"\x00garbage")
             StoreQueue(store, queue, bytes(32), maxlen=10**6).push({"slot": 3, "events": []}, timeout_s=10)
         signed = {q: StoreQueue(store, q, secret, maxlen=10**6) for q in QUEUES}
+        seq = register_forger(store, secret)
         # Signed, yet malformed: a group with a wrong type, a metrics event with a text value.
-        signed[names.ROLLOUTS].push({**forged_group(0, 0), "version": "0"}, timeout_s=10)
+        signed[names.ROLLOUTS].push({**forged_group(seq, 0), "version": "0"}, timeout_s=10)
         signed[names.METRICS].push(metrics.batch_message([{**metrics.scalar("loss", 0.0, role="trainer"),
-                                                           "value": "x"}], sender="trainer/0", stream=1, seq=0),
+                                                           "value": "x"}], sender="trainer/0", stream=1, seq=0,
+                                                          attempt="any"),
                                    timeout_s=10)
         # Signed, well formed, outside [trainer version - max_staleness, trainer version].
-        signed[names.SCORED].push(forged_group(1, 10**6), timeout_s=10)  # from the future
-        signed[names.SCORED].push(forged_group(2, 0), timeout_s=10)  # too old by now
+        signed[names.SCORED].push(forged_group(seq + 1, 10**6), timeout_s=10)  # from the future
+        signed[names.SCORED].push(forged_group(seq + 2, 0), timeout_s=10)  # too old by now
 
         assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
         db = app.db()

@@ -13,7 +13,7 @@ from app import devices, metrics, rl
 from app.devices import DeviceError, WeightPlanePath, weight_plane_backend
 from app.sampling import token_logprobs
 from app.weight_sync import WeightReceiver, WeightSender, init_weight_group
-from role_processes import loopback_store, run_roles
+from role_processes import loopback_store, run_roles, weight_member
 from test_rl import PAD, _ragged_rollouts, tiny_model  # noqa: F401 - tiny_model is a fixture
 from test_weight_sync import BUCKET_MB, flattened, model_params
 
@@ -153,7 +153,7 @@ def _sync_two_versions(store, rank: int, world_size: int, places: list[str], key
     (None: its real one). Two versions go through; the receivers check them exactly."""
     device = torch.device(places[rank])
     on = lambda params: [(n, p.to(device)) for n, p in params]  # noqa: E731
-    group = init_weight_group(store, rank, world_size, device, timeout_s=30,
+    group = init_weight_group(weight_member(store, rank), rank, world_size, device, timeout_s=30,
                               device_key=None if keys is None else keys[rank])
     path = f"{group.path.backend} staged={group.path.staged} on {group.device.type}"
     if rank == 0:

@@ -19,12 +19,12 @@ def every_kind() -> list[dict]:
 
 
 def batch(events) -> dict:
-    return metrics.batch_message(events, sender="generator/1", stream=77, seq=3)
+    return metrics.batch_message(events, sender="generator/1", stream=77, seq=3, attempt="a1")
 
 
 def test_the_executors_events_pass_and_are_written(tmp_path):
     events = every_kind()
-    assert metrics.checked_batch(batch(events)) == (("generator/1", 77), 3, events)
+    assert metrics.checked_batch(batch(events)) == (("generator/1", 77, "a1"), 3, events)
     writer = metrics.MetricsWriter(tmp_path, run_id="t", config={})
     assert writer.write(events) == len(events)
     writer.close()
@@ -35,6 +35,8 @@ def test_the_executors_events_pass_and_are_written(tmp_path):
     ({**batch([]), "seq": "3"}, "wrong_type"),
     ({**batch([]), "stream": True}, "wrong_type"),
     ({**batch([]), "seq": -1}, "bad_value"),
+    ({k: v for k, v in batch([]).items() if k != "attempt"}, "missing_field"),
+    ({**batch([]), "attempt": 1}, "wrong_type"),
     ({k: v for k, v in batch([]).items() if k != "events"}, "missing_field"),
     ({**batch([]), "events": "loss"}, "wrong_type"),
     (batch([{"type": "pickle"}]), "bad_value"),

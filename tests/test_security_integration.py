@@ -32,8 +32,8 @@ next heartbeat, up to a second later."""
 def forge_control_writes(app: App) -> None:
     """What anyone who reaches the store's port can do without the secret: a stop (bare,
     and signed with another secret), a failure, membership (a member appended, one marked
-    gone), the policy version, the slot counters, a lost slot, the weight plane's epoch
-    and the published config."""
+    gone), the policy version, the slot counters, a lost slot, the weight plane's epoch,
+    roster, sync announcements, presence and layout document, and the published config."""
     store = connect_store(f"127.0.0.1:{app.store_port}", timeout_s=30)
     outsider = SignedStore(store, bytes(32), "trainer/0")
     store.set(names.STOP_KEY, b"stop")
@@ -49,6 +49,13 @@ def forge_control_writes(app: App) -> None:
     store.queue_push(names.queue_key(names.LOST_SLOTS), b"3")
     store.set(f"{names.WEIGHT_PLANE_PREFIX}/{names.WEIGHT_EPOCH_KEY}", b"99")
     store.set(f"{names.WEIGHT_PLANE_PREFIX}/{names.weight_roster_key(2)}", b"[0]")  # "leave your group"
+    # Inside the weight group: the next syncs' announcements (a generator would enter a
+    # collective the trainer has not started), and a next epoch's presence and layout.
+    group = names.weight_epoch_prefix(1, 0)
+    for sync in range(1, STEPS + 20):
+        store.set(f"{group}/{names.weight_sync_announce_key(sync)}", str(sync).encode())
+    store.set(f"{names.weight_epoch_prefix(2, 0)}/{names.weight_rank_present_key(0)}", b"cuda:0")
+    store.set(f"{names.weight_epoch_prefix(2, 0)}/{names.weight_layout_key(1, 0)}", b'{"params": []}')
     store.set(names.CONFIG_KEY, b'{"trainer": {}}')
 
 
@@ -83,6 +90,7 @@ def test_forged_control_writes_change_nothing_and_are_counted(tiny_policy, tmp_p
         for kind in ("stop", "failure", "membership", "version", "slots", "lost_slots", "weights", "config"):
             assert counted.get(names.rejected_write_metric(kind), 0) >= 1, (kind, counted)
         assert "ignored a write to control key 'llamarl/stop'" in app.log("generator", 0)
+        assert f"ignored a write to control key '{names.weight_epoch_prefix(1, 0)}/syncs/" in app.log("generator", 0)
         # The secret is nowhere else: not in a log, the run's config or its metrics.
         run_dir = app.runs_dir / app.app_id
         texts = {p: p.read_text(errors="replace") for p in [*run_dir.glob("logs/*.log"), run_dir / "config.json"]}

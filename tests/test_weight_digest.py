@@ -19,7 +19,7 @@ from app import names, weight_digest
 from app.weight_digest import DigestCheck, ShardDigest, digest, run_pieces
 from app.weight_layout import Layout
 from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
-from role_processes import loopback_store, run_roles, signed
+from role_processes import loopback_store, run_roles, signed, weight_member
 from test_weight_sync import BUCKET_MB, _assert_same, flattened, model_params
 
 def runs_of(params) -> list[list[torch.Tensor]]:
@@ -138,7 +138,7 @@ def _received(receiver: WeightReceiver, version: int) -> tuple[int | None, int |
 
 
 def _refuse_an_altered_version(store, rank: int, world_size: int) -> str:
-    group = init_weight_group(store, rank, world_size, torch.device("cpu"), timeout_s=30)
+    group = init_weight_group(weight_member(store, rank), rank, world_size, torch.device("cpu"), timeout_s=30)
     if rank == 0:
         live = flattened(model_params(0))
         sender = WeightSender(group, live, bucket_mb=BUCKET_MB)
@@ -187,7 +187,8 @@ def _tamper_one_shard(store, index: int, world_size: int, tampered: int) -> str:
         model = _trainer_model(store, index, ranks)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
         params = list(model.named_parameters())
-        group = init_weight_group(store, 0, 2, torch.device("cpu"), timeout_s=60, prefix=f"test/w/{index}")
+        group = init_weight_group(signed(store, f"trainer/{index}"), 0, 2, torch.device("cpu"), timeout_s=60,
+                                  prefix=f"test/w/{index}")
         sender = WeightSender(group, params, rank=index, ranks=ranks)
         shard = ShardDigest(signed(store, f"trainer/{index}"), params, rank=index, ranks=ranks)
         for version in (1, 2, 3):
@@ -211,7 +212,7 @@ def _tamper_one_shard(store, index: int, world_size: int, tampered: int) -> str:
     flatten_parameters_(model)
     live = list(model.named_parameters())
     check = DigestCheck(signed(store, "generator/0"), 0, wait_s=60.0)
-    groups = (init_weight_group(store, 1, 2, torch.device("cpu"), timeout_s=60, prefix=f"test/w/{r}")
+    groups = (init_weight_group(signed(store, "generator/0"), 1, 2, torch.device("cpu"), timeout_s=60, prefix=f"test/w/{r}")
               for r in range(ranks))
     receiver = WeightReceiver(groups, live, verify=check)
     receiver.start_background()

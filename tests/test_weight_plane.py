@@ -11,6 +11,7 @@ import traceback
 import pytest
 import torch
 
+from app import names
 from app.transport import connect_store
 from app.weight_plane import ElasticReceiver, ElasticSender, NoGeneratorsLeft
 from app.weight_sync import flatten_parameters_
@@ -55,6 +56,13 @@ def _trainer(store) -> str:
     _wait(lambda: 1 in sender.joiners(), "the restarted generator 1 to ask to join")
     send(3)  # takes it in first
     store.set(DONE, "1")
+    # The current group's presence, overwritten, is published again; the first epoch's
+    # records are no longer kept (the heartbeat's checks stay bounded across epochs).
+    for epoch in (1, sender.epoch):
+        store.set(f"{names.weight_epoch_prefix(epoch)}/{names.weight_rank_present_key(0)}", b"forged")
+    republished = sender.signed.reassert()
+    assert republished == [f"{names.weight_epoch_prefix(sender.epoch)}/{names.weight_rank_present_key(0)}"], \
+        republished
     return f"epochs {after_loss} then {(sender.epoch, sender.roster)} regroups {sender.regroups}"
 
 

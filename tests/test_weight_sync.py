@@ -18,7 +18,7 @@ from app.weight_sync import (
     flatten_parameters_,
     init_weight_group,
 )
-from role_processes import forkserver_context, loopback_store, role_entry as _entry, run_roles as _run
+from role_processes import forkserver_context, loopback_store, role_entry as _entry, run_roles as _run, weight_member
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +64,7 @@ def store():
 def _sync_three_versions(store, rank: int, world_size: int) -> str:
     """The trainer's params are separate allocations, so its float32 run is packed; generator
     1 applies each version as it arrives, the others only after the trainer is done."""
-    group = init_weight_group(store, rank, world_size, torch.device("cpu"), timeout_s=30)
+    group = init_weight_group(weight_member(store, rank), rank, world_size, torch.device("cpu"), timeout_s=30)
     if rank == 0:
         live = model_params(0)
         sender = WeightSender(group, live, bucket_mb=BUCKET_MB)
@@ -146,7 +146,7 @@ def test_receiver_refuses_params_that_are_not_one_flat_buffer():
 
 
 def _mismatched_layout(store, rank: int, world_size: int) -> str:
-    group = init_weight_group(store, rank, world_size, torch.device("cpu"), timeout_s=20)
+    group = init_weight_group(weight_member(store, rank), rank, world_size, torch.device("cpu"), timeout_s=20)
     params = model_params(0)
     if rank == 0:
         WeightSender(group, params, bucket_mb=BUCKET_MB)
@@ -165,7 +165,7 @@ def test_layout_mismatch_fails_clearly_on_both_sides(store):
 
 
 def _receiver_dies(store, rank: int, world_size: int) -> str:
-    group = init_weight_group(store, rank, world_size, torch.device("cpu"), timeout_s=5)
+    group = init_weight_group(weight_member(store, rank), rank, world_size, torch.device("cpu"), timeout_s=5)
     params = model_params(0)
     if rank == 0:
         sender = WeightSender(group, params, bucket_mb=BUCKET_MB)
@@ -274,7 +274,7 @@ def test_flatten_parameters_keeps_values_ties_and_views_through_optimizer_steps(
 def _sync_flattened_training(store, rank: int, world_size: int) -> str:
     """Version 1: initial weights; 2: after an AdamW step; 3: one parameter rebound elsewhere."""
     torch.set_num_threads(1)  # the generator replays the trainer's steps bit for bit
-    group = init_weight_group(store, rank, world_size, torch.device("cpu"), timeout_s=30)
+    group = init_weight_group(weight_member(store, rank), rank, world_size, torch.device("cpu"), timeout_s=30)
 
     def trainer_states():
         model = TinyLM(seed=0)
