@@ -12,8 +12,9 @@
 - ``sibling_failure``: what the store cannot say. Under TorchX's local scheduler every
   replica of the app has a directory of its own beside the others' (its error file and
   its ``stderr.log``): a role that failed before it reached the store, or crashed, is
-  found and named there. Other schedulers end the whole job when one role fails, and
-  keep no such shared directory; there this finds nothing.
+  found and named there, and so is one killed before it registered (``app.replica_lock``:
+  the lock it held from its first line is free). Other schedulers end the whole job when
+  one role fails, and keep no such shared directory; there this finds nothing.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Callable, Iterator
 
+from app.replica_lock import ERROR_FILE_ENV, REPLICA_ERROR_FILE_ENV, sibling_replica_dirs
+from app.replica_lock import released as lock_released
 from app.transport import Control
 
 log = logging.getLogger("llamarl")
@@ -37,11 +39,6 @@ log = logging.getLogger("llamarl")
 HEARTBEAT_TIMEOUT_S = 10.0
 """A member whose heartbeat (one per ``runtime.HEARTBEAT_S``) has not moved for this long
 is gone: long enough for a loaded 2-core machine, short enough to end the app in seconds."""
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
-"""Where TorchX's local, SLURM and Kubernetes schedulers expect a replica's error file."""
-REPLICA_ERROR_FILE_ENV = "LLAMARL_REPLICA_ERROR_FILE"
-"""The scheduler's error file of this replica, for the trainer ranks, whose own
-``$TORCHELASTIC_ERROR_FILE`` is torchrun's (set by ``app.launch``)."""
 CRASH_LOG_TAIL_BYTES = 64 * 1024
 """How much of a sibling's ``stderr.log`` is read for a faulthandler report."""
 ORPHAN_GRACE_S = 30.0
@@ -63,8 +60,12 @@ def check_health(control: Control, timeout_s: float = HEARTBEAT_TIMEOUT_S) -> No
         raise AppFailed(f"{who} failed: {err}")
     if (failed := sibling_failure()) is not None:  # failed before it reached the store
         raise AppFailed(failed)
+    ages = control.last_heartbeats()
+    if vanished := vanished_before_registering(set(ages)):
+        raise AppFailed("; ".join(sibling_crash(m) or f"{m} ended before it registered with the trainer "
+                                  "(killed, out of memory, or its node was lost)" for m in vanished))
     gone = control.gone()
-    stale = sorted(m for m, age in control.last_heartbeats().items() if age > timeout_s and m not in gone)
+    stale = sorted(m for m, age in ages.items() if age > timeout_s and m not in gone)
     if stale:
         crashes = [c for m in stale if (c := sibling_crash(m)) is not None]
         raise AppFailed("; ".join(crashes) if crashes else
@@ -198,21 +199,6 @@ def watch_parent(on_orphaned: Callable[[int], None]) -> threading.Thread:
     return thread
 
 
-def sibling_replica_dirs() -> dict[str, Path]:
-    """``{"generator/1": dir}`` for every other replica of this app, from the layout of
-    TorchX's local scheduler (``<app log dir>/<role>/<replica>/error.json``); empty when
-    this replica's error file is not laid out so (other schedulers, a role started by hand)."""
-    own = os.environ.get(REPLICA_ERROR_FILE_ENV) or os.environ.get(ERROR_FILE_ENV)
-    if not own or not own.endswith("/error.json"):
-        return {}
-    replica_dir = Path(own).parent
-    if not replica_dir.name.isdigit():
-        return {}
-    app_dir = replica_dir.parent.parent
-    return {f"{d.parent.name}/{d.name}": d for d in sorted(app_dir.glob("*/*"))
-            if d.name.isdigit() and d != replica_dir and d.is_dir()}
-
-
 def sibling_failure() -> str | None:
     """The cause another replica of this app wrote to its error file (it failed), or
     ``None``. Roles that merely stopped write none (``reported``)."""
@@ -221,6 +207,13 @@ def sibling_failure() -> str | None:
         if message is not None:  # app.launch's already says "trainer failed: ..."
             return f"{member} failed: {message.removeprefix(member.split('/')[0] + ' failed: ')}"
     return None
+
+
+def vanished_before_registering(registered: set[str]) -> list[str]:
+    """Replicas of this app (local layout) not in ``registered`` whose process took its
+    ``app.replica_lock`` and has ended: killed before they reached the store, they
+    wrote no error file and never had a heartbeat to go still."""
+    return [m for m, d in sibling_replica_dirs().items() if m not in registered and lock_released(d)]
 
 
 def sibling_crash(member: str) -> str | None:

@@ -19,7 +19,9 @@ thread per process) and injects one fault:
   flag, every role reads why and exits);
 - a role killed mid-run (SIGKILL of the reward executor, of the only generator of a
   synchronous run, of the trainer's torchrun agent), once the trainer has logged its
-  first step: seconds from the kill to the app's exit.
+  first step: seconds from the kill to the app's exit;
+- a generator (one of two) SIGKILLed while it starts, before it reaches the store (as
+  soon as it holds its ``app.replica_lock``): seconds from the kill to the app's exit.
 
 Two figures per case: the app's exit as TorchX sees it (every replica's process ended),
 and the moment no process of the app is left (a trainer rank whose torchrun agent was
@@ -48,6 +50,8 @@ from pathlib import Path
 from torchx.runner import get_runner
 from torchx.specs import AppState, is_terminal, parse_app_handle
 
+from app import replica_lock
+
 SMALL = ["--eval-every", "1000", "--eval-size", "20", "--prompts-per-step", "4", "--group-size", "4",
          "--gen-batch-prompts", "2", "--max-new-tokens", "16"]
 
@@ -62,6 +66,9 @@ class Case:
     kill: str = ""
     """``pgrep -f`` pattern (``{app_id}`` filled in) of the process to SIGKILL after step 1;
     empty: a start-up error, timed from the launch."""
+    kill_before_register: str = ""
+    """``<role>/<replica>`` whose process is SIGKILLed (``kill``) as soon as it holds its
+    ``app.replica_lock``, before it can reach the store, instead of after step 1."""
 
 
 CASES = [
@@ -73,6 +80,9 @@ CASES = [
          kill="app.generator .*--app-id {app_id} --replica 0"),
     Case("torchrun_agent_sigkill", "torchrun", ["--num_generators", "1"],
          kill="torch.distributed.run .*--app-id {app_id} "),
+    Case("generator_sigkill_before_register", "generator/1 ended before it registered",
+         ["--num_generators", "2"], kill="app.generator .*--app-id {app_id} --replica 1",
+         kill_before_register="generator/1"),
 ]
 
 
@@ -112,6 +122,15 @@ def wait_for_step(log_dir: Path, app_id: str, step: int, deadline: float, what: 
         time.sleep(0.1)
 
 
+def wait_for_lock(log_dir: Path, app_id: str, member: str, deadline: float, what: str) -> None:
+    """Until ``member``'s process holds its lock (``app.replica_lock``), the first thing
+    it does: it is then importing torch, seconds from reaching the store."""
+    while not list(log_dir.glob(f"*/{app_id}/{member}/{replica_lock.LOCK_NAME}")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: {member} took no lock in time")
+        time.sleep(0.01)
+
+
 def kill_one(pattern: str, what: str) -> None:
     """SIGKILL the one process whose command line matches ``pattern``."""
     pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
@@ -137,7 +156,11 @@ def run_case(case: Case, policy: str, work: Path, timeout_s: float) -> tuple[flo
         t0 = time.monotonic()
         handle, app_id = start_app(runner, policy, work, ["--steps", "60", *case.options])
         try:
-            if case.kill:
+            if case.kill_before_register:
+                wait_for_lock(log_dir, app_id, case.kill_before_register, t0 + timeout_s, case.name)
+                t0 = time.monotonic()
+                kill_one(case.kill.format(app_id=app_id), case.name)
+            elif case.kill:
                 wait_for_step(log_dir, app_id, 1, t0 + timeout_s, case.name)
                 t0 = time.monotonic()
                 kill_one(case.kill.format(app_id=app_id), case.name)

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from app import data, health, names, runtime, transport
-from role_processes import control as control_as, loopback_store
+from app import data, frames, health, names, replica_lock, runtime, transport
+from role_processes import TEST_SECRET, control as control_as, loopback_store
 
 
 @pytest.fixture()
@@ -203,3 +207,48 @@ def test_a_role_gives_up_on_the_store_once_a_sibling_says_the_app_is_gone():
         with pytest.raises(transport.AppGone, match="^trainer/0 failed: cannot host"):
             transport.connect_store(f"127.0.0.1:{holder.getsockname()[1]}", timeout_s=300, give_up=gone)
         assert len(asked) == 2
+
+
+
+def test_a_member_killed_before_it_registers_is_named_at_once(tmp_path, monkeypatch, store, caplog):
+    """A real generator process, started in its replica directory, waits for a store that
+    does not answer yet (as while the trainer starts); SIGKILLed there, it leaves no error
+    file and never had a heartbeat. The trainer's health check names it at its next look
+    (the lock the generator took on its first line is free), not at the 900 s start-up
+    deadline."""
+    dirs = replica_dirs(tmp_path, monkeypatch, own="trainer/0")
+    control = control_as(store)
+    control_as(store, "generator/0").register("generator", 0)
+    health.check_health(control)  # generator/1 not started: nothing to say
+    with socket.socket() as unused:  # bound, never listening: no store answers there
+        unused.bind(("127.0.0.1", 0))
+        env = {**os.environ, health.ERROR_FILE_ENV: str(dirs["generator/1"] / "error.json"),
+               frames.SECRET_ENV: TEST_SECRET.hex()}
+        env.pop(health.REPLICA_ERROR_FILE_ENV, None)
+        proc = subprocess.Popen([sys.executable, "-m", "app.generator", "--replica", "1", "--num-generators", "2",
+                                 "--store-addr", f"127.0.0.1:{unused.getsockname()[1]}"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            lock = dirs["generator/1"] / replica_lock.LOCK_NAME
+            deadline = time.monotonic() + 120
+            while not lock.exists():
+                assert proc.poll() is None and time.monotonic() < deadline, "the generator never took its lock"
+                time.sleep(0.05)
+            health.check_health(control)  # alive and starting: no failure
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert not (dirs["generator/1"] / "error.json").exists(), "SIGKILL: no error file to read"
+    with pytest.raises(health.AppFailed, match=r"^generator/1 ended before it registered with the trainer "
+                                               r"\(killed, out of memory"):
+        control.wait_for_members({"generator": 2}, timeout_s=600, health=functools.partial(
+            health.check_health, control))
+    assert health.vanished_before_registering({"generator/1"}) == [], "once registered, its heartbeat speaks"
+    # Ending the app, the trainer does not wait STOP_ACK_TIMEOUT_S for its acknowledgement.
+    control_as(store, "generator/0").mark_exited("generator", 0)
+    rt = SimpleNamespace(role="trainer", replica=0, control=control)
+    with caplog.at_level(logging.INFO, logger="llamarl"):
+        runtime.end_app(rt, ["generator/0", "generator/1"], "generator/1 ended", failed=True)
+    assert "generator/1: no heartbeat and no stop acknowledged: the process is gone" in caplog.text
+    assert "did not acknowledge" not in caplog.text
+
