@@ -62,8 +62,7 @@ def check_health(control: Control, timeout_s: float = HEARTBEAT_TIMEOUT_S) -> No
         raise AppFailed(failed)
     ages = control.last_heartbeats()
     if vanished := vanished_before_registering(set(ages)):
-        raise AppFailed("; ".join(sibling_crash(m) or f"{m} ended before it registered with the trainer "
-                                  "(killed, out of memory, or its node was lost)" for m in vanished))
+        raise AppFailed("; ".join(map(describe_vanished, vanished)))
     gone = control.gone()
     stale = sorted(m for m, age in ages.items() if age > timeout_s and m not in gone)
     if stale:
@@ -218,14 +217,30 @@ def vanished_before_registering(registered: set[str]) -> list[str]:
 
 def sibling_crash(member: str) -> str | None:
     """``describe_crash`` of ``member``'s faulthandler report in its ``stderr.log``, or ``None``."""
+    tail = _stderr_tail(member)
+    report = tail[tail.rfind("Fatal Python error:"):] if "Fatal Python error:" in tail else None
+    return describe_crash(member, report) if report else None
+
+
+def describe_vanished(member: str) -> str:
+    """Why ``member`` ended before it registered: its crash, else the last line of its
+    ``stderr.log`` beside the likely causes (a process that exits before its first log
+    line, an argument error say, writes no error file either)."""
+    if (crash := sibling_crash(member)) is not None:
+        return crash
+    last = next((line.strip() for line in reversed(_stderr_tail(member).splitlines()) if line.strip()), "")
+    return (f"{member} ended before it registered with the trainer (killed, out of memory, or its node was "
+            f"lost{f'; the last line of its stderr: {last[:300]!r}' if last else ''})")
+
+
+def _stderr_tail(member: str) -> str:
+    """The last ``CRASH_LOG_TAIL_BYTES`` of a sibling's ``stderr.log`` ("" if none)."""
     d = sibling_replica_dirs().get(member)
     if d is None:
-        return None
+        return ""
     try:
         with open(d / "stderr.log", "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - CRASH_LOG_TAIL_BYTES))
-            tail = f.read().decode(errors="replace")
+            return f.read().decode(errors="replace")
     except OSError:
-        return None
-    report = tail[tail.rfind("Fatal Python error:"):] if "Fatal Python error:" in tail else None
-    return describe_crash(member, report) if report else None
+        return ""

@@ -243,6 +243,10 @@ def test_a_member_killed_before_it_registers_is_named_at_once(tmp_path, monkeypa
                                                r"\(killed, out of memory"):
         control.wait_for_members({"generator": 2}, timeout_s=600, health=functools.partial(
             health.check_health, control))
+    (dirs["generator/1"] / "stderr.log").write_text("app.generator: error: unrecognized arguments: --x\n\n")
+    with pytest.raises(health.AppFailed, match=r"lost; the last line of its stderr: "
+                                               r"'app.generator: error: unrecognized arguments: --x'\)$"):
+        health.check_health(control)  # a process that ended on its own before its first log line
     assert health.vanished_before_registering({"generator/1"}) == [], "once registered, its heartbeat speaks"
     # Ending the app, the trainer does not wait STOP_ACK_TIMEOUT_S for its acknowledgement.
     control_as(store, "generator/0").mark_exited("generator", 0)
