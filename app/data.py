@@ -367,7 +367,9 @@ def wait_for_checks(rt: runtime.Runtime, members: list[str], timeout_s: float,
         if health is not None and time.monotonic() >= next_check:
             health()
             next_check = time.monotonic() + transport.HEALTH_CHECK_S
-        missing = [m for m in missing if rt.signed.record(names.data_checked_key(m), writers=(m,)) is None]
+        gone = rt.control.gone()  # lost while it started, the run going on without it (app.membership)
+        missing = [m for m in missing if m not in gone
+                   and rt.signed.record(names.data_checked_key(m), writers=(m,)) is None]
         if not missing:
             return
         if rt.should_stop():

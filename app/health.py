@@ -12,9 +12,11 @@
 - ``sibling_failure``: what the store cannot say. Under TorchX's local scheduler every
   replica of the app has a directory of its own beside the others' (its error file and
   its ``stderr.log``): a role that failed before it reached the store, or crashed, is
-  found and named there, and so is one killed before it registered (``app.replica_lock``:
-  the lock it held from its first line is free). Other schedulers end the whole job when
-  one role fails, and keep no such shared directory; there this finds nothing.
+  found and named there, and so is one killed before it registered
+  (``vanished_before_registering``: the lock it held from its first line, ``app.replica_lock``,
+  is free; ``app.membership`` takes it out, or fails the run if it was the last of its
+  role). Other schedulers end the whole job when one role fails, and keep no such shared
+  directory; there this finds nothing.
 """
 
 from __future__ import annotations
@@ -60,11 +62,8 @@ def check_health(control: Control, timeout_s: float = HEARTBEAT_TIMEOUT_S) -> No
         raise AppFailed(f"{who} failed: {err}")
     if (failed := sibling_failure()) is not None:  # failed before it reached the store
         raise AppFailed(failed)
-    ages = control.last_heartbeats()
-    if vanished := vanished_before_registering(set(ages)):
-        raise AppFailed("; ".join(map(describe_vanished, vanished)))
     gone = control.gone()
-    stale = sorted(m for m, age in ages.items() if age > timeout_s and m not in gone)
+    stale = sorted(m for m, age in control.last_heartbeats().items() if age > timeout_s and m not in gone)
     if stale:
         crashes = [c for m in stale if (c := sibling_crash(m)) is not None]
         raise AppFailed("; ".join(crashes) if crashes else

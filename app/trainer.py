@@ -149,17 +149,22 @@ class Trainer:
         if self.reward is not None:
             self.reward.load()
         expected = {"generator": self.num_generators, "reward": self.num_reward, "trainer": self.world}
+        if self.rank == 0:
+            # A generator or reward executor killed before it registers is lost from here,
+            # survivable while others of its role are alive (app.membership); not waited for.
+            self.membership = membership.Membership(rt.signed, {"generator": self.num_generators,
+                                                               "reward": self.num_reward},
+                                                    watch_heartbeats=False)
+            self.membership.start()
         # A member that fails or dies while the others start is named at once, not after 900 s.
         alive = functools.partial(health.check_health, rt.control)
         rt.control.wait_for_members(expected, timeout_s=900.0, should_stop=rt.should_stop, health=alive)
         if self.rank == 0:
             data.wait_for_checks(rt, [names.member("generator", i) for i in range(self.num_generators)],
                                  timeout_s=900.0, health=alive)
-            # From here a lost generator or reward executor is survivable while others of
-            # its role are alive (app.membership); the weight plane regroups without it.
-            self.membership = membership.Membership(rt.signed, {"generator": self.num_generators,
-                                                               "reward": self.num_reward})
-            self.membership.start()
+            # From here a silent generator or reward executor is lost too (survivable while
+            # others of its role are alive); the weight plane regroups without it.
+            self.membership.watch_heartbeats = True
             # The weight digest is of the whole copy (what a generator assembles).
             self.params = list(self.full_model.named_parameters())
             self.digest_layout = Layout(self.params, int(DEFAULT_BUCKET_MB * 2**20))

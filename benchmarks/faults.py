@@ -2,6 +2,12 @@
 
     python benchmarks/faults.py --json benchmarks/results/faults.json
     python benchmarks/faults.py --cases generator_lost --json benchmarks/results/faults_survive.json
+    python benchmarks/faults.py --cases generator_lost_starting --json benchmarks/results/faults_starting.json
+
+``generator_lost_starting`` (survivable too): two generators, 20 steps, generator 1 SIGKILLed
+as soon as it holds its ``app.replica_lock`` (its first line, before it can reach the
+store); the run must finish every step with generator 0; reported: seconds from the kill
+to the trainer's line that takes it out.
 
 ``generator_lost`` (a survivable fault): two generators, 60 steps, generator 1 SIGKILLed
 once step 15 is logged. The run must finish every step, each once, and train exactly
@@ -19,9 +25,7 @@ thread per process) and injects one fault:
   flag, every role reads why and exits);
 - a role killed mid-run (SIGKILL of the reward executor, of the only generator of a
   synchronous run, of the trainer's torchrun agent), once the trainer has logged its
-  first step: seconds from the kill to the app's exit;
-- a generator (one of two) SIGKILLed while it starts, before it reaches the store (as
-  soon as it holds its ``app.replica_lock``): seconds from the kill to the app's exit.
+  first step: seconds from the kill to the app's exit.
 
 Two figures per case: the app's exit as TorchX sees it (every replica's process ended),
 and the moment no process of the app is left (a trainer rank whose torchrun agent was
@@ -66,9 +70,6 @@ class Case:
     kill: str = ""
     """``pgrep -f`` pattern (``{app_id}`` filled in) of the process to SIGKILL after step 1;
     empty: a start-up error, timed from the launch."""
-    kill_before_register: str = ""
-    """``<role>/<replica>`` whose process is SIGKILLed (``kill``) as soon as it holds its
-    ``app.replica_lock``, before it can reach the store, instead of after step 1."""
 
 
 CASES = [
@@ -80,9 +81,6 @@ CASES = [
          kill="app.generator .*--app-id {app_id} --replica 0"),
     Case("torchrun_agent_sigkill", "torchrun", ["--num_generators", "1"],
          kill="torch.distributed.run .*--app-id {app_id} "),
-    Case("generator_sigkill_before_register", "generator/1 ended before it registered",
-         ["--num_generators", "2"], kill="app.generator .*--app-id {app_id} --replica 1",
-         kill_before_register="generator/1"),
 ]
 
 
@@ -156,11 +154,7 @@ def run_case(case: Case, policy: str, work: Path, timeout_s: float) -> tuple[flo
         t0 = time.monotonic()
         handle, app_id = start_app(runner, policy, work, ["--steps", "60", *case.options])
         try:
-            if case.kill_before_register:
-                wait_for_lock(log_dir, app_id, case.kill_before_register, t0 + timeout_s, case.name)
-                t0 = time.monotonic()
-                kill_one(case.kill.format(app_id=app_id), case.name)
-            elif case.kill:
+            if case.kill:
                 wait_for_step(log_dir, app_id, 1, t0 + timeout_s, case.name)
                 t0 = time.monotonic()
                 kill_one(case.kill.format(app_id=app_id), case.name)
@@ -236,6 +230,44 @@ def run_generator_lost(policy: str, work: Path, timeout_s: float) -> dict:
     return result
 
 
+STARTING_STEPS = 20
+
+
+def run_generator_lost_starting(policy: str, work: Path, timeout_s: float) -> dict:
+    """Two generators, generator 1 SIGKILLed as soon as it holds its lock (its first line,
+    before ``import torch``: it never reaches the store): the run must go on with
+    generator 0 and finish every step; reported: seconds from the kill to the trainer's
+    line that takes it out."""
+    log_dir, runs_dir = work / "torchx-logs", work / "runs"
+    with get_runner() as runner:
+        t0 = time.monotonic()
+        handle, app_id = start_app(runner, policy, work, ["--steps", str(STARTING_STEPS), "--num_generators", "2"])
+        try:
+            wait_for_lock(log_dir, app_id, "generator/1", t0 + timeout_s, "generator_lost_starting")
+            killed_at = time.time()
+            kill_one(f"app.generator .*--app-id {app_id} --replica 1", "generator_lost_starting")
+            status = wait_for_end(runner, handle, t0 + timeout_s, "generator_lost_starting")
+        finally:
+            runner.cancel(handle)
+    log = trainer_log(log_dir, app_id)
+    if f"finished {STARTING_STEPS} steps" not in log:
+        raise RuntimeError(f"generator_lost_starting: the run did not finish (app {status.state}):\n{log[-3000:]}")
+    taken_out = next(line for line in log.splitlines() if "generator/1 is gone: ended before it registered" in line)
+    first_line = next(line for line in log.splitlines() if " trainer/0 " in line)
+    db = sqlite3.connect(runs_dir / app_id / "metrics.db")
+    steps = [s for (s,) in db.execute("SELECT step FROM scalars WHERE name = 'train/version' ORDER BY t")]
+    result = {
+        "app_state": str(status.state),
+        "each_step_once": steps == list(range(1, STARTING_STEPS + 1)),
+        "rollouts_trained": db.execute("SELECT COUNT(*) FROM staleness WHERE used = 1").fetchone()[0],
+        "rollouts_expected": STARTING_STEPS * PROMPTS * GROUP,
+        "kill_to_taken_out_s": round(_log_time(taken_out) - killed_at, 1),
+        "trainer_first_log_to_taken_out_s": round(_log_time(taken_out) - _log_time(first_line), 1),
+    }
+    print(f"generator_lost_starting: {result}", file=sys.stderr)
+    return result
+
+
 def tiny_policy(out: Path) -> str:
     """A warm-started policy of a few steps: these runs time failures, not learning."""
     from app.warmstart import WarmStartConfig, warm_start
@@ -250,8 +282,8 @@ def main() -> None:
     parser.add_argument("--policy", default="", help="policy directory (default: a tiny warm start)")
     parser.add_argument("--repeats", type=int, default=1, help="launches per case")
     parser.add_argument("--cases", default=",".join(c.name for c in CASES),
-                        help="comma-separated case names; add generator_lost (not in the default) for "
-                             "the survivable case")
+                        help="comma-separated case names; add generator_lost and generator_lost_starting "
+                             "(not in the default) for the survivable cases")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="give up on a launch after this long")
     parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args()
@@ -262,6 +294,8 @@ def main() -> None:
                    for c in CASES if c.name in wanted}
         survived = [run_generator_lost(policy, Path(tmp) / f"lost-{i}", args.timeout_s)
                     for i in range(args.repeats)] if "generator_lost" in wanted else []
+        starting = [run_generator_lost_starting(policy, Path(tmp) / f"starting-{i}", args.timeout_s)
+                    for i in range(args.repeats)] if "generator_lost_starting" in wanted else []
     result: dict = {}
     if details:
         result.update({
@@ -278,6 +312,12 @@ def main() -> None:
             "what": f"2 generators, {SURVIVE_STEPS} steps x {PROMPTS} prompts x G={GROUP}, generator 1 "
                     f"SIGKILLed after step {SURVIVE_KILL_AFTER}; local_cwd, one torch thread per process",
             "machine": f"{os.cpu_count()} CPU cores, shared with other test runs", "runs": survived}
+    if starting:
+        result["generator_lost_starting"] = {
+            "what": f"2 generators, {STARTING_STEPS} steps x {PROMPTS} prompts x G={GROUP}, generator 1 SIGKILLed "
+                    "as soon as it held its alive.lock (before it reached the store); local_cwd, one torch "
+                    "thread per process",
+            "machine": f"{os.cpu_count()} CPU cores, shared with other test runs", "runs": starting}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
