@@ -182,23 +182,34 @@ def _log_time(line: str) -> float:
     return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def run_generator_lost(policy: str, work: Path, timeout_s: float) -> dict:
-    """Two generators, generator 1 SIGKILLed after step ``SURVIVE_KILL_AFTER``: what the
-    run trained and how long the loss held it up."""
-    log_dir, runs_dir = work / "torchx-logs", work / "runs"
+def run_losing_generator_1(policy: str, work: Path, steps: int, wait_to_kill, what: str, timeout_s: float):
+    """Two generators, generator 1 SIGKILLed once ``wait_to_kill(log_dir, app_id,
+    deadline)`` returns; the run must still finish its ``steps``. The app's status, its
+    id, when the kill was (``time.time()``) and the trainer's log."""
+    log_dir = work / "torchx-logs"
     with get_runner() as runner:
         t0 = time.monotonic()
-        handle, app_id = start_app(runner, policy, work, ["--steps", str(SURVIVE_STEPS), "--num_generators", "2"])
+        handle, app_id = start_app(runner, policy, work, ["--steps", str(steps), "--num_generators", "2"])
         try:
-            wait_for_step(log_dir, app_id, SURVIVE_KILL_AFTER, t0 + timeout_s, "generator_lost")
+            wait_to_kill(log_dir, app_id, t0 + timeout_s)
             killed_at = time.time()
-            kill_one(f"app.generator .*--app-id {app_id} --replica 1", "generator_lost")
-            status = wait_for_end(runner, handle, t0 + timeout_s, "generator_lost")
+            kill_one(f"app.generator .*--app-id {app_id} --replica 1", what)
+            status = wait_for_end(runner, handle, t0 + timeout_s, what)
         finally:
             runner.cancel(handle)
     log = trainer_log(log_dir, app_id)
-    if f"finished {SURVIVE_STEPS} steps" not in log:
-        raise RuntimeError(f"generator_lost: the run did not finish (app {status.state}):\n{log[-3000:]}")
+    if f"finished {steps} steps" not in log:
+        raise RuntimeError(f"{what}: the run did not finish (app {status.state}):\n{log[-3000:]}")
+    return status, app_id, killed_at, log
+
+
+def run_generator_lost(policy: str, work: Path, timeout_s: float) -> dict:
+    """Two generators, generator 1 SIGKILLed after step ``SURVIVE_KILL_AFTER``: what the
+    run trained and how long the loss held it up."""
+    runs_dir = work / "runs"
+    status, app_id, killed_at, log = run_losing_generator_1(
+        policy, work, SURVIVE_STEPS, lambda log_dir, app_id, deadline: wait_for_step(
+            log_dir, app_id, SURVIVE_KILL_AFTER, deadline, "generator_lost"), "generator_lost", timeout_s)
     regroup_line = next(line for line in log.splitlines() if "weight plane epoch 2:" in line)
     db = sqlite3.connect(runs_dir / app_id / "metrics.db")
     steps = db.execute("SELECT step, t FROM scalars WHERE name = 'train/version' ORDER BY t").fetchall()
@@ -238,20 +249,10 @@ def run_generator_lost_starting(policy: str, work: Path, timeout_s: float) -> di
     before ``import torch``: it never reaches the store): the run must go on with
     generator 0 and finish every step; reported: seconds from the kill to the trainer's
     line that takes it out."""
-    log_dir, runs_dir = work / "torchx-logs", work / "runs"
-    with get_runner() as runner:
-        t0 = time.monotonic()
-        handle, app_id = start_app(runner, policy, work, ["--steps", str(STARTING_STEPS), "--num_generators", "2"])
-        try:
-            wait_for_lock(log_dir, app_id, "generator/1", t0 + timeout_s, "generator_lost_starting")
-            killed_at = time.time()
-            kill_one(f"app.generator .*--app-id {app_id} --replica 1", "generator_lost_starting")
-            status = wait_for_end(runner, handle, t0 + timeout_s, "generator_lost_starting")
-        finally:
-            runner.cancel(handle)
-    log = trainer_log(log_dir, app_id)
-    if f"finished {STARTING_STEPS} steps" not in log:
-        raise RuntimeError(f"generator_lost_starting: the run did not finish (app {status.state}):\n{log[-3000:]}")
+    runs_dir = work / "runs"
+    status, app_id, killed_at, log = run_losing_generator_1(
+        policy, work, STARTING_STEPS, lambda log_dir, app_id, deadline: wait_for_lock(
+            log_dir, app_id, "generator/1", deadline, "generator_lost_starting"), "generator_lost_starting", timeout_s)
     taken_out = next(line for line in log.splitlines() if "generator/1 is gone: ended before it registered" in line)
     first_line = next(line for line in log.splitlines() if " trainer/0 " in line)
     db = sqlite3.connect(runs_dir / app_id / "metrics.db")
