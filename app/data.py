@@ -17,9 +17,9 @@ Decisions:
 - Order: slot n (0-based; the generators' staleness slots) is problem ``order.index(n)``.
   A dataset is used epoch after epoch, each epoch a permutation seeded by the run's seed
   and the epoch number, made when first needed (so ``--steps 100000`` precomputes
-  nothing). The built-in task keeps its own order (it draws ``steps x prompts_per_step``
-  distinct problems from the seed, ``BUILTIN_TRAIN_PROBLEMS`` at most, then repeats
-  them), unshuffled. ``ProblemOrder.state_dict`` is the
+  nothing). The built-in task is a lazy stream, unshuffled: slot n is problem n,
+  made from the seed and n alone when a generator asks for it (``tasks.TrainProblems``),
+  so a run of any ``--steps`` starts at once. ``ProblemOrder.state_dict`` is the
   position a resumed run restores.
 - Held-out problems: ``--eval-dataset``, or the rows of ``--dataset`` whose prompt hashes
   below ``--eval-fraction`` (a duplicated prompt lands on one side only). Of those, the
@@ -30,7 +30,8 @@ Decisions:
   (``--chat-template``, an optional system message). A prompt longer than
   ``--max-prompt-tokens`` is left out, counted and logged, never truncated: a truncated
   question has another answer.
-- Fingerprint: SHA-256 of every kept prompt as the policy will see it, its reference and
+- Fingerprint: SHA-256 of every kept prompt (of the built-in stream: its seed, its
+  levels and its first ``BUILTIN_MEASURED`` prompts) as the policy will see it, its reference and
   answer format, training then held-out, in file order. It covers what the generators
   must agree on (the rows, the field mapping, the template, the tokenizer's length
   filter), not incidental bytes (compression, column order).
@@ -82,7 +83,8 @@ def absolute_paths(cfg: TrainerConfig) -> TrainerConfig:
 class Sources:
     """The run's problems as read, before prompts are formatted and measured."""
 
-    train: list[Problem]
+    train: Sequence[Problem]
+    """A dataset's rows, or the built-in task's lazy stream (``tasks.TrainProblems``)."""
     held_out: list[Problem]
     train_from: str
     eval_from: str
@@ -98,10 +100,11 @@ def _unit_hash(text: str) -> float:
     return int.from_bytes(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:8], "big") / 2 ** 64
 
 
-BUILTIN_TRAIN_PROBLEMS = 20_000
-"""The most distinct problems the built-in task draws (1250 steps of 16 prompts); a longer
-run goes through them again in the same order. Every role draws and tokenizes them at
-start-up, so ``--steps`` in the millions must not mean minutes of it."""
+BUILTIN_MEASURED = 1024
+"""How many of the built-in task's training prompts are formatted, measured and
+fingerprinted at start-up (the first ones): the stream is lazy (``tasks.TrainProblems``),
+so ``--steps`` in the billions costs nothing up front. Its stories are of a few fixed
+shapes, so the first thousand show the longest a prompt gets."""
 
 
 def read(cfg: TrainerConfig, *, log: Callable[[str], None] = print) -> Sources:
@@ -109,8 +112,8 @@ def read(cfg: TrainerConfig, *, log: Callable[[str], None] = print) -> Sources:
     if not cfg.dataset:
         levels = parse_levels(cfg.levels)
         return Sources(
-            train=tasks.make_split("train", min(cfg.steps * cfg.prompts_per_step, BUILTIN_TRAIN_PROBLEMS),
-                                   seed=cfg.seed + 1, levels=levels),
+            train=tasks.TrainProblems(size=cfg.steps * cfg.prompts_per_step, seed=cfg.seed + 1,
+                                      levels=tuple(levels)),
             held_out=tasks.make_split("eval", cfg.eval_size, seed=cfg.seed, levels=levels),
             train_from=BUILTIN, eval_from=f"{BUILTIN} (its eval split)")
     fields = FieldMap(cfg.prompt_field, cfg.answer_field, cfg.answer_format)
@@ -273,13 +276,33 @@ def _fit(problems: list[Problem], fmt: Callable[[str], str], tokenizer: Any, max
     return kept, too_long
 
 
+def _measure_builtin(stream: tasks.TrainProblems, fmt: Callable[[str], str], tokenizer: Any, max_tokens: int,
+                     digest: "hashlib._Hash") -> tuple[tasks.TrainProblems, list[int]]:
+    """The built-in stream as it is, once its first ``BUILTIN_MEASURED`` prompts (past
+    its length too: the fingerprint does not depend on ``--steps``, which a resume may
+    raise) are measured and fingerprinted with its definition (the rest follow from the
+    seed and levels). A prompt too long is refused, not left out: leaving one out would need
+    every prompt of the stream measured to know which slot is which problem."""
+    digest.update(json.dumps(["built-in", stream.seed, list(stream.levels)]).encode() + b"\n")
+    head = list(dataclasses.replace(stream, size=BUILTIN_MEASURED))  # whatever --steps: one stream
+    _, too_long = _fit(head, fmt, tokenizer, max_tokens, digest)
+    if too_long:
+        raise DataError(f"{BUILTIN}: --max-prompt-tokens {max_tokens} is below its prompts' length "
+                        f"({max(too_long)} tokens for {len(too_long)} of its first {len(head)}); "
+                        "raise it")
+    return stream, []
+
+
 def prepare(sources: Sources, cfg: TrainerConfig, tokenizer: Any, *,
             log: Callable[[str], None] = print) -> RunData:
     """Format every prompt for ``tokenizer``'s policy and leave out the ones longer than
     ``cfg.max_prompt_tokens``; ``DataError`` if no training prompt is left."""
     fmt = PromptFormat.from_config(cfg).bind(tokenizer)
     digest = hashlib.sha256()
-    train, long_train = _fit(sources.train, fmt, tokenizer, cfg.max_prompt_tokens, digest)
+    if isinstance(sources.train, tasks.TrainProblems):
+        train, long_train = _measure_builtin(sources.train, fmt, tokenizer, cfg.max_prompt_tokens, digest)
+    else:
+        train, long_train = _fit(sources.train, fmt, tokenizer, cfg.max_prompt_tokens, digest)
     digest.update(b"held out\n")
     held, long_eval = _fit(sources.held_out, fmt, tokenizer, cfg.max_prompt_tokens, digest)
     too_long = long_train + long_eval
@@ -344,7 +367,9 @@ def wait_for_checks(rt: runtime.Runtime, members: list[str], timeout_s: float,
         if health is not None and time.monotonic() >= next_check:
             health()
             next_check = time.monotonic() + transport.HEALTH_CHECK_S
-        missing = [m for m in missing if rt.signed.record(names.data_checked_key(m), writers=(m,)) is None]
+        gone = rt.control.gone()  # lost while it started, the run going on without it (app.membership)
+        missing = [m for m in missing if m not in gone
+                   and rt.signed.record(names.data_checked_key(m), writers=(m,)) is None]
         if not missing:
             return
         if rt.should_stop():

@@ -16,6 +16,13 @@ dropped). Past that the generator waits for newer weights: it never runs more th
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # First, before torch is imported (seconds): from here on the trainer sees this
+    # generator die even before it reaches the store (app.replica_lock).
+    from app import replica_lock
+
+    replica_lock.hold()
+
 import functools
 import logging
 import sys

@@ -12,8 +12,11 @@
 - ``sibling_failure``: what the store cannot say. Under TorchX's local scheduler every
   replica of the app has a directory of its own beside the others' (its error file and
   its ``stderr.log``): a role that failed before it reached the store, or crashed, is
-  found and named there. Other schedulers end the whole job when one role fails, and
-  keep no such shared directory; there this finds nothing.
+  found and named there, and so is one killed before it registered
+  (``vanished_before_registering``: the lock it held from its first line, ``app.replica_lock``,
+  is free; ``app.membership`` takes it out, or fails the run if it was the last of its
+  role). Other schedulers end the whole job when one role fails, and keep no such shared
+  directory; there this finds nothing.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Callable, Iterator
 
+from app.replica_lock import ERROR_FILE_ENV, REPLICA_ERROR_FILE_ENV, sibling_replica_dirs
+from app.replica_lock import released as lock_released
 from app.transport import Control
 
 log = logging.getLogger("llamarl")
@@ -37,11 +41,6 @@ log = logging.getLogger("llamarl")
 HEARTBEAT_TIMEOUT_S = 10.0
 """A member whose heartbeat (one per ``runtime.HEARTBEAT_S``) has not moved for this long
 is gone: long enough for a loaded 2-core machine, short enough to end the app in seconds."""
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
-"""Where TorchX's local, SLURM and Kubernetes schedulers expect a replica's error file."""
-REPLICA_ERROR_FILE_ENV = "LLAMARL_REPLICA_ERROR_FILE"
-"""The scheduler's error file of this replica, for the trainer ranks, whose own
-``$TORCHELASTIC_ERROR_FILE`` is torchrun's (set by ``app.launch``)."""
 CRASH_LOG_TAIL_BYTES = 64 * 1024
 """How much of a sibling's ``stderr.log`` is read for a faulthandler report."""
 ORPHAN_GRACE_S = 30.0
@@ -198,21 +197,6 @@ def watch_parent(on_orphaned: Callable[[int], None]) -> threading.Thread:
     return thread
 
 
-def sibling_replica_dirs() -> dict[str, Path]:
-    """``{"generator/1": dir}`` for every other replica of this app, from the layout of
-    TorchX's local scheduler (``<app log dir>/<role>/<replica>/error.json``); empty when
-    this replica's error file is not laid out so (other schedulers, a role started by hand)."""
-    own = os.environ.get(REPLICA_ERROR_FILE_ENV) or os.environ.get(ERROR_FILE_ENV)
-    if not own or not own.endswith("/error.json"):
-        return {}
-    replica_dir = Path(own).parent
-    if not replica_dir.name.isdigit():
-        return {}
-    app_dir = replica_dir.parent.parent
-    return {f"{d.parent.name}/{d.name}": d for d in sorted(app_dir.glob("*/*"))
-            if d.name.isdigit() and d != replica_dir and d.is_dir()}
-
-
 def sibling_failure() -> str | None:
     """The cause another replica of this app wrote to its error file (it failed), or
     ``None``. Roles that merely stopped write none (``reported``)."""
@@ -223,16 +207,39 @@ def sibling_failure() -> str | None:
     return None
 
 
+def vanished_before_registering(registered: set[str]) -> list[str]:
+    """Replicas of this app (local layout) not in ``registered`` whose process took its
+    ``app.replica_lock`` and has ended: killed before they reached the store, they
+    wrote no error file and never had a heartbeat to go still."""
+    return [m for m, d in sibling_replica_dirs().items() if m not in registered and lock_released(d)]
+
+
 def sibling_crash(member: str) -> str | None:
     """``describe_crash`` of ``member``'s faulthandler report in its ``stderr.log``, or ``None``."""
+    tail = _stderr_tail(member)
+    report = tail[tail.rfind("Fatal Python error:"):] if "Fatal Python error:" in tail else None
+    return describe_crash(member, report) if report else None
+
+
+def describe_vanished(member: str) -> str:
+    """Why ``member`` ended before it registered: its crash, else the last line of its
+    ``stderr.log`` beside the likely causes (a process that exits before its first log
+    line, an argument error say, writes no error file either)."""
+    if (crash := sibling_crash(member)) is not None:
+        return crash
+    last = next((line.strip() for line in reversed(_stderr_tail(member).splitlines()) if line.strip()), "")
+    return (f"{member} ended before it registered with the trainer (killed, out of memory, or its node was "
+            f"lost{f'; the last line of its stderr: {last[:300]!r}' if last else ''})")
+
+
+def _stderr_tail(member: str) -> str:
+    """The last ``CRASH_LOG_TAIL_BYTES`` of a sibling's ``stderr.log`` ("" if none)."""
     d = sibling_replica_dirs().get(member)
     if d is None:
-        return None
+        return ""
     try:
         with open(d / "stderr.log", "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - CRASH_LOG_TAIL_BYTES))
-            tail = f.read().decode(errors="replace")
+            return f.read().decode(errors="replace")
     except OSError:
-        return None
-    report = tail[tail.rfind("Fatal Python error:"):] if "Fatal Python error:" in tail else None
-    return describe_crash(member, report) if report else None
+        return ""

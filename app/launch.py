@@ -8,7 +8,9 @@ torchrun ends a failed run with its ``ChildFailedError`` banner, which names the
 of a worker, not why it failed. This wrapper gives torchrun its own error file, into
 which torchrun copies the failed worker's (written by ``app.health.reported``), or,
 for a worker killed by a fatal signal, reads its faulthandler report (which names the
-function that crashed); it then prints that cause last and writes it to the scheduler's error file
+function that crashed), or, for a worker a signal ended with no Python error (SIGKILL:
+by hand, the out-of-memory killer), torchrun's banner, which names the rank and the
+signal; it then prints that cause last and writes it to the scheduler's error file
 (``$TORCHELASTIC_ERROR_FILE``), which ``torchx run`` prints when the app fails. A
 torchrun that dies without a worker's cause (killed, say) is named as such.
 """
@@ -17,12 +19,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from app import cli, health, names
 
@@ -87,14 +93,77 @@ def crash_cause(crash_dir: Path) -> str | None:
     return "; ".join(causes) or None
 
 
+ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\s*\[\d+\]:.*?rank\s*:\s*(\d+).*?"
+                        r"exitcode\s*:\s*(-?\d+)", re.S)
+"""The first failed rank and its exit code in torchrun's ``ChildFailedError`` banner
+(torch 2.13's ``_MSG_FORMAT_TEMPLATE``)."""
+STDERR_TAIL_BYTES = 64 * 1024
+"""How much of torchrun's stderr is kept to read its banner from."""
+
+
+def killed_rank_cause(torchrun_stderr: str) -> str | None:
+    """A rank that a signal ended without a Python error (SIGKILL: by hand or by the
+    out-of-memory killer) leaves neither an error file nor a faulthandler report; only
+    torchrun's banner names it and the signal. ``None`` when it names no such rank."""
+    found = list(ROOT_CAUSE.finditer(torchrun_stderr))
+    if not found:
+        return None
+    rank, exitcode = int(found[-1][1]), int(found[-1][2])
+    if exitcode >= 0:
+        return None
+    return (f"trainer/{rank} was {exit_description(exitcode)} with no Python error (killed by hand or by the "
+            "out-of-memory killer, or its node was lost)")
+
+
+class StderrTail(threading.Thread):
+    """Copies a child's stderr to this process's as it comes, keeping the last
+    ``STDERR_TAIL_BYTES`` to read a cause from once the child has ended."""
+
+    def __init__(self, source: IO[bytes]) -> None:
+        super().__init__(daemon=True, name="torchrun-stderr")
+        self.source, self.tail = source, bytearray()
+        self.last_read = time.monotonic()
+
+    def run(self) -> None:
+        out = sys.stderr.buffer
+        for line in iter(self.source.readline, b""):
+            out.write(line)
+            out.flush()
+            self.tail += line
+            del self.tail[: max(0, len(self.tail) - STDERR_TAIL_BYTES)]
+            self.last_read = time.monotonic()
+
+    def text(self, quiet_s: float = 0.5, wait_s: float = 5.0) -> str:
+        """The tail, once torchrun's last words are read (call it after torchrun ended):
+        the pipe closed, or nothing more came for ``quiet_s`` since the call or the last
+        line (a rank orphaned in a session of its own may hold the pipe open for
+        seconds), or ``wait_s`` passed."""
+        called = time.monotonic()
+        deadline = called + wait_s
+        while (self.is_alive() and time.monotonic() < deadline
+               and time.monotonic() - max(self.last_read, called) < quiet_s):
+            time.sleep(0.02)
+        return bytes(self.tail).decode(errors="replace")
+
+
 def run(nproc_per_node: int, trainer_args: list[str], nodes: Nodes = Nodes()) -> int:
     """torchrun's exit code; on a failure the cause is printed last and in the error file."""
+    return supervise(torchrun_command(nproc_per_node, trainer_args, nodes))
+
+
+def supervise(command: list[str]) -> int:
+    """Run ``command`` (a torchrun) to its end; on a failure print its cause last and
+    write it to the error file. The cause, first found: the failed rank's error file
+    (copied into torchrun's), its faulthandler report, torchrun's banner naming a rank a
+    signal killed, else torchrun's own end."""
     with tempfile.TemporaryDirectory(prefix="llamarl-launch-") as tmp:
         error_file, crash_dir = Path(tmp) / "error.json", Path(tmp) / "crashes"
         crash_dir.mkdir()
         env = {**os.environ, health.ERROR_FILE_ENV: str(error_file), health.CRASH_DIR_ENV: str(crash_dir),
                health.REPLICA_ERROR_FILE_ENV: os.environ.get(health.ERROR_FILE_ENV, "")}
-        proc = subprocess.Popen(torchrun_command(nproc_per_node, trainer_args, nodes), env=env)
+        proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+        stderr = StderrTail(proc.stderr)
+        stderr.start()
 
         def forward(signum: int, _frame: object) -> None:
             # The scheduler's SIGTERM: torchrun stops its workers (they run in sessions of
@@ -106,7 +175,8 @@ def run(nproc_per_node: int, trainer_args: list[str], nodes: Nodes = Nodes()) ->
         returncode = proc.wait()
         if returncode == 0:
             return 0
-        cause = health.read_error_file(str(error_file)) or crash_cause(crash_dir)
+        cause = (health.read_error_file(str(error_file)) or crash_cause(crash_dir)
+                 or killed_rank_cause(stderr.text()))
     if cause is None:
         cause = f"torchrun (its agent) ended without a worker's cause: {exit_description(returncode)}"
     message = f"trainer failed: {cause}"

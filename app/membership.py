@@ -17,6 +17,11 @@ that did get out just before its executor died arrives twice (the original and t
 regenerated one); the trainer's slot ledger drops the second (``faults/duplicate_groups``):
 nothing is trained twice.
 
+A member killed before it registered (``health.vanished_before_registering``: the lock it
+took on its first line is free) is lost the same way, from the moment the trainer starts
+waiting for the members: it held nothing, and the weight plane's first epoch does not wait
+for it.
+
 A member whose heartbeat moves again (the scheduler restarted it, same replica id) is
 alive again; a generator rejoins the weight plane at the next weight version
 (``app.weight_plane``).
@@ -63,6 +68,12 @@ class Membership:
     expected: dict[str, int]
     """Replicas of each tolerable role the app was launched with (``{"generator": 2}``)."""
     gone_after_s: float = GONE_AFTER_S
+    watch_heartbeats: bool = True
+    """Whether silent registered members are looked for. The trainer starts the watcher
+    with ``False`` before it waits for the members to register (a member killed before it
+    registered is taken out from then on) and sets it once every member registered: a
+    heartbeat that stalls while a process imports torch and loads the policy is the
+    start-up health check's to judge, at its longer ``health.HEARTBEAT_TIMEOUT_S``."""
     losses: list[Loss] = field(default_factory=list)
     rejoined: list[str] = field(default_factory=list)
     _gone: set[str] = field(default_factory=set)
@@ -99,6 +110,13 @@ class Membership:
         """Look once: the members found gone now (their held groups returned)."""
         ages = self.control.last_heartbeats()
         newly = []
+        for member in health.vanished_before_registering(set(ages)):
+            role = member.split("/")[0]
+            if role in TOLERABLE_ROLES and not self.tolerated(member) and self._take_out(
+                    member, role, ages, why="gone: " + health.describe_vanished(member).removeprefix(member + " ")):
+                newly.append(member)
+        if not self.watch_heartbeats:
+            return newly
         for member, age in sorted(ages.items()):
             role = member.split("/")[0]
             if role not in TOLERABLE_ROLES:
@@ -115,12 +133,15 @@ class Membership:
                     newly.append(member)
         return newly
 
-    def _take_out(self, member: str, role: str, ages: dict[str, float]) -> bool:
+    def _take_out(self, member: str, role: str, ages: dict[str, float], why: str = "") -> bool:
+        """``member`` is lost (``why``; by default: its heartbeat stood still): taken out
+        while another of its role is alive (registered and beating, or not registered
+        yet), else marked failed."""
         survivors = [m for m in self.alive(role) if m != member and ages.get(m, 0.0) <= self.gone_after_s]
         what = "generator" if role == "generator" else "reward executor"
         crash = health.sibling_crash(member)  # "<member> crashed (...) in <function> (...)"
-        why = (crash.removeprefix(member + " ") if crash else
-               f"gone: no heartbeat for {self.gone_after_s:g} s (killed, out of memory, or its node was lost)")
+        why = why or (crash.removeprefix(member + " ") if crash else
+                      f"gone: no heartbeat for {self.gone_after_s:g} s (killed, out of memory, or its node was lost)")
         if not survivors:
             # Marked failed (once): the run stops, naming the member and why it cannot go on.
             if member not in self.control.failures():

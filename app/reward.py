@@ -11,6 +11,13 @@ unless the reward spec names one (``device=``).
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # First, before torch is imported (seconds): from here on the trainer sees this
+    # reward executor die even before it reaches the store (app.replica_lock).
+    from app import replica_lock
+
+    replica_lock.hold()
+
 import sys
 import time
 

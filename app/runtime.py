@@ -329,8 +329,11 @@ def end_app(rt: Runtime, expected: list[str], reason: str, *, failed: bool) -> N
     deadline = time.monotonic() + STOP_ACK_TIMEOUT_S
     while missing and time.monotonic() < deadline:
         missing = wait_for_exits(rt.control, missing, timeout_s=1.0)
-        # A killed process never acknowledges: stop waiting once its heartbeat is still.
+        # A killed process never acknowledges: stop waiting once its heartbeat is still, or,
+        # killed before it registered, once the lock it held is free (app.replica_lock).
         dead = [m for m in rt.control.dead_members(max_age_s=health.HEARTBEAT_TIMEOUT_S) if m in missing]
+        dead += [m for m in health.vanished_before_registering(set(rt.control.members()))
+                 if m in missing and m not in dead]
         if dead:
             log.error("%s: no heartbeat and no stop acknowledged: the process is gone", ", ".join(dead))
             missing = [m for m in missing if m not in dead]

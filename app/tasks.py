@@ -130,6 +130,50 @@ def make_split(split: Split, n: int, *, seed: int, levels: Sequence[int] = (1, 2
     return out
 
 
+def train_problem(index: int, *, seed: int, levels: Sequence[int] = (1, 2, 3)) -> Problem:
+    """Problem ``index`` of the lazy training stream: drawn from a generator seeded by
+    ``seed`` and ``index`` alone (no other problem is drawn to make it), at level
+    ``levels[index % len(levels)]``, from the ``train`` side of the split. Unlike
+    ``make_split`` the stream does not remove repeats (that needs every earlier problem):
+    a story may come back, as problems do when a dataset is used for several epochs."""
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    if not levels:
+        raise ValueError("levels must not be empty")
+    rng = random.Random(f"{seed}/train/{index}")
+    level = levels[index % len(levels)]
+    while True:  # nine draws in ten are on the train side: a few tries at most
+        p = make_problem(rng, level)
+        if split_of(p.question) == "train":
+            return p
+
+
+@dataclass(frozen=True)
+class TrainProblems(Sequence[Problem]):
+    """The built-in task's training problems ``0..size-1``, each made when asked for
+    (``train_problem``): a run of a billion steps costs nothing until it samples."""
+
+    size: int
+    seed: int
+    levels: tuple[int, ...] = (1, 2, 3)
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"size must be >= 1, got {self.size}")
+        if not self.levels:
+            raise ValueError("levels must not be empty")
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.size))]
+        if not -self.size <= index < self.size:
+            raise IndexError(f"problem {index} of {self.size}")
+        return train_problem(index % self.size, seed=self.seed, levels=self.levels)
+
+
 # ---- prompt format and verifier ------------------------------------------------------
 
 PROMPT_TEMPLATE = "Q: {question}\nA:"

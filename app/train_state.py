@@ -38,7 +38,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -106,22 +106,29 @@ class SlotLedger:
             out.append(holes[k] if k < len(holes) else fresh + k - len(holes))
         return out
 
-    def merged(self, others: Iterable["SlotLedger"]) -> "SlotLedger":
-        """The union of this ledger and ``others`` (each trainer rank consumes its share)."""
-        ledgers = [self, *others]
-        out = SlotLedger(max(ledger.frontier for ledger in ledgers))
-        for s in sorted(set().union(*(ledger.done for ledger in ledgers))):
-            if s >= out.frontier and s not in out.done:
-                out.consume(s)
-        return out
-
-    def gathered(self) -> "SlotLedger":
-        """Every trainer rank's ledger merged (a collective; this one when not distributed).
-        Slot ids travel as int64 tensors, never pickled."""
-        if not _distributed() or dist.get_world_size() == 1:
-            return self
-        parts = all_gather_ids(torch.tensor([self.frontier, *sorted(self.done)], dtype=torch.int64))
-        return self.merged([SlotLedger(int(p[0]), set(p[1:].tolist())) for p in parts])
+    def consume_across_ranks(self, slots: list[int | None]) -> list[bool]:
+        """Consume this trainer rank's ``slots`` (its groups of one step) and every other
+        rank's, in rank order, the same on every rank: a collective (with several ranks),
+        after which every rank holds the same ledger. Whether each of this rank's slots was
+        consumed for the first time (``None``, a group that filled no slot: ``True``).
+        ``False``: consumed already, at an earlier step on any rank, or in this step by a
+        lower rank, which keeps its group. So the two copies of a regenerated slot are
+        trained once whichever ranks they reach. Slot ids travel as int64 tensors, never
+        pickled."""
+        ids = [-1 if s is None else s for s in slots]
+        if _distributed() and dist.get_world_size() > 1:
+            parts, rank = [p.tolist() for p in all_gather_ids(torch.tensor(ids, dtype=torch.int64))], dist.get_rank()
+        else:
+            parts, rank = [ids], 0
+        mine = []
+        for r, part in enumerate(parts):
+            for slot in part:
+                fresh = slot < 0 or not (slot < self.frontier or slot in self.done)
+                if fresh and slot >= 0:
+                    self.consume(slot)
+                if r == rank:
+                    mine.append(fresh)
+        return mine
 
     def state_dict(self) -> dict[str, Any]:
         return {"frontier": self.frontier, "done": sorted(self.done)}

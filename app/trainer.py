@@ -85,7 +85,8 @@ class Trainer:
         self.seen_batches = SeenIds()  # the metrics batches written (replica 0)
         self.trained_elsewhere = SeenIds()  # groups the other trainer ranks trained
         self.tensorboard: TensorBoardMirror | None = None  # replica 0 with --tensorboard
-        self.ledger = train_state.SlotLedger()  # the slots this rank consumed
+        self.ledger = train_state.SlotLedger()  # the slots consumed, the same on every rank
+        self._stale: list[tuple[RolloutGroup, int]] = []  # dropped as stale, not yet settled
         self.start_step = 0  # the checkpoint's step after a resume
         self.duplicates = 0  # groups for a slot already consumed: dropped
         self.freed_slots = 0  # this rank's groups dropped (stale or duplicate): refillable slots
@@ -148,17 +149,22 @@ class Trainer:
         if self.reward is not None:
             self.reward.load()
         expected = {"generator": self.num_generators, "reward": self.num_reward, "trainer": self.world}
+        if self.rank == 0:
+            # A generator or reward executor killed before it registers is lost from here,
+            # survivable while others of its role are alive (app.membership); not waited for.
+            self.membership = membership.Membership(rt.signed, {"generator": self.num_generators,
+                                                               "reward": self.num_reward},
+                                                    watch_heartbeats=False)
+            self.membership.start()
         # A member that fails or dies while the others start is named at once, not after 900 s.
         alive = functools.partial(health.check_health, rt.control)
         rt.control.wait_for_members(expected, timeout_s=900.0, should_stop=rt.should_stop, health=alive)
         if self.rank == 0:
             data.wait_for_checks(rt, [names.member("generator", i) for i in range(self.num_generators)],
                                  timeout_s=900.0, health=alive)
-            # From here a lost generator or reward executor is survivable while others of
-            # its role are alive (app.membership); the weight plane regroups without it.
-            self.membership = membership.Membership(rt.signed, {"generator": self.num_generators,
-                                                               "reward": self.num_reward})
-            self.membership.start()
+            # From here a silent generator or reward executor is lost too (survivable while
+            # others of its role are alive); the weight plane regroups without it.
+            self.membership.watch_heartbeats = True
         # Every trainer rank sends its own shard straight to every generator (no gather);
         # rank 0 leads the plane's epochs (app.weight_plane).
         self.sender = elastic_sender(rt.signed, list(self.model.named_parameters()), rank=self.rank,
@@ -260,24 +266,36 @@ class Trainer:
                 "trainer_ranks": self.world, **cli.to_dict(self.cfg), **cli.to_dict(self.gen)}
 
     # --- the loop ----------------------------------------------------------------------
-    def _consume(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
-        """Record the groups' slots as consumed (trained or dropped) in the ledger; the
-        groups to train. A group for a slot already consumed is dropped and counted: an
-        executor lost just after it passed the group on, which was then regenerated
-        (``app.membership``); its slot may be filled again, so the bound stays whole."""
+    def _settle(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
+        """The step's slots in the ledger: the groups dropped as stale since the last step,
+        then the batch's groups, decided alike on every trainer rank
+        (``SlotLedger.consume_across_ranks``); the groups to train. A group for a slot
+        already consumed, on any rank, is dropped and counted: an executor lost just after
+        it passed the group on, which was then regenerated (``app.membership``); its slot
+        may be filled again, so the bound stays whole."""
+        stale, self._stale = self._stale, []
+        fresh = self.ledger.consume_across_ranks([g.slot for g, _ in stale] + [g.slot for g in groups])
+        for (group, lag), first in zip(stale, fresh):
+            if not first:
+                self._duplicate(group)
+                continue
+            self.dropped += 1
+            if group.slot is not None:  # a group that filled no slot frees none
+                self._free_slots(1)  # generators may fill the slot again
+            self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
         kept = []
-        for g in groups:
-            if g.slot is not None:
-                try:
-                    self.ledger.consume(g.slot)
-                except ValueError:
-                    log.warning("group %s fills slot %d, already consumed: dropped (a lost executor's "
-                                "group and its regenerated twin)", g.group_id, g.slot)
-                    self.duplicates += 1
-                    self._free_slots(1)
-                    continue
-            kept.append(g)
+        for group, first in zip(groups, fresh[len(stale):]):
+            if first:
+                kept.append(group)
+            else:
+                self._duplicate(group)
         return kept
+
+    def _duplicate(self, group: RolloutGroup) -> None:
+        log.warning("group %s fills slot %d, already consumed: dropped (a lost executor's group and its "
+                    "regenerated twin)", group.group_id, group.slot)
+        self.duplicates += 1
+        self._free_slots(1)
 
     def _without_replays_across_ranks(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
         """Several trainer ranks: a group another rank trained, or has in this step's batch
@@ -293,12 +311,9 @@ class Trainer:
         return [g for g in groups if (g.group_id.generator, g.group_id.seq) not in refused]
 
     def _on_drop(self, group: RolloutGroup, lag: int) -> None:
-        if not self._consume([group]):  # a duplicate: counted, its slot freed, once
-            return
-        self.dropped += 1
-        if group.slot is not None:  # a group that filled no slot frees none
-            self._free_slots(1)  # generators may fill the slot again
-        self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
+        """A group too stale to train: settled with the next batch (``_settle``), where
+        every rank learns of its slot."""
+        self._stale.append((group, lag))
 
     def _free_slots(self, n: int) -> None:
         """This rank's count of dropped groups, a signed record the generators add up:
@@ -374,7 +389,7 @@ class Trainer:
         directory, deletes the oldest beyond ``keep_last`` and names it in config.json and
         the metrics DB."""
         t0 = time.time()
-        ledger = self.ledger = self.ledger.gathered()
+        ledger = self.ledger  # every rank's (consume_across_ranks)
         root = self.run_dir / checkpoint.DIR_NAME
         if self.rank != 0:
             dist.barrier()  # replica 0 has made the step's temporary directory
@@ -430,7 +445,7 @@ class Trainer:
                 groups = self.stream.next_batch()
             if self.world > 1:
                 groups = self._without_replays_across_ranks(groups)
-            groups = self._consume(groups)
+            groups = self._settle(groups)
             t0 = time.time()
             train = None
             # Every rank decides alone: with several ranks, one rank's share may have no

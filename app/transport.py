@@ -329,7 +329,8 @@ class Control:
     def wait_for_members(self, expected: dict[str, int], timeout_s: float,
                          should_stop: Callable[[], bool] | None = None,
                          health: Callable[[], None] | None = None) -> list[str]:
-        """Wait until replicas ``0..n-1`` of each role in ``expected`` have registered;
+        """Wait until replicas ``0..n-1`` of each role in ``expected`` have registered or
+        been taken out of the run (``gone``: lost while others of their role survive);
         ``health()`` (which raises when a member failed or went silent) is called about
         every ``HEALTH_CHECK_S`` meanwhile."""
         deadline = time.monotonic() + timeout_s
@@ -340,8 +341,11 @@ class Control:
                 health()
                 next_check = time.monotonic() + HEALTH_CHECK_S
             present = set(self.members())
-            missing = [names.member(role, r) for role, n in expected.items() for r in range(n)
-                       if names.member(role, r) not in present]
+            missing = [m for role, n in expected.items() for r in range(n)
+                       if (m := names.member(role, r)) not in present]
+            if missing:
+                gone = self.gone()
+                missing = [m for m in missing if m not in gone]
             if not missing:
                 return sorted(present)
             if time.monotonic() >= deadline:

@@ -2,6 +2,12 @@
 
     python benchmarks/faults.py --json benchmarks/results/faults.json
     python benchmarks/faults.py --cases generator_lost --json benchmarks/results/faults_survive.json
+    python benchmarks/faults.py --cases generator_lost_starting --json benchmarks/results/faults_starting.json
+
+``generator_lost_starting`` (survivable too): two generators, 20 steps, generator 1 SIGKILLed
+as soon as it holds its ``app.replica_lock`` (its first line, before it can reach the
+store); the run must finish every step with generator 0; reported: seconds from the kill
+to the trainer's line that takes it out.
 
 ``generator_lost`` (a survivable fault): two generators, 60 steps, generator 1 SIGKILLed
 once step 15 is logged. The run must finish every step, each once, and train exactly
@@ -47,6 +53,8 @@ from pathlib import Path
 
 from torchx.runner import get_runner
 from torchx.specs import AppState, is_terminal, parse_app_handle
+
+from app import replica_lock
 
 SMALL = ["--eval-every", "1000", "--eval-size", "20", "--prompts-per-step", "4", "--group-size", "4",
          "--gen-batch-prompts", "2", "--max-new-tokens", "16"]
@@ -112,6 +120,15 @@ def wait_for_step(log_dir: Path, app_id: str, step: int, deadline: float, what: 
         time.sleep(0.1)
 
 
+def wait_for_lock(log_dir: Path, app_id: str, member: str, deadline: float, what: str) -> None:
+    """Until ``member``'s process holds its lock (``app.replica_lock``), the first thing
+    it does: it is then importing torch, seconds from reaching the store."""
+    while not list(log_dir.glob(f"*/{app_id}/{member}/{replica_lock.LOCK_NAME}")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: {member} took no lock in time")
+        time.sleep(0.01)
+
+
 def kill_one(pattern: str, what: str) -> None:
     """SIGKILL the one process whose command line matches ``pattern``."""
     pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
@@ -165,23 +182,34 @@ def _log_time(line: str) -> float:
     return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def run_generator_lost(policy: str, work: Path, timeout_s: float) -> dict:
-    """Two generators, generator 1 SIGKILLed after step ``SURVIVE_KILL_AFTER``: what the
-    run trained and how long the loss held it up."""
-    log_dir, runs_dir = work / "torchx-logs", work / "runs"
+def run_losing_generator_1(policy: str, work: Path, steps: int, wait_to_kill, what: str, timeout_s: float):
+    """Two generators, generator 1 SIGKILLed once ``wait_to_kill(log_dir, app_id,
+    deadline)`` returns; the run must still finish its ``steps``. The app's status, its
+    id, when the kill was (``time.time()``) and the trainer's log."""
+    log_dir = work / "torchx-logs"
     with get_runner() as runner:
         t0 = time.monotonic()
-        handle, app_id = start_app(runner, policy, work, ["--steps", str(SURVIVE_STEPS), "--num_generators", "2"])
+        handle, app_id = start_app(runner, policy, work, ["--steps", str(steps), "--num_generators", "2"])
         try:
-            wait_for_step(log_dir, app_id, SURVIVE_KILL_AFTER, t0 + timeout_s, "generator_lost")
+            wait_to_kill(log_dir, app_id, t0 + timeout_s)
             killed_at = time.time()
-            kill_one(f"app.generator .*--app-id {app_id} --replica 1", "generator_lost")
-            status = wait_for_end(runner, handle, t0 + timeout_s, "generator_lost")
+            kill_one(f"app.generator .*--app-id {app_id} --replica 1", what)
+            status = wait_for_end(runner, handle, t0 + timeout_s, what)
         finally:
             runner.cancel(handle)
     log = trainer_log(log_dir, app_id)
-    if f"finished {SURVIVE_STEPS} steps" not in log:
-        raise RuntimeError(f"generator_lost: the run did not finish (app {status.state}):\n{log[-3000:]}")
+    if f"finished {steps} steps" not in log:
+        raise RuntimeError(f"{what}: the run did not finish (app {status.state}):\n{log[-3000:]}")
+    return status, app_id, killed_at, log
+
+
+def run_generator_lost(policy: str, work: Path, timeout_s: float) -> dict:
+    """Two generators, generator 1 SIGKILLed after step ``SURVIVE_KILL_AFTER``: what the
+    run trained and how long the loss held it up."""
+    runs_dir = work / "runs"
+    status, app_id, killed_at, log = run_losing_generator_1(
+        policy, work, SURVIVE_STEPS, lambda log_dir, app_id, deadline: wait_for_step(
+            log_dir, app_id, SURVIVE_KILL_AFTER, deadline, "generator_lost"), "generator_lost", timeout_s)
     regroup_line = next(line for line in log.splitlines() if "weight plane epoch 2:" in line)
     db = sqlite3.connect(runs_dir / app_id / "metrics.db")
     steps = db.execute("SELECT step, t FROM scalars WHERE name = 'train/version' ORDER BY t").fetchall()
@@ -213,6 +241,34 @@ def run_generator_lost(policy: str, work: Path, timeout_s: float) -> dict:
     return result
 
 
+STARTING_STEPS = 20
+
+
+def run_generator_lost_starting(policy: str, work: Path, timeout_s: float) -> dict:
+    """Two generators, generator 1 SIGKILLed as soon as it holds its lock (its first line,
+    before ``import torch``: it never reaches the store): the run must go on with
+    generator 0 and finish every step; reported: seconds from the kill to the trainer's
+    line that takes it out."""
+    runs_dir = work / "runs"
+    status, app_id, killed_at, log = run_losing_generator_1(
+        policy, work, STARTING_STEPS, lambda log_dir, app_id, deadline: wait_for_lock(
+            log_dir, app_id, "generator/1", deadline, "generator_lost_starting"), "generator_lost_starting", timeout_s)
+    taken_out = next(line for line in log.splitlines() if "generator/1 is gone: ended before it registered" in line)
+    first_line = next(line for line in log.splitlines() if " trainer/0 " in line)
+    db = sqlite3.connect(runs_dir / app_id / "metrics.db")
+    steps = [s for (s,) in db.execute("SELECT step FROM scalars WHERE name = 'train/version' ORDER BY t")]
+    result = {
+        "app_state": str(status.state),
+        "each_step_once": steps == list(range(1, STARTING_STEPS + 1)),
+        "rollouts_trained": db.execute("SELECT COUNT(*) FROM staleness WHERE used = 1").fetchone()[0],
+        "rollouts_expected": STARTING_STEPS * PROMPTS * GROUP,
+        "kill_to_taken_out_s": round(_log_time(taken_out) - killed_at, 1),
+        "trainer_first_log_to_taken_out_s": round(_log_time(taken_out) - _log_time(first_line), 1),
+    }
+    print(f"generator_lost_starting: {result}", file=sys.stderr)
+    return result
+
+
 def tiny_policy(out: Path) -> str:
     """A warm-started policy of a few steps: these runs time failures, not learning."""
     from app.warmstart import WarmStartConfig, warm_start
@@ -227,8 +283,8 @@ def main() -> None:
     parser.add_argument("--policy", default="", help="policy directory (default: a tiny warm start)")
     parser.add_argument("--repeats", type=int, default=1, help="launches per case")
     parser.add_argument("--cases", default=",".join(c.name for c in CASES),
-                        help="comma-separated case names; add generator_lost (not in the default) for "
-                             "the survivable case")
+                        help="comma-separated case names; add generator_lost and generator_lost_starting "
+                             "(not in the default) for the survivable cases")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="give up on a launch after this long")
     parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args()
@@ -239,6 +295,8 @@ def main() -> None:
                    for c in CASES if c.name in wanted}
         survived = [run_generator_lost(policy, Path(tmp) / f"lost-{i}", args.timeout_s)
                     for i in range(args.repeats)] if "generator_lost" in wanted else []
+        starting = [run_generator_lost_starting(policy, Path(tmp) / f"starting-{i}", args.timeout_s)
+                    for i in range(args.repeats)] if "generator_lost_starting" in wanted else []
     result: dict = {}
     if details:
         result.update({
@@ -255,6 +313,12 @@ def main() -> None:
             "what": f"2 generators, {SURVIVE_STEPS} steps x {PROMPTS} prompts x G={GROUP}, generator 1 "
                     f"SIGKILLed after step {SURVIVE_KILL_AFTER}; local_cwd, one torch thread per process",
             "machine": f"{os.cpu_count()} CPU cores, shared with other test runs", "runs": survived}
+    if starting:
+        result["generator_lost_starting"] = {
+            "what": f"2 generators, {STARTING_STEPS} steps x {PROMPTS} prompts x G={GROUP}, generator 1 SIGKILLed "
+                    "as soon as it held its alive.lock (before it reached the store); local_cwd, one torch "
+                    "thread per process",
+            "machine": f"{os.cpu_count()} CPU cores, shared with other test runs", "runs": starting}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -91,21 +91,50 @@ def test_data_config_validation(kwargs, message):
 
 # --------------------------------------------------------------------------- prompts
 
-def test_builtin_task_is_unchanged_by_default(tokenizer):
+def test_builtin_task_is_a_lazy_stream_by_default(tokenizer):
     c = cfg(steps=3, prompts_per_step=4, eval_size=5)
     run = data.load(c, tokenizer, log=quiet)
-    assert list(run.order.problems) == tasks.make_split("train", 12, seed=1)
+    assert run.order.problems == tasks.TrainProblems(size=12, seed=1, levels=(1, 2, 3))
+    assert [run.order.problem(i) for i in range(12)] == [tasks.train_problem(i, seed=1) for i in range(12)]
+    assert [p.level for p in run.order.problems[:6]] == [1, 2, 3, 1, 2, 3]
+    assert all(tasks.split_of(p.question) == "train" for p in run.order.problems)
     assert run.held_out == tasks.make_split("eval", 5, seed=0)
     assert [run.order.problem(i) for i in range(14)] == [run.order.problems[i % 12] for i in range(14)]
     q = run.held_out[0].question
     assert run.format_prompt(q) == tasks.format_prompt(q)
 
 
-def test_builtin_task_draws_a_bounded_pool_however_many_steps(monkeypatch):
-    """--steps in the millions must not mean minutes of drawing and tokenizing prompts."""
-    monkeypatch.setattr(data, "BUILTIN_TRAIN_PROBLEMS", 20)
-    sources = data.read(cfg(steps=10**9, prompts_per_step=16, eval_size=5), log=quiet)
-    assert sources.train == tasks.make_split("train", 20, seed=1)
+def test_builtin_problem_i_is_made_without_the_ones_before_it(tokenizer):
+    """--steps 10**9 starts as fast as --steps 3: the stream makes problem i from the seed
+    and i alone, so the last slot of a billion-step run is reached without drawing the
+    others, and a fresh stream gives it whatever was drawn before."""
+    c = cfg(steps=10**9, prompts_per_step=16, eval_size=5)
+    run = data.load(c, tokenizer, log=quiet)
+    last = 10**9 * 16 - 1
+    assert len(run.order) == 10**9 * 16 and run.counts[names.DATA_TRAIN_PROBLEMS] == 10**9 * 16
+    fresh = tasks.TrainProblems(size=10**9 * 16, seed=1)
+    assert fresh[last] == run.order.problem(last) == tasks.train_problem(last, seed=1)
+    assert [fresh[i] for i in (7, 3, 7)] == [tasks.train_problem(i, seed=1) for i in (7, 3, 7)]
+    # The fingerprint pins the stream by its definition and first prompts, not its length:
+    # another --steps is the same stream (a resume may add steps), another seed is not.
+    assert data.load(cfg(steps=3, prompts_per_step=16, eval_size=5), tokenizer, log=quiet).fingerprint \
+        == run.fingerprint
+    assert data.load(cfg(steps=3, prompts_per_step=16, eval_size=5, seed=1), tokenizer, log=quiet).fingerprint \
+        != run.fingerprint
+
+
+def test_builtin_resume_position_restores_the_same_prompts(tokenizer):
+    whole = data.load(cfg(steps=1000, prompts_per_step=4), tokenizer, log=quiet).order
+    first = data.load(cfg(steps=1000, prompts_per_step=4), tokenizer, log=quiet).order
+    first.take(37)
+    resumed = data.load(cfg(steps=2000, prompts_per_step=4), tokenizer, log=quiet).order  # more --steps
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.take(9) == [whole.problem(i) for i in range(37, 46)]
+
+
+def test_builtin_prompts_longer_than_the_limit_are_refused(tokenizer):
+    with pytest.raises(DataError, match=r"the built-in task: --max-prompt-tokens 5 is below its prompts' length"):
+        data.load(cfg(steps=3, max_prompt_tokens=5), tokenizer, log=quiet)
 
 
 def test_prompt_template_and_its_newline_escape(tmp_path, tokenizer):

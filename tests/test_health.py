@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from app import data, health, names, runtime, transport
-from role_processes import control as control_as, loopback_store
+from app import data, frames, health, membership, names, replica_lock, runtime, transport
+from role_processes import TEST_SECRET, control as control_as, loopback_store
 
 
 @pytest.fixture()
@@ -203,3 +207,70 @@ def test_a_role_gives_up_on_the_store_once_a_sibling_says_the_app_is_gone():
         with pytest.raises(transport.AppGone, match="^trainer/0 failed: cannot host"):
             transport.connect_store(f"127.0.0.1:{holder.getsockname()[1]}", timeout_s=300, give_up=gone)
         assert len(asked) == 2
+
+
+
+def hold_lock_and_exit(replica_dir: Path) -> None:
+    """A real process that takes its replica's lock on its first line, as the roles do,
+    and ends: the lock is free again."""
+    env = {**os.environ, health.ERROR_FILE_ENV: str(replica_dir / "error.json")}
+    env.pop(health.REPLICA_ERROR_FILE_ENV, None)
+    subprocess.run([sys.executable, "-c", "from app import replica_lock; assert replica_lock.hold()"],
+                   env=env, check=True, timeout=60)
+
+
+def test_a_member_killed_before_it_registers_is_taken_out_at_once(tmp_path, monkeypatch, store, caplog):
+    """A real generator process, started in its replica directory, waits for a store that
+    does not answer yet (as while the trainer starts); SIGKILLed there, it leaves no error
+    file and never had a heartbeat. The trainer's membership watcher finds the lock the
+    generator took on its first line free: with generator/0 alive it is taken out and not
+    waited for (not for 900 s); reward/0, the last of its role, fails the run, named."""
+    dirs = replica_dirs(tmp_path, monkeypatch, own="trainer/0")
+    control = control_as(store)
+    members = membership.Membership(control.signed, {"generator": 2, "reward": 1}, watch_heartbeats=False)
+    control_as(store, "generator/0").register("generator", 0)
+    assert members.poll() == [] and control.failures() == {}  # the others not started: nothing to say
+    with socket.socket() as unused:  # bound, never listening: no store answers there
+        unused.bind(("127.0.0.1", 0))
+        env = {**os.environ, health.ERROR_FILE_ENV: str(dirs["generator/1"] / "error.json"),
+               frames.SECRET_ENV: TEST_SECRET.hex()}
+        env.pop(health.REPLICA_ERROR_FILE_ENV, None)
+        proc = subprocess.Popen([sys.executable, "-m", "app.generator", "--replica", "1", "--num-generators", "2",
+                                 "--store-addr", f"127.0.0.1:{unused.getsockname()[1]}"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            lock = dirs["generator/1"] / replica_lock.LOCK_NAME
+            deadline = time.monotonic() + 120
+            while not lock.exists():
+                assert proc.poll() is None and time.monotonic() < deadline, "the generator never took its lock"
+                time.sleep(0.05)
+            assert members.poll() == []  # alive and starting
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert not (dirs["generator/1"] / "error.json").exists(), "SIGKILL: no error file to read"
+    with caplog.at_level(logging.INFO, logger="llamarl"):
+        assert members.poll() == ["generator/1"]
+    assert ("generator/1 is gone: ended before it registered with the trainer (killed, out of memory, or its "
+            "node was lost): the run goes on with generator/0") in caplog.text
+    assert control.gone() == {"generator/1"} and members.alive("generator") == ["generator/0"]
+    assert control.wait_for_members({"generator": 2}, timeout_s=600, health=functools.partial(
+        health.check_health, control)) == ["generator/0"], "generator/1 is not waited for"
+    health.check_health(control)  # a tolerated loss is no failure
+
+    (dirs["reward/0"] / "stderr.log").write_text("app.reward: error: unrecognized arguments: --x\n\n")
+    hold_lock_and_exit(dirs["reward/0"])
+    assert members.poll() == []
+    with pytest.raises(health.AppFailed, match=r"^reward/0 failed: gone: ended before it registered with the "
+                                               r"trainer \(killed, out of memory, or its node was lost; the last "
+                                               r"line of its stderr: 'app.reward: error: unrecognized arguments: "
+                                               r"--x'\), and it was the last reward executor"):
+        health.check_health(control)
+    assert health.vanished_before_registering({"generator/1", "reward/0"}) == [], "registered: heartbeats speak"
+    # Ending the app, the trainer does not wait STOP_ACK_TIMEOUT_S for their acknowledgement.
+    control_as(store, "generator/0").mark_exited("generator", 0)
+    rt = SimpleNamespace(role="trainer", replica=0, control=control)
+    with caplog.at_level(logging.INFO, logger="llamarl"):
+        runtime.end_app(rt, ["generator/0", "generator/1", "reward/0"], "reward/0 ended", failed=True)
+    assert "reward/0, generator/1: no heartbeat and no stop acknowledged: the process is gone" in caplog.text
+    assert "did not acknowledge" not in caplog.text

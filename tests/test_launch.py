@@ -1,6 +1,6 @@
 """app.launch's torchrun command: standalone on one node; on several, a static
 rendezvous at trainer replica 0 whose node rank is the replica index, and every rank
-pointed at replica 0's host for the control store."""
+pointed at replica 0's host for the control store; the cause of a rank a signal killed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from app import names
+from app import health, launch, names
 from app.launch import Nodes, torchrun_command
 
 TRAINER_ARGS = ["--store-port", "0", "--app-id", "llamarl-abc", "--steps", "3"]
@@ -42,3 +42,28 @@ def test_derived_rendezvous_ports_never_meet_derived_store_ports():
 def test_a_node_rank_outside_the_nodes_is_refused(nnodes, node_rank):
     with pytest.raises(ValueError, match="--node-rank"):
         Nodes(nnodes=nnodes, node_rank=node_rank)
+
+
+def test_a_rank_killed_by_a_signal_is_named_from_torchruns_banner(tmp_path, monkeypatch, capfd):
+    """A real torchrun whose one rank SIGKILLs itself (as the out-of-memory killer would):
+    no error file, no faulthandler report; the launcher names the rank and the signal,
+    not "torchrun ended without a worker's cause"."""
+    monkeypatch.setenv(health.ERROR_FILE_ENV, str(tmp_path / "error.json"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               "--no-python", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    assert launch.supervise(command) == 1
+    cause = ("trainer failed: trainer/0 was killed by SIGKILL with no Python error (killed by hand or by the "
+             "out-of-memory killer, or its node was lost)")
+    assert health.read_error_file(str(tmp_path / "error.json")) == cause
+    err = capfd.readouterr().err
+    assert "Root Cause (first observed failure)" in err, "torchrun's own stderr still shows"
+    assert err.strip().splitlines()[-1] == cause
+
+
+def test_torchruns_banner_without_a_signal_names_nothing():
+    banner = ("Root Cause (first observed failure):\n[0]:\n  time      : 2026-12-05_12:07:56\n  host      : h\n"
+              "  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 17988)\n  error_file: <N/A>\n")
+    assert launch.killed_rank_cause(banner) is None
+    assert launch.killed_rank_cause(banner.replace("exitcode  : 1 (pid: 17988)",
+                                                   "exitcode  : -6 (pid: 17988) (SIGABRT)")).startswith(
+        "trainer/1 was killed by SIGABRT with no Python error")

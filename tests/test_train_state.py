@@ -93,15 +93,11 @@ def test_ledger_gives_each_slot_once_and_regenerates_the_missing_ones():
         SlotLedger.from_state({"frontier": 4, "done": [2]})
 
 
-def test_ledgers_of_several_ranks_merge():
-    even, odd = SlotLedger(), SlotLedger()
-    for s in range(0, 10, 2):
-        even.consume(s)
-    for s in (1, 3, 7):
-        odd.consume(s)
-    merged = even.merged([odd])
-    assert (merged.frontier, merged.done) == (5, {6, 7, 8})
-    assert merged.gathered() is merged  # not distributed: nothing to gather
+def test_one_process_consumes_a_steps_slots_once():
+    ledger = SlotLedger()
+    assert ledger.consume_across_ranks([0, 2, None, 2]) == [True, True, True, False]
+    assert ledger.consume_across_ranks([1, 0]) == [True, False]
+    assert (ledger.frontier, ledger.done) == (3, set())
 
 
 def test_auto_on_a_new_run_id_is_a_fresh_run_and_on_a_run_without_checkpoint_step_0(tmp_path):
@@ -165,8 +161,8 @@ def test_a_failing_training_state_leaves_no_checkpoint(tmp_path):
 
 
 def _two_trainer_ranks(store, rank: int, world_size: int, path: str) -> str:
-    """A trainer rank holding a whole replica: save the training state collectively, merge the
-    ranks' slot ledgers, then load the state into a fresh model and optimizer."""
+    """A trainer rank holding a whole replica: settle two steps' slots across the ranks,
+    save the training state collectively, then load it into a fresh model and optimizer."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
@@ -175,16 +171,17 @@ def _two_trainer_ranks(store, rank: int, world_size: int, path: str) -> str:
         model, _, optimizer = _trainer_model()
         _step(model, optimizer)  # the same data on both ranks: replicas stay equal
         ledger = SlotLedger()
-        for slot in range(rank, 8, 2) if rank == 0 else (1, 3, 7):
-            ledger.consume(slot)
-        merged = ledger.gathered()
+        # Step 1: 0, 2, 4, 6 here, 1, 3, 7 there (5 in flight). Step 2: twins of a regenerated
+        # slot: 8 on both ranks (rank 0 keeps it), and 3 again on rank 1, trained at step 1.
+        first = ledger.consume_across_ranks([0, 2, 4, 6] if rank == 0 else [1, 3, 7])
+        second = ledger.consume_across_ranks([8, 9, None] if rank == 0 else [3, 8, 10])
         train_state.save(path, model, optimizer, {"step": 1} if rank == 0 else None)
         fresh, _, fresh_opt = _trainer_model()
         train_state.load(path, fresh, fresh_opt)
         _step(model, optimizer)
         _step(fresh, fresh_opt)
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
-        return f"{merged.frontier} {sorted(merged.done)} {same}"
+        return f"{all(first)} {second} {ledger.frontier} {sorted(ledger.done)} {same}"
     finally:
         dist.destroy_process_group()
 
@@ -193,8 +190,10 @@ def _two_trainer_ranks(store, rank: int, world_size: int, path: str) -> str:
 def test_two_trainer_ranks_save_and_load_collectively(tmp_path):
     store = loopback_store(timeout_s=60)
     results = run_roles(_two_trainer_ranks, 2, store.port, 120, str(tmp_path / "train_state"))
-    # Slots 0, 2, 4, 6 and 1, 3, 7: all up to 4, then 6 and 7 (5 was in flight).
-    assert results == [(0, "5 [6, 7] True"), (1, "5 [6, 7] True")]
+    # Every slot trained once, whichever rank its copies reached; the same ledger on both
+    # ranks: all up to 4, then 6 to 10 (5 was in flight).
+    assert results == [(0, "True [True, True, True] 5 [6, 7, 8, 9, 10] True"),
+                       (1, "True [False, False, True] 5 [6, 7, 8, 9, 10] True")]
     assert json.loads((tmp_path / "train_state" / train_state.STATE_FILE).read_text())["step"] == 1
 
 
