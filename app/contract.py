@@ -306,6 +306,16 @@ class Rejections:
                 f"outside the app or from a role with another secret; the store's port must be "
                 f"reachable only by the app's roles (README, Security)")
 
+    def counted(self, reason: str, detail: str) -> None:
+        """A message dropped for ``reason`` that is valid app traffic as often as not (a
+        group too old to train): counted and logged once like a rejection, but not part of
+        a flood's run (it came from a role, signed)."""
+        self.counts[reason] += 1
+        if (reason, "") not in self._logged:
+            self._logged.add((reason, ""))
+            log.warning("%s: dropped a message (%s): %s; further ones like it are only counted",
+                        self.where, reason, detail)
+
     def accepted(self, n: int = 1) -> None:
         """``n`` valid messages arrived: the run of rejections is over."""
         if n:

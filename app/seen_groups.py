@@ -40,9 +40,10 @@ before it is remembered (``tests/test_seen_groups.py``).
 policy version the trainer has not published yet (a generator only has weights the
 trainer sent, so ``version > trainer version`` never comes from the app; trained, it
 would have a negative staleness). A group too *old* is not refused here: only the app's
-roles can sign a frame, so an old version is ordinary staleness (or a replay, refused
-above); the trainer's staleness filter drops it, counts it (``dropped_stale``) and frees
-its slot, as before.
+roles can sign a frame, so an old version is usually ordinary staleness (or a replay,
+refused above); the trainer's staleness filter drops it, frees its slot and counts it
+(``dropped_stale``, and ``TOO_OLD`` under ``security/rejected_frames/``, outside the
+flood count).
 
 Pure: no store, no torch.
 """
@@ -52,11 +53,11 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Hashable
 
-__all__ = ["FUTURE_VERSION", "INCARNATION_SHIFT", "REPLAY", "SEEN_WINDOW", "Admission", "SeenIds",
+__all__ = ["FUTURE_VERSION", "TOO_OLD", "INCARNATION_SHIFT", "REPLAY", "SEEN_WINDOW", "Admission", "SeenIds",
            "first_seq", "incarnation_of", "taken_by_other_ranks"]
 
 # Why a valid group was refused (counted under ``names.REJECTED_PREFIX`` with the others).
-REPLAY, FUTURE_VERSION = "replay", "future_version"
+REPLAY, FUTURE_VERSION, TOO_OLD = "replay", "future_version", "too_old"
 
 INCARNATION_SHIFT = 32
 """A generator process numbers its groups from ``(incarnation - 1) << 32``: 4 billion

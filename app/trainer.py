@@ -52,7 +52,7 @@ from app.config import GeneratorConfig, TrainerConfig
 from app.contract import Rejections, RolloutGroup
 from app.policy import load_policy, load_tokenizer
 from app.rewards import build_reward, parse_spec
-from app.seen_groups import REPLAY, SeenIds, taken_by_other_ranks
+from app.seen_groups import REPLAY, TOO_OLD, SeenIds, taken_by_other_ranks
 from app.sampling.precision import check_precision
 from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class
 from app.weight_plane import elastic_sender
@@ -312,7 +312,11 @@ class Trainer:
 
     def _on_drop(self, group: RolloutGroup, lag: int) -> None:
         """A group too stale to train: settled with the next batch (``_settle``), where
-        every rank learns of its slot."""
+        every rank learns of its slot. Counted under ``security/rejected_frames/too_old``
+        too (the Security tab shows every version outside the trainable window), though
+        with asynchronous generators it is usually ordinary staleness, not an attack."""
+        self.rejections.counted(TOO_OLD, f"group {tuple(group.group_id)} of policy version {group.version} "
+                                         f"is {lag} versions behind, over max_staleness {self.cfg.max_staleness}")
         self._stale.append((group, lag))
 
     def _free_slots(self, n: int) -> None:

@@ -227,8 +227,8 @@ def security_tab(run: data.Run) -> None:
     st.caption("Frames dropped on receipt by reason (security/rejected_frames/: bad tag, malformed, "
                "replay, version from the future, a signed message that breaks its format) and "
                "anything else refused for security (security/...): each is counted and the run "
-               "goes on. Rollouts too old for max_staleness are ordinary staleness "
-               f"({names.DROPPED_STALE}, Queues tab).")
+               "goes on. too_old (a version below trainer version - max_staleness) is "
+               f"usually ordinary staleness: the same groups are {names.DROPPED_STALE} in the Queues tab.")
     if counts.empty:
         st.success("Nothing refused: no bad frame, replay or altered weight version was seen.")
         return

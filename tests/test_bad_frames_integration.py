@@ -115,13 +115,13 @@ def test_bad_frames_on_every_queue_are_dropped_and_counted_and_the_run_finishes(
         assert counts(db, "trainer") == {names.rejected_metric("malformed_frame"): 2.0,
                                          names.rejected_metric("bad_tag"): 2.0,
                                          names.rejected_metric("replay"): 2.0,  # a group, a metrics batch
-                                         **rejected("wrong_type", "future_version")}
+                                         **rejected("wrong_type", "future_version", "too_old")}
         assert counts(db, "generator") == {names.weight_digest_metric("mismatch"): 1.0}
         # Every step trained its own groups once: the replays and the forged groups never.
         used = rows(db, "SELECT step, version, staleness FROM staleness WHERE used = 1")
         assert len(used) == STEPS * PROMPTS_PER_STEP * GROUP_SIZE
         assert all(lag == 0 and version == step - 1 for step, version, lag in used)
-        # The too-old group is ordinary staleness: dropped, counted, its rows unused.
+        # The too-old group: dropped, counted (too_old above, and as staleness), its rows unused.
         assert rows(db, "SELECT COUNT(*), MIN(version) FROM staleness WHERE used = 0") == [(GROUP_SIZE, 0)]
         assert rows(db, f"SELECT MAX(value) FROM scalars WHERE name = '{names.DROPPED_STALE}'") == [(1.0,)]
         # Generator 1 refused version 2 (and went on with version 1); its log says so once.

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from app.contract import FrameFlood, GroupId, Rejections, Rollout, RolloutGroup, to_message
-from app.seen_groups import (FUTURE_VERSION, INCARNATION_SHIFT, REPLAY, Admission, SeenIds, first_seq,
+from app.seen_groups import (FUTURE_VERSION, INCARNATION_SHIFT, REPLAY, TOO_OLD, Admission, SeenIds, first_seq,
                               taken_by_other_ranks)
 
 
@@ -104,6 +104,18 @@ def test_a_flood_of_rejections_in_a_row_is_an_error_naming_it():
         rejections("bad_tag", "queue 'rollouts': bad tag")
     with pytest.raises(FrameFlood, match=r"reward/0: 5 messages rejected in a row .*'bad_tag': 8, 'malformed_frame': 1"):
         rejections("malformed_frame", "queue 'rollouts': garbage")
+
+
+def test_too_old_groups_are_counted_but_are_no_flood(caplog):
+    rejections = Rejections("trainer/0", flood_frames=3)
+    for _ in range(10):  # a stream of stale groups: the run is slow, not attacked
+        rejections.counted(TOO_OLD, "group (0, 1) of policy version 0 is 3 versions behind")
+    assert rejections.metrics() == {"security/rejected_frames/too_old": 10.0}
+    assert caplog.text.count("dropped a message (too_old)") == 1
+    rejections("bad_tag", "bad tag")
+    rejections("bad_tag", "bad tag")
+    with pytest.raises(FrameFlood):  # the streak of real rejections is its own
+        rejections("bad_tag", "bad tag")
 
 
 def test_replays_of_one_valid_frame_are_a_flood_too():
