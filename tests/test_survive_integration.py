@@ -19,6 +19,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = 60  # the kill (after step 4) always lands long before the last step
 
 
+def assert_every_slot_trained_once(db, steps: int) -> None:
+    """Steps 1..``steps`` trained a full batch each, none twice, with one exception: a
+    group the dead executor passed on just before it died and its regenerated twin. The
+    second to arrive is dropped and counted (``faults/duplicate_groups``); when it was in
+    a batch, that step trains one group fewer (its slot is filled again later)."""
+    trained = rows(db, f"SELECT COUNT(*) FROM staleness WHERE used = 1 AND step <= {steps}")[0][0]
+    duplicates = rows(db, f"SELECT MAX(value) FROM scalars WHERE name = '{names.FAULTS_DUPLICATE_GROUPS}' "
+                          f"AND step <= {steps}")[0][0] or 0
+    expected = steps * PROMPTS_PER_STEP * GROUP_SIZE
+    assert expected - int(duplicates) * GROUP_SIZE <= trained <= expected, (trained, expected, duplicates)
+
+
 def test_a_killed_generator_is_survived_and_its_groups_regenerated(tiny_policy, tmp_path):
     with launch(tiny_policy, tmp_path, steps=STEPS, num_generators=2,
                 extra=[*SMALL, "--eval-every", "1000"]) as app:
@@ -35,8 +47,7 @@ def test_a_killed_generator_is_survived_and_its_groups_regenerated(tiny_policy, 
         db = app.db()
         steps = [s for (s,) in rows(db, f"SELECT step FROM scalars WHERE name = '{names.TRAIN_VERSION}' ORDER BY t")]
         assert steps == list(range(1, STEPS + 1))  # every step, once
-        trained = rows(db, "SELECT COUNT(*) FROM staleness WHERE used = 1")[0][0]
-        assert trained == STEPS * PROMPTS_PER_STEP * GROUP_SIZE  # none lost, none twice
+        assert_every_slot_trained_once(db, STEPS)
         last = dict(rows(db, f"SELECT name, value FROM scalars WHERE step = {STEPS} AND name IN "
                              f"('{names.FAULTS_LOST_GROUPS}', '{names.members_metric('generator')}', "
                              f"'{names.WEIGHT_REGROUPS}')"))
@@ -61,8 +72,7 @@ def test_a_killed_reward_executor_is_survived(tiny_policy, tmp_path):
         db = app.db()
         steps = [s for (s,) in rows(db, f"SELECT step FROM scalars WHERE name = '{names.TRAIN_VERSION}' ORDER BY t")]
         assert steps == list(range(1, len(steps) + 1)) and len(steps) >= taken_out_at + 10
-        trained = rows(db, f"SELECT COUNT(*) FROM staleness WHERE used = 1 AND step <= {len(steps)}")[0][0]
-        assert trained == len(steps) * PROMPTS_PER_STEP * GROUP_SIZE
+        assert_every_slot_trained_once(db, len(steps))
         alive = rows(db, f"SELECT value FROM scalars WHERE step = {len(steps)} AND name = "
                          f"'{names.members_metric('reward')}'")
         assert alive == [(1.0,)]
