@@ -69,12 +69,14 @@ class SlotBudget:
         self._highest = 0  # the highest count seen or reserved here
 
     def dropped(self) -> int:
-        """Groups every trainer rank dropped so far: their slots may be filled again."""
+        """Slots every trainer rank gave back so far, net: stale groups dropped (+1 each:
+        their places may be filled again) less batch places taken by second copies of
+        trained slots (-1 each: those places were used). Can be negative."""
         total = 0
         for m in self.control.members():
             if m.startswith("trainer/"):
                 n = self.signed.get(names.dropped_key(m), writers=(m,), default=0)
-                total += n if isinstance(n, int) and n >= 0 else 0
+                total += n if isinstance(n, int) and not isinstance(n, bool) else 0
         return total
 
     def slot_ids(self, reserved: range) -> list[int]:

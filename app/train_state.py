@@ -142,6 +142,20 @@ class SlotLedger:
         return cls(frontier, set(done))
 
 
+def slots_taken_back(stale_first: list[bool], batch_first: list[bool]) -> int:
+    """How many places the generators' staleness budget loses at one step's settling
+    (``SlotLedger.consume_across_ranks`` flags: whether each group was its slot's first).
+    Every group the trainer drops as stale gave its place back at once (the generators
+    may need it to fill the batch the trainer waits for), but only a slot's first copy
+    holds a place in the counter. A second copy (a lost executor's group that got out,
+    and its regeneration) holds none: dropped as stale, the place it gave back is taken
+    back; in a batch, it used a place there, and the step trains one counted slot fewer.
+    Either way one place is taken back, or one group too many stays in flight, turns
+    stale again and again and is regenerated for the rest of the run. (Groups that
+    filled no slot are not passed in.)"""
+    return sum(not first for first in stale_first) + sum(not first for first in batch_first)
+
+
 # --------------------------------------------------------------------------- model identity
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:

@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -89,7 +90,8 @@ class Trainer:
         self._stale: list[tuple[RolloutGroup, int]] = []  # dropped as stale, not yet settled
         self.start_step = 0  # the checkpoint's step after a resume
         self.duplicates = 0  # groups for a slot already consumed: dropped
-        self.freed_slots = 0  # this rank's groups dropped (stale or duplicate): refillable slots
+        self.freed_slots = 0  # slots this rank gave back, net (``_free_slots``)
+        self._freed_lock = threading.Lock()
         self.membership: membership.Membership | None = None  # replica 0
 
     # --- setup ---------------------------------------------------------------------------
@@ -275,27 +277,30 @@ class Trainer:
         may be filled again, so the bound stays whole."""
         stale, self._stale = self._stale, []
         fresh = self.ledger.consume_across_ranks([g.slot for g, _ in stale] + [g.slot for g in groups])
-        for (group, lag), first in zip(stale, fresh):
+        stale_fresh, batch_fresh = fresh[:len(stale)], fresh[len(stale):]
+        for (group, lag), first in zip(stale, stale_fresh):
             if not first:
                 self._duplicate(group)
                 continue
             self.dropped += 1
-            if group.slot is not None:  # a group that filled no slot frees none
-                self._free_slots(1)  # generators may fill the slot again
             self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
         kept = []
-        for group, first in zip(groups, fresh[len(stale):]):
+        for group, first in zip(groups, batch_fresh):
             if first:
                 kept.append(group)
             else:
                 self._duplicate(group)
+        # The generators' budget (train_state.slots_taken_back); a group that filled no
+        # slot holds no place in it.
+        self._free_slots(-train_state.slots_taken_back(
+            [f for (g, _), f in zip(stale, stale_fresh) if g.slot is not None],
+            [f for g, f in zip(groups, batch_fresh) if g.slot is not None]))
         return kept
 
     def _duplicate(self, group: RolloutGroup) -> None:
         log.warning("group %s fills slot %d, already consumed: dropped (a lost executor's group and its "
                     "regenerated twin)", group.group_id, group.slot)
         self.duplicates += 1
-        self._free_slots(1)
 
     def _without_replays_across_ranks(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
         """Several trainer ranks: a group another rank trained, or has in this step's batch
@@ -307,23 +312,34 @@ class Trainer:
         refused = taken_by_other_ranks(batches, self.rank, self.trained_elsewhere)
         for gid in refused:
             self.rejections(REPLAY, f"group {gid} was also taken by another trainer rank")
-            self._free_slots(1)
+            self._free_slots(-1)  # a place in this rank's batch, and no counted slot: as a duplicate's
         return [g for g in groups if (g.group_id.generator, g.group_id.seq) not in refused]
 
     def _on_drop(self, group: RolloutGroup, lag: int) -> None:
         """A group too stale to train: settled with the next batch (``_settle``), where
-        every rank learns of its slot. Counted under ``security/rejected_frames/too_old``
+        every rank learns of its slot; its place in the generators' budget is given back
+        now (with max_staleness 0 they may need it to fill the batch the trainer waits
+        for; taken back at the settling if it was a second copy). Counted under
+        ``security/rejected_frames/too_old``
         too (the Security tab shows every version outside the trainable window), though
         with asynchronous generators it is usually ordinary staleness, not an attack."""
         self.rejections.counted(TOO_OLD, f"group {tuple(group.group_id)} of policy version {group.version} "
                                          f"is {lag} versions behind, over max_staleness {self.cfg.max_staleness}")
         self._stale.append((group, lag))
+        if group.slot is not None:  # a group that filled no slot holds no place
+            self._free_slots(1)
 
     def _free_slots(self, n: int) -> None:
-        """This rank's count of dropped groups, a signed record the generators add up:
-        that many slots may be filled again."""
-        self.freed_slots += n
-        self.rt.signed.put(names.dropped_key(names.member("trainer", self.rank)), self.freed_slots)
+        """This rank's net count of slots given back, a signed record the generators add
+        to their bound (``generator.SlotBudget``): +1 for a counted group dropped untrained
+        (stale), -1 for each second copy of a slot (a duplicate, a replay another rank
+        trained; ``train_state.slots_taken_back``). May go below zero. Called from the
+        rollout pipeline's thread (stale drops) and the training loop."""
+        if not n:
+            return
+        with self._freed_lock:
+            self.freed_slots += n
+            self.rt.signed.put(names.dropped_key(names.member("trainer", self.rank)), self.freed_slots)
 
     def _sync(self) -> None:
         """Every rank: its shard of the current version to every generator; its bytes and

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from app import names
+from app import names, train_state
 from app.generator import SlotBudget, batch_seed
 from app.train_state import SlotLedger
 from app.transport import connect_store, host_store
@@ -66,6 +66,57 @@ def test_dropped_groups_are_handed_out_again(store):
     drop(store, 3)  # the trainer dropped three stale groups
     assert budget.reserve(100, version=0) == range(4, 7)
     assert budget.reserve(100, version=0) == range(0)
+
+
+def test_batch_places_taken_by_second_copies_are_taken_back(store):
+    """A step's batch held the regenerated twin of a slot already trained: that place
+    was used without a counted slot, so the trainer's net count goes below zero and the
+    generators fill one place fewer (else one group too many stays in flight)."""
+    budget = SlotBudget(generator(store), groups_per_step=B, max_staleness=0)
+    assert budget.reserve(100, version=0) == range(0, 4)
+    drop(store, -1)
+    assert budget.reserve(100, version=1) == range(4, 7)  # (1 + 1) * 4 - 1
+    drop(store, 0)  # then a stale group given back
+    assert budget.reserve(100, version=1) == range(7, 8)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_a_twin_in_a_batch_leaves_no_group_too_many_in_flight(store, max_staleness):
+    """The loop of one fast generator and the trainer, with the real budget and ledger
+    and the trainer's arithmetic: a stale group gives its place back when dropped, the
+    settling takes back one place per second copy (``slots_taken_back``). At step 5 the
+    twin of a trained slot (a lost executor's group that got out, and its regeneration)
+    takes a place in a batch. The trainer never waits for a group the budget forbids, and
+    after the step that follows no group is ever too stale again. (Were the twin's place
+    given back instead, one group too many would stay in flight and a group would turn
+    stale every step or two for the rest of the run.)"""
+    budget = SlotBudget(generator(store), groups_per_step=B, max_staleness=max_staleness)
+    ledger, fifo, version, net, stale_after, trained = SlotLedger(), [], 0, 0, [], 0
+    for step in range(1, 31):
+        fifo += [(slot, version) for slot in budget.reserve(100, version)]
+        if step == 5:
+            fifo.insert(0, (0, version))  # slot 0 trained at step 1: the twin
+        stale, batch = [], []
+        while len(batch) < B:
+            if not fifo:  # the generator fills what the stale drops gave back
+                fifo += [(slot, version) for slot in budget.reserve(100, version)]
+            assert fifo, f"step {step}: the trainer waits for a group the budget forbids"
+            slot, made_with = fifo.pop(0)
+            if version - made_with > max_staleness:
+                stale.append(slot)
+                net += 1  # given back at once
+                drop(store, net)
+            else:
+                batch.append(slot)
+        first = ledger.consume_across_ranks(stale + batch)
+        net -= train_state.slots_taken_back(first[:len(stale)], first[len(stale):])
+        drop(store, net)
+        trained += sum(first[len(stale):])
+        if step > 6:
+            stale_after += stale
+        version += 1
+    assert stale_after == []
+    assert trained == 30 * B - 1  # the twin used one place
 
 
 def test_random_reservations_never_exceed_the_bound(store):
