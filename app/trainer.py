@@ -273,8 +273,9 @@ class Trainer:
         then the batch's groups, decided alike on every trainer rank
         (``SlotLedger.consume_across_ranks``); the groups to train. A group for a slot
         already consumed, on any rank, is dropped and counted: an executor lost just after
-        it passed the group on, which was then regenerated (``app.membership``); its slot
-        may be filled again, so the bound stays whole."""
+        it passed the group on, which was then regenerated (``app.membership``); it held
+        no place in the generators' budget, so the one it used is taken back
+        (``train_state.slots_taken_back``)."""
         stale, self._stale = self._stale, []
         fresh = self.ledger.consume_across_ranks([g.slot for g, _ in stale] + [g.slot for g in groups])
         stale_fresh, batch_fresh = fresh[:len(stale)], fresh[len(stale):]
