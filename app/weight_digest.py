@@ -24,16 +24,32 @@ Cryptographic on purpose: a checksum (a sum, a CRC) is easy to keep while changi
 weights, and the attacker here chooses the bytes.
 
 Overlapped with the send (``ShardDigest.start``): a trainer rank hashes its shard on a
-thread while the shard is on the wire and publishes the record when both are done; a
-generator hashes what it received first and then waits for the records (at most
-``DigestCheck.wait_s``). Its cost is measured in ``benchmarks/security.py``; it is
-optional (``--no-weight-digest``) because at ~100M parameters on a CPU host hashing is
-slower than the sync itself.
+thread while the shard is on the wire and publishes the record when both are done.
+
+Overlapped with the receive, on a generator (``DigestCheck.start``, ``Arriving``): the
+receiver feeds each broadcast's bytes, as it lands, to a ``Digest`` per trainer rank,
+which cuts them into chunks as ``digest()`` does and hands each full chunk to the
+threads at once; when the last broadcast lands only the last chunks are left to hash,
+then the records are read (waiting at most ``DigestCheck.wait_s``). Why this shape:
+the bytes of a broadcast are final once it completes (a later one never writes them),
+so nothing is copied to hash them early; the receiver takes each trainer rank's
+broadcasts in that rank's order (``digest()``'s order: run by run, bucket by bucket),
+whichever rank's next is in first, so the value is the same function of the bytes (no
+second definition: ``digest()`` itself is a ``Digest`` fed whole runs);
+hashing each broadcast as it lands rather than the whole version after it turns the
+generator's hash (~3x a bare sharded sync at 100M parameters on 2 cores, almost all
+after the receive) into work done while the rest is on the wire, which is where a host
+with cores to spare, or a GPU generator whose receive (NCCL) leaves the host idle,
+gains it. ``DigestCheck(overlap=False)`` hashes after the receive as before, for
+``benchmarks/weight_sync.py --digest`` and ``benchmarks/security.py`` to compare. The
+costs are measured there; the digest is optional (``--no-weight-digest``) because at
+~100M parameters on a CPU host hashing costs about as much as the sync itself.
 
 ``LLAMARL_TEST_CORRUPT_WEIGHTS`` is a test hook: a comma-separated list of
-``<generator replica>:<version>[:<trainer rank>]``; that generator flips the first byte
-received of that version from that trainer rank (0 when not given) before checking it,
-as an attacker on the weight plane would.
+``<generator replica>:<version>[:<trainer rank>]``; that generator flips the bits of the
+first value received of that version from that trainer rank (0 when not given) as it
+lands, before it is hashed (a flip after would go unseen: its chunk may be hashed
+already), as an attacker on the weight plane would.
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,7 +73,7 @@ from app.weight_shards import local_parts
 
 log = logging.getLogger("llamarl")
 
-__all__ = ["CHUNK_BYTES", "DigestCheck", "Pending", "ShardDigest", "TEST_CORRUPT_ENV", "digest", "run_pieces"]
+__all__ = ["CHUNK_BYTES", "Arriving", "Digest", "DigestCheck", "Pending", "ShardDigest", "TEST_CORRUPT_ENV", "digest", "run_pieces"]
 
 CHUNK_BYTES = 16 << 20
 """Bytes hashed per task: large enough that a thread's start is noise, small enough that
@@ -79,13 +96,15 @@ Run = torch.Tensor | Sequence[torch.Tensor]
 
 _pool: ThreadPoolExecutor | None = None
 _overlap: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()  # a receiver thread and a trainer's hashing thread may both ask first
 
 
 def _threads() -> ThreadPoolExecutor:
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="weight-digest")
-    return _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="weight-digest")
+        return _pool
 
 
 def _chunk_digest(pieces: list[torch.Tensor]) -> bytes:
@@ -96,38 +115,82 @@ def _chunk_digest(pieces: list[torch.Tensor]) -> bytes:
     return h.digest()
 
 
+class Digest:
+    """``digest()`` of one sender's runs, fed piece by piece in order: each full chunk goes
+    to the threads as soon as it is cut, so the hashing runs beside whatever produces the
+    next pieces (a generator's receive), and ``hexdigest`` has only the tail left.
+
+    ``dtypes``: the sender's runs' dtypes, in order (a run fed nothing is an empty run).
+    ``deferred``: keep the chunks and hash them all in ``hexdigest`` (a generator that
+    hashes after its receive, as before: benchmarks compare the two). A piece must not
+    change between ``update`` and ``hexdigest``: its chunks are read in place."""
+
+    def __init__(self, dtypes: Sequence[torch.dtype], *, deferred: bool = False) -> None:
+        self.dtypes, self.deferred = list(dtypes), deferred
+        self._chunk_bytes = CHUNK_BYTES
+        self._nbytes: list[int] = []  # per run begun
+        self._hashes: list[list[Future | list[torch.Tensor]]] = []  # per run begun: its chunks
+        self._chunk: list[torch.Tensor] = []
+        self._room = self._chunk_bytes
+
+    def update(self, run: int, piece: torch.Tensor) -> None:
+        """Feed ``piece``, the next bytes of run ``run`` (runs in order, never back)."""
+        if not max(0, len(self._hashes) - 1) <= run < len(self.dtypes):
+            raise ValueError(f"weight digest: run {run} fed after run {len(self._hashes) - 1} "
+                             f"(of {len(self.dtypes)} runs); runs go in order")
+        if piece.dtype != self.dtypes[run]:
+            raise ValueError(f"weight digest: a run's pieces must share one dtype, not "
+                             f"{self.dtypes[run]} and {piece.dtype}")
+        while len(self._hashes) <= run:
+            self._begin_run()
+        raw = piece.detach().reshape(-1).view(torch.uint8)
+        self._nbytes[-1] += raw.numel()
+        at = 0
+        while at < raw.numel():
+            take = min(self._room, raw.numel() - at)
+            self._chunk.append(raw[at:at + take])
+            at, self._room = at + take, self._room - take
+            if not self._room:
+                self._cut()
+
+    def _begin_run(self) -> None:
+        if self._chunk:  # a chunk never spans two runs
+            self._cut()
+        self._hashes.append([])
+        self._nbytes.append(0)
+
+    def _cut(self) -> None:
+        chunk, self._chunk, self._room = self._chunk, [], self._chunk_bytes
+        self._hashes[-1].append(chunk if self.deferred else _threads().submit(_chunk_digest, chunk))
+
+    def hexdigest(self) -> str:
+        """The digest of everything fed (runs never fed count as empty)."""
+        while len(self._hashes) < len(self.dtypes):
+            self._begin_run()
+        if self._chunk:
+            self._cut()
+        hashes = [[_threads().submit(_chunk_digest, c) if isinstance(c, list) else c for c in run]
+                  for run in self._hashes]
+        top = hashlib.sha256(f"llamarl weights v1, chunks of {self._chunk_bytes}\0".encode())
+        for dtype, nbytes, run in zip(self.dtypes, self._nbytes, hashes):
+            top.update(f"{dtype}:{nbytes}\0".encode())
+            top.update(b"".join(f.result() for f in run))
+        return top.hexdigest()
+
+
+def _pieces(run: Run) -> list[torch.Tensor]:
+    return [run] if isinstance(run, torch.Tensor) else list(run)
+
+
 def digest(runs: Sequence[Run]) -> str:
     """Hex digest of one sender's ``runs`` (in layout order, on any device); see the
     module docstring. The same bytes give the same digest however they are cut in pieces."""
-    chunks: list[list[torch.Tensor]] = []
-    heads = []
-    for run in runs:
-        pieces = [run] if isinstance(run, torch.Tensor) else list(run)
-        dtypes = {p.dtype for p in pieces}
-        if len(dtypes) != 1:
-            raise ValueError(f"weight digest: a run's pieces must share one dtype, not {sorted(map(str, dtypes))}")
-        heads.append((str(pieces[0].dtype), sum(p.numel() * p.element_size() for p in pieces), len(chunks)))
-        chunk: list[torch.Tensor] = []
-        room = CHUNK_BYTES
-        for piece in pieces:
-            raw = piece.detach().reshape(-1).view(torch.uint8)
-            at = 0
-            while at < raw.numel():
-                take = min(room, raw.numel() - at)
-                chunk.append(raw[at:at + take])
-                at, room = at + take, room - take
-                if not room:
-                    chunks.append(chunk)
-                    chunk, room = [], CHUNK_BYTES
-        if chunk:
-            chunks.append(chunk)
-    hashed = list(_threads().map(_chunk_digest, chunks))
-    top = hashlib.sha256(f"llamarl weights v1, chunks of {CHUNK_BYTES}\0".encode())
-    for k, (dtype, nbytes, first) in enumerate(heads):
-        last = heads[k + 1][2] if k + 1 < len(heads) else len(hashed)
-        top.update(f"{dtype}:{nbytes}\0".encode())
-        top.update(b"".join(hashed[first:last]))
-    return top.hexdigest()
+    pieces = [_pieces(run) for run in runs]
+    h = Digest([p[0].dtype for p in pieces])
+    for k, run in enumerate(pieces):
+        for piece in run:
+            h.update(k, piece)
+    return h.hexdigest()
 
 
 def run_pieces(params: Sequence[tuple[str, torch.Tensor]], layout: Layout) -> list[list[torch.Tensor]]:
@@ -212,32 +275,43 @@ def _corrupt(replica: int) -> dict[int, int]:
 class DigestCheck:
     """A generator's check of each received version against every trainer rank's signed
     record; counts refusals by reason (``refused``: the trainer ranks of the last one)
-    and logs the first of each reason."""
+    and logs the first of each reason.
+
+    ``start`` a version once its header is in, ``feed`` it what has landed, each sender's
+    pieces in order, and ask ``taken`` once the whole version is in (``WeightReceiver``
+    does). ``overlap``: hash each piece as it is fed (on the threads, beside the rest of
+    the receive); False hashes everything in ``taken``, after the receive (the path
+    before, kept for ``benchmarks/weight_sync.py --digest``)."""
 
     def __init__(self, signed: SignedStore, replica: int, *, wait_s: float = RECORD_WAIT_S,
-                 should_stop: Callable[[], bool] | None = None) -> None:
+                 should_stop: Callable[[], bool] | None = None, overlap: bool = True) -> None:
         self.signed, self.where = signed, names.member("generator", replica)
-        self.wait_s, self.should_stop = wait_s, should_stop
+        self.wait_s, self.should_stop, self.overlap = wait_s, should_stop, overlap
         self.counts: Counter[str] = Counter()
         self.refused: dict[int, str] = {}
         """The last refused version's trainer ranks whose shard failed, with the reason."""
         self._reported: dict[str, float] = {}  # what new_counts last returned
         self._corrupt = _corrupt(replica)
 
+    def start(self, version: int, dtypes: Sequence[Sequence[torch.dtype]]) -> Arriving:
+        """Check ``version``, whose runs from each trainer rank have ``dtypes[rank]``."""
+        return Arriving(self, version, dtypes)
+
     def __call__(self, version: int, senders: Sequence[Sequence[Run]]) -> bool:
-        """Whether ``senders`` (for each trainer rank, the runs just received from it for
-        ``version``) are the weights the trainer ranks sent."""
-        if version in self._corrupt:  # the test hook: one byte altered in flight
-            rank = self._corrupt.pop(version)
-            first = senders[rank][0]
-            piece = next(p for p in ([first] if isinstance(first, torch.Tensor) else first) if p.numel())
-            with torch.no_grad():
-                piece.view(-1)[:1].view(torch.uint8).bitwise_not_()
-        # Hashed first: the records are published as the trainer ranks finish their own hash.
-        mine = [digest(runs) for runs in senders]
+        """Whether ``senders`` (for each trainer rank, the runs received from it for
+        ``version``, all in) are the weights the trainer ranks sent."""
+        runs = [[_pieces(run) for run in sender] for sender in senders]
+        arriving = self.start(version, [[pieces[0].dtype for pieces in sender] for sender in runs])
+        for rank, sender in enumerate(runs):
+            for k, pieces in enumerate(sender):
+                arriving.feed(rank, k, pieces)
+        return arriving.taken()
+
+    def _judge(self, version: int, mine: Sequence[str]) -> bool:
+        """Whether ``mine`` (each trainer rank's digest of what arrived) match their records."""
         failed = {}
         for rank, hexdigest in enumerate(mine):
-            expected, reason = self._record(version, rank, len(senders))
+            expected, reason = self._record(version, rank, len(mine))
             if reason is None and hexdigest != expected:
                 reason = MISMATCH
             if reason is not None:
@@ -280,3 +354,29 @@ class DigestCheck:
             return {}
         self._reported = now
         return now
+
+
+class Arriving:
+    """One version as it arrives on a generator (``DigestCheck.start``): each trainer rank's
+    bytes hashed as they are fed, then checked against the records."""
+
+    def __init__(self, check: DigestCheck, version: int, dtypes: Sequence[Sequence[torch.dtype]]) -> None:
+        self.check, self.version = check, version
+        self.digests = [Digest(d, deferred=not check.overlap) for d in dtypes]
+        # The test hook: that rank's first byte altered as it lands, before it is hashed.
+        self._corrupt_rank = check._corrupt.pop(version, None)
+
+    def feed(self, rank: int, run: int, pieces: Sequence[torch.Tensor]) -> None:
+        """Trainer rank ``rank``'s next bytes of run ``run``, landed (read in place: they
+        must stay as they are until ``taken``)."""
+        for piece in pieces:
+            if rank == self._corrupt_rank and piece.numel():
+                with torch.no_grad():
+                    piece.view(-1)[:1].view(torch.uint8).bitwise_not_()
+                self._corrupt_rank = None
+            self.digests[rank].update(run, piece)
+
+    def taken(self) -> bool:
+        """Once every byte is fed: whether every rank's digest matches its signed record
+        (hashed first: the records are published as the trainer ranks finish their own hash)."""
+        return self.check._judge(self.version, [d.hexdigest() for d in self.digests])

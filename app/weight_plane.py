@@ -56,6 +56,7 @@ from app.signed import CONTROLLER, SignedStore
 from app.transport import Backoff, Stopped
 from app.weight_sync import (
     SyncStats,
+    Verifier,
     WeightGroup,
     WeightLayoutError,
     WeightReceiver,
@@ -412,7 +413,7 @@ class ElasticReceiver:
 
     def __init__(self, signed: SignedStore, replica: int, params: Sequence[tuple[str, torch.Tensor]], *,
                  timeout_s: float, join_timeout_s: float = JOIN_TIMEOUT_S,
-                 verify: Callable[[int, list[list[list[torch.Tensor]]]], bool] | None = None) -> None:
+                 verify: Verifier | None = None) -> None:
         # Its own connection: the epoch polls never queue behind the generator's other calls.
         self.signed, self.plane, self.replica = signed, _plane_store(signed.clone()), replica
         self.params, self.timeout_s = list(params), timeout_s

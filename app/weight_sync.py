@@ -48,8 +48,9 @@ import datetime
 import json
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,7 @@ from app.transport import Backoff, Stopped
 from app.weight_layout import (  # flatten_parameters_: part of this plane's API
     DEFAULT_BUCKET_MB,
     Layout,
+    Span,
     first_difference,
     flatten_parameters_,
     pack,
@@ -67,8 +69,9 @@ from app.weight_layout import (  # flatten_parameters_: part of this plane's API
 )
 from app.weight_shards import SHARD_ALONE_BYTES, Landing, Shards, check_tiling, local_parts, meta_params
 
-__all__ = ["DEFAULT_BUCKET_MB", "SyncStats", "WeightGroup", "WeightLayoutError", "WeightReceiver",
-           "WeightSender", "WeightSyncError", "flatten_parameters_", "init_weight_group"]
+__all__ = ["DEFAULT_BUCKET_MB", "SyncStats", "Verification", "Verifier", "WeightGroup", "WeightLayoutError",
+           "WeightReceiver", "WeightSender", "WeightSyncError", "flatten_parameters_", "init_weight_group",
+           "wait_first"]
 
 
 _HEADER_LEN = 3  # version, layout fingerprint, bitmask of the runs sent whole
@@ -88,6 +91,24 @@ class WeightSyncError(RuntimeError):
 
 class WeightLayoutError(WeightSyncError):
     """Trainer and generator disagree on the parameters (names, shapes, dtypes, buckets)."""
+
+
+class Verification(Protocol):
+    """One version being checked as it lands on a generator (``Verifier.start``)."""
+
+    def feed(self, sender: int, run: int, pieces: list[torch.Tensor]) -> None:
+        """Trainer rank ``sender``'s next bytes of run ``run``, landed in staging (views,
+        in the sender's order; they stay as they are until ``taken``)."""
+
+    def taken(self) -> bool:
+        """Once every byte is fed: whether to take the version."""
+
+
+class Verifier(Protocol):
+    """What a generator asks about each version it receives (``app.weight_digest.DigestCheck``)."""
+
+    def start(self, version: int, dtypes: list[list[torch.dtype]]) -> Verification:
+        """Check ``version``, whose runs from trainer rank ``r`` have ``dtypes[r]``."""
 
 
 @dataclass
@@ -159,20 +180,39 @@ class WeightGroup:
         if self.abandoned is None:
             work.wait(datetime.timedelta(seconds=self.timeout_s))
             return
-        deadline = time.monotonic() + self.timeout_s
-        backoff = Backoff(first_s=0.0001, max_s=0.005)
-        while not work.is_completed():
-            if self.abandoned.is_set():
-                raise WeightSyncError("this weight group was given up for a newer one")
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"a collective of the weight group timed out after {self.timeout_s:g} s")
-            time.sleep(backoff.next())
+        _first_done([(self, work)])
         work.wait()  # raises the collective's own error, if it failed
 
     def synchronize(self) -> None:
         """Wait for the device: NCCL's ``wait`` only orders the current stream after it."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _first_done(works: Sequence[tuple[WeightGroup, dist.Work]]) -> int:
+    """The index of the first of ``works`` that is completed (or failed), polled: within
+    the longest of their groups' timeouts, ``WeightSyncError`` as soon as one of their
+    groups is abandoned."""
+    deadline = time.monotonic() + max(g.timeout_s for g, _ in works)
+    backoff = Backoff(first_s=0.0001, max_s=0.005)
+    while True:
+        for i, (g, work) in enumerate(works):
+            if work.is_completed():
+                return i
+            if g.abandoned is not None and g.abandoned.is_set():
+                raise WeightSyncError("this weight group was given up for a newer one")
+        if time.monotonic() > deadline:
+            raise WeightSyncError(f"a collective of the weight group timed out after "
+                                  f"{max(g.timeout_s for g, _ in works):g} s")
+        time.sleep(backoff.next())
+
+
+def wait_first(works: Sequence[tuple[WeightGroup, dist.Work]]) -> int:
+    """Wait for one of ``works`` (each with its group): the index of the first that is
+    done, its error raised if it failed (``WeightGroup.wait``'s deadline and abandonment)."""
+    i = 0 if len(works) == 1 else _first_done(works)
+    works[i][0].wait(works[i][1])
+    return i
 
 
 def _host_or_device(group: WeightGroup, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -413,6 +453,19 @@ class WeightSender:
 
 
 @dataclass
+class _Landed:
+    """One broadcast of a sync on a generator, and what follows once it is in."""
+
+    group: WeightGroup
+    work: dist.Work
+    run: int
+    span: Span
+    """The run or bucket of the sender's layout it carries."""
+    scatters: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """``(scratch view, staging view)``: its packed parts, copied into place once it is in."""
+
+
+@dataclass
 class _SenderPlan:
     """What a generator receives from one trainer rank, and where it puts it."""
 
@@ -439,39 +492,33 @@ class _SenderPlan:
                     size += bucket.numel
             self._scratch.append(_host_or_device(self.group, size, run.dtype))
 
-    def post(self, header: list[int], staging: list[torch.Tensor]):
-        """Start receiving one sync whose header is ``header``; the started works
-        ``(group, work)`` and the copies ``(scratch view, staging view)`` to make after them."""
+    def post(self, header: list[int], staging: list[torch.Tensor]) -> list[_Landed]:
+        """Start receiving one sync whose header is ``header``; its broadcasts, in order."""
         g, layout = self.group, self.layout
         version, fingerprint, whole = header
         if fingerprint != layout.fingerprint:
             raise WeightLayoutError(
                 f"weight sync of version {version}: trainer rank {self.shards.rank}'s layout "
                 f"(fingerprint {fingerprint}) differs from the one it announced ({layout.fingerprint})")
-        works, scatters = [], []
+        landed: list[_Landed] = []
         for k, (run, flat) in enumerate(zip(layout.runs, staging)):
             if whole >> k & 1:
                 if (at := self._run_at[k]) is None:
                     raise WeightLayoutError(f"weight sync of version {version}: trainer rank "
                                             f"{self.shards.rank} sent a run whole that does not land whole")
-                works.append((g, g.broadcast(flat[at:at + run.numel])))
+                landed.append(_Landed(g, g.broadcast(flat[at:at + run.numel]), k, run))
                 continue
             for b, bucket in enumerate(run.buckets):
                 if bucket.numel == 0:
                     continue
                 if (at := self._bucket_at[(k, b)]) is not None:  # lands where it belongs as it comes
-                    works.append((g, g.broadcast(flat[at:at + bucket.numel])))
+                    landed.append(_Landed(g, g.broadcast(flat[at:at + bucket.numel]), k, bucket))
                     continue
                 start = self._scratch_at[(k, b)]
                 scratch = self._scratch[k][start:start + bucket.numel]
-                works.append((g, g.broadcast(scratch)))
-                scatters += [(scratch[src:src + n], flat[dst:dst + n]) for src, dst, n in self.landing.pieces(bucket)]
-        return works, scatters
-
-    def received(self, staging: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """This trainer rank's runs, as they lie in ``staging`` after a receive (what it
-        hashed: ``app.weight_digest``)."""
-        return [self.landing.received(run, flat) for run, flat in zip(self.layout.runs, staging)]
+                landed.append(_Landed(g, g.broadcast(scratch), k, bucket, [
+                    (scratch[src:src + n], flat[dst:dst + n]) for src, dst, n in self.landing.pieces(bucket)]))
+        return landed
 
 
 class WeightReceiver:
@@ -489,15 +536,15 @@ class WeightReceiver:
     ``params`` must be laid out by ``flatten_parameters_`` (as the generator's model is),
     so applying a version is one copy per run. The buckets are the senders' (read in the
     layout handshake); ``bucket_mb`` only cuts this side's own layout document.
-    ``verify(version, senders)``, when given, is asked after each receive whether to take
-    it (``app.weight_digest.DigestCheck``; ``senders``: for each trainer rank, its runs as
-    received, each a list of views of staging); a version it refuses is never applied:
-    the model keeps the version it has.
+    ``verify`` (``app.weight_digest.DigestCheck``), when given, is told of each version as
+    its header lands, fed each broadcast's bytes (views of staging) as it lands, sender
+    by sender in order, and asked at the end whether to take it; a version it refuses is
+    never applied: the model keeps the version it has.
     """
 
     def __init__(self, groups: WeightGroup | Iterable[WeightGroup], params: Sequence[tuple[str, torch.Tensor]],
                  bucket_mb: float = DEFAULT_BUCKET_MB,
-                 verify: Callable[[int, list[list[list[torch.Tensor]]]], bool] | None = None) -> None:
+                 verify: Verifier | None = None) -> None:
         self.params = list(params)  # as given: a later .data rebinding is caught at a swap
         self.layout = Layout(self.params, int(bucket_mb * 2**20))
         self.groups: list[WeightGroup] = []
@@ -580,7 +627,7 @@ class WeightReceiver:
             time.sleep(backoff.next())
         return True
 
-    def _receive(self) -> SyncStats:
+    def _receive(self) -> tuple[SyncStats, Verification | None]:
         t0 = time.perf_counter()
         version: int | str = "?"
         g = self.group
@@ -593,18 +640,12 @@ class WeightReceiver:
             if len(versions) > 1:
                 raise WeightSyncError(f"weight sync: the trainer ranks sent versions {sorted(versions)} "
                                       "in one sync")
-            works, scatters = [], []
-            for plan, header in zip(self._senders, headers):
-                w, sc = plan.post(header.tolist(), self._staging)
-                works += w
-                scatters += sc
-            for group, work in works:
-                group.wait(work)
+            verification = None if self.verify is None else self.verify.start(
+                int(version), [[run.dtype for run in plan.layout.runs] for plan in self._senders])
+            self._land([plan.post(header.tolist(), self._staging) for plan, header in zip(self._senders, headers)],
+                       verification)
             for group in self.groups:
                 group.synchronize()
-            with torch.no_grad():
-                for src, dst in scatters:
-                    dst.copy_(src)
         except WeightLayoutError:
             raise
         except (dist.DistError, RuntimeError) as e:
@@ -615,7 +656,23 @@ class WeightReceiver:
         for group in self.groups:
             group.syncs += 1
             group.signed.forget(names.weight_sync_announce_key(group.syncs))  # read once
-        return SyncStats(version=int(version), bytes=self.layout.nbytes, seconds=time.perf_counter() - t0)
+        return SyncStats(version=int(version), bytes=self.layout.nbytes,
+                         seconds=time.perf_counter() - t0), verification
+
+    def _land(self, broadcasts: list[list[_Landed]], verification: Verification | None) -> None:
+        """Wait for every sender's ``broadcasts``, each sender's in order, taking whichever
+        sender's next is in first: its packed parts are copied into place and, with a
+        ``verification``, its bytes fed to it, so they are hashed while the rest arrives."""
+        queues = [deque(b) for b in broadcasts]
+        while live := [s for s, q in enumerate(queues) if q]:
+            s = live[wait_first([(queues[s][0].group, queues[s][0].work) for s in live])]
+            item = queues[s].popleft()
+            with torch.no_grad():
+                for src, dst in item.scatters:
+                    dst.copy_(src)
+            if verification is not None:
+                item.group.synchronize()  # on a GPU: landed before another thread reads them
+                verification.feed(s, item.run, self._senders[s].landing.received(item.span, self._staging[item.run]))
 
     def start_background(self, should_stop: Callable[[], bool] | None = None) -> None:
         """Receive every new version into staging on a daemon thread, as soon as it is sent."""
@@ -636,10 +693,9 @@ class WeightReceiver:
         try:
             while self._wait_announced(should_stop):
                 with self._lock:
-                    stats = self._receive()
+                    stats, verification = self._receive()
                     # Refused: staging holds bytes not to apply, whatever it held before.
-                    taken = self.verify is None or self.verify(
-                        stats.version, [plan.received(self._staging) for plan in self._senders])
+                    taken = verification is None or verification.taken()
                     self._staged_version = stats.version if taken else self._applied_version
                 with self._stats_lock:
                     self._stats.append(stats)

@@ -7,14 +7,16 @@ Messages, per rollout group (in this process): a group of ``--group-size`` compl
 check). The HMAC alone over the same frame is timed too, to show what signing costs.
 
 Weights, per sync (a trainer and one generator process, gloo on loopback, ~``--params``
-fp32 parameters shaped like a small Llama), three ways round-robin (``METHODS``), median
+fp32 parameters shaped like a small Llama), four ways round-robin (``METHODS``), median
 of ``--repeats`` rounds after a warm-up: a plain sync; the digest before the send (the
 trainer hashes and publishes its signed record, then sends: the path before the digest
 was overlapped); the digest beside the send (hashed on a thread while the weights are on
-the wire, published after the send: what every trainer rank does now). Each is timed as
-the trainer pays it (until its send and digest are done) and until the generator has the
-version staged (its check included: it hashes what it received, then reads the record).
-The trainer's hashing and the generator's check are also timed on their own.
+the wire, published after the send: what every trainer rank does), the generator
+hashing after its receive (the path before) or as each broadcast lands (now). Each is
+timed as the trainer pays it (until its send and digest are done) and until the
+generator has the version staged (its check included: it hashes what it received, then
+reads the record). The trainer's hashing and what is left of the generator's check once
+the last broadcast landed are also timed on their own.
 
     python benchmarks/security.py --json benchmarks/results/security.json [--params 100e6]
 """
@@ -111,10 +113,45 @@ def bench_messages(args: argparse.Namespace) -> dict:
 _wait = _Steps.wait_until  # weight_sync.py's poll with a deadline
 
 
-METHODS = ("plain", "digest_serial", "digest_overlap")
+METHODS = ("plain", "digest_serial", "digest_overlap", "digest_streamed")
 """Round-robin, one version each: no digest; hash then publish then send (the path before:
 what trainer replica 0 did); hash on a thread while the weights are on the wire, publish
-after the send (``ShardDigest.start``: what every trainer rank does now)."""
+after the send (``ShardDigest.start``: what every trainer rank does), the generator
+hashing after its receive (before) or as each broadcast lands (``DigestCheck``: now)."""
+OVERLAPPED = ("digest_overlap", "digest_streamed")  # the trainer hashes beside its send
+
+
+class _Verify:
+    """The generator's ``verify``: a plain version taken unchecked, the others checked as
+    their method says; the time the check takes after the receive is recorded."""
+
+    def __init__(self, signed: SignedStore, timed) -> None:
+        self.timed = timed
+        self.checks = {"after": weight_digest.DigestCheck(signed, 0, wait_s=600.0, overlap=False),
+                       "streamed": weight_digest.DigestCheck(signed, 0, wait_s=600.0)}
+
+    def start(self, version: int, dtypes: list) -> "_Timed":
+        method = METHODS[(version - 1) % len(METHODS)]
+        mode = "streamed" if method == "digest_streamed" else "after"
+        arriving = None if method == "plain" else self.checks[mode].start(version, dtypes)
+        return _Timed(arriving, lambda s: self.timed(f"generator_check_{mode}", s, version > len(METHODS)))
+
+
+class _Timed:
+    def __init__(self, arriving, record) -> None:
+        self.arriving, self.record = arriving, record
+
+    def feed(self, sender: int, run: int, pieces: list) -> None:
+        if self.arriving is not None:
+            self.arriving.feed(sender, run, pieces)
+
+    def taken(self) -> bool:
+        if self.arriving is None:
+            return True
+        t0 = time.perf_counter()
+        ok = self.arriving.taken()
+        self.record(time.perf_counter() - t0)
+        return ok
 
 
 def weight_role(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
@@ -142,35 +179,28 @@ def weight_role(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -
                 t0 = time.perf_counter()
                 if method == "digest_serial":
                     timed("trainer_digest", shard.now(version), r)
-                pending = shard.start(version) if method == "digest_overlap" else None
+                pending = shard.start(version) if method in OVERLAPPED else None
                 sender.send(version)
-                if pending is not None:
+                if method == "digest_overlap":
                     t1 = time.perf_counter()
                     timed("trainer_digest_overlapped", pending.publish(), r)
                     timed("trainer_digest_wait", time.perf_counter() - t1, r)
+                elif pending is not None:
+                    pending.publish()
                 timed(f"trainer_{method}", time.perf_counter() - t0, r)  # what a trainer step pays
                 _wait(lambda: store.check([f"bench/staged/{version}"]), f"version {version} staged")
                 timed(method, time.perf_counter() - t0, r)  # until the generator has it staged
         out.put((rank, {"times": times, "params": sum(p.numel() for _, p in params),
                         "bytes": sum(p.numel() * p.element_size() for _, p in params)}))
         return
-    check = weight_digest.DigestCheck(SignedStore(store, SECRET, "generator/0"), 0, wait_s=600.0)
-
-    def verify(version: int, senders: list) -> bool:
-        if METHODS[(version - 1) % len(METHODS)] == "plain":
-            return True
-        t0 = time.perf_counter()
-        ok = check(version, senders)
-        timed("generator_check", time.perf_counter() - t0, version > len(METHODS))
-        return ok
-
+    verify = _Verify(SignedStore(store, SECRET, "generator/0"), timed)
     receiver = WeightReceiver(group, params, verify=verify)
     receiver.start_background()
     for version in range(1, len(METHODS) * rounds + 1):
         _wait(lambda: receiver.latest_version() == version, f"version {version}")
         store.set(f"bench/staged/{version}", "1")
     receiver.stop_background()
-    out.put((rank, {"times": times, "refused": dict(check.counts)}))
+    out.put((rank, {"times": times, "refused": {k: dict(c.counts) for k, c in verify.checks.items() if c.counts}}))
 
 
 def bench_weights(args: argparse.Namespace) -> dict:
@@ -196,6 +226,8 @@ def bench_weights(args: argparse.Namespace) -> dict:
             "paired_ratio_serial_vs_plain": paired("digest_serial", "plain"),
             "paired_ratio_overlap_vs_plain": paired("digest_overlap", "plain"),
             "paired_ratio_overlap_vs_serial": paired("digest_overlap", "digest_serial"),
+            "paired_ratio_streamed_vs_plain": paired("digest_streamed", "plain"),
+            "paired_ratio_streamed_vs_overlap": paired("digest_streamed", "digest_overlap"),
             "trainer_paired_ratio_serial_vs_plain": paired("trainer_digest_serial", "trainer_plain"),
             "trainer_paired_ratio_overlap_vs_plain": paired("trainer_digest_overlap", "trainer_plain"),
             "trainer_paired_ratio_overlap_vs_serial": paired("trainer_digest_overlap", "trainer_digest_serial"),
@@ -235,10 +267,14 @@ def main() -> None:
           f"overlap/serial {w['trainer_paired_ratio_overlap_vs_serial']:.2f}")
     print(f"  paired ratios, until staged: serial/plain {w['paired_ratio_serial_vs_plain']:.2f}, "
           f"overlap/plain {w['paired_ratio_overlap_vs_plain']:.2f}, "
-          f"overlap/serial {w['paired_ratio_overlap_vs_serial']:.2f}")
+          f"overlap/serial {w['paired_ratio_overlap_vs_serial']:.2f}, "
+          f"streamed/plain {w['paired_ratio_streamed_vs_plain']:.2f}, "
+          f"streamed/overlap {w['paired_ratio_streamed_vs_overlap']:.2f}")
     print(f"  trainer hash + publish {s['trainer_digest']:.3f} s alone, {s['trainer_digest_overlapped']:.3f} s "
           f"beside the send ({s['trainer_digest_wait']:.3f} s waited after it)")
-    print(f"  generator check        {s['generator_check']:.3f} s")
+    print(f"  generator check after the last broadcast landed: {s['generator_check_after']:.3f} s hashing "
+          f"after the receive (overlap, serial), {s['generator_check_streamed']:.3f} s hashing as it lands "
+          f"(streamed)")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nwrote {args.json}")

@@ -22,16 +22,20 @@ holds the bytes (and every trainer rank is done):
   which every trainer rank sends its flat shard to each generator point to point (the
   bytes only, like ``raw``): what one group instead of a group per trainer rank costs.
 
-With ``--digest``, two more, the weight digest's cost (``app.weight_digest``) before and
-after it went per shard; the generators check every version of them (a refusal stops
-the benchmark):
+With ``--digest``, three more, the weight digest's cost (``app.weight_digest``) now and
+in the two designs before it; the generators check every version of them (a refusal
+stops the benchmark):
 
-- ``sharded_digest``: ``sharded`` with the digest as the trainer ranks make it now: each
-  hashes its own shard on a thread while it sends it, publishes its signed record after;
-  each generator hashes each rank's runs in its staging and checks them;
-- ``gather_digest``: the path before: the gather of ``gather`` on every sync (the digest
-  was of replica 0's whole copy), rank 0 hashes the whole model and publishes, then
-  sends; each generator hashes and checks the whole.
+- ``sharded_digest``: ``sharded`` with the digest as made now: each trainer rank hashes
+  its own shard on a thread while it sends it, publishes its signed record after; each
+  generator hashes each rank's bytes as each broadcast lands (``DigestCheck``, overlapped
+  with the receive), then checks them;
+- ``sharded_digest_after``: the same, but each generator hashes each rank's runs in its
+  staging after the whole version is in (``DigestCheck(overlap=False)``: the path before);
+- ``gather_digest``: the path before the digest went per shard: the gather of ``gather``
+  on every sync (the digest was of replica 0's whole copy), rank 0 hashes the whole
+  model and publishes, then sends; each generator hashes and checks the whole after
+  its receive.
 
 The first ``sharded`` round is checked: the generators' staging equals the trainer's
 full weights bit for bit.
@@ -55,11 +59,16 @@ from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, i
 from benchmarks.weight_sync import llama_like_params
 
 METHODS = ("sharded", "gather", "raw", "p2p")
-DIGEST_METHODS = ("sharded_digest", "gather_digest")
+DIGEST_METHODS = ("sharded_digest", "sharded_digest_after", "gather_digest")
 SECRET = bytes(range(32))
 DIGEST_VERSIONS = 1000
-"""The digest methods send version ``DIGEST_VERSIONS + round``: they reuse the receivers
-of ``sharded`` and ``gather``, which hold that round's version already."""
+"""Digest method ``k`` (of ``DIGEST_METHODS``) sends version ``DIGEST_VERSIONS * (k + 1) +
+round``: they reuse the receivers of ``sharded`` and ``gather``, which hold that round's
+version already."""
+
+
+def _digest_version(method: str, rep: int) -> int:
+    return DIGEST_VERSIONS * (DIGEST_METHODS.index(method) + 1) + rep
 TIMEOUT_S = 900.0
 
 
@@ -159,8 +168,10 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
     methods = {"sharded": send_shard, "gather": gather, "raw": lambda rep: group.wait(group.broadcast(raw)),
                "p2p": send_p2p}
     if args.digest:
-        methods.update(sharded_digest=lambda rep: send_shard_digest(DIGEST_VERSIONS + rep),
-                       gather_digest=lambda rep: gather(DIGEST_VERSIONS + rep, digest=True))
+        methods.update(sharded_digest=lambda rep: send_shard_digest(_digest_version("sharded_digest", rep)),
+                       sharded_digest_after=lambda rep: send_shard_digest(
+                           _digest_version("sharded_digest_after", rep)),
+                       gather_digest=lambda rep: gather(_digest_version("gather_digest", rep), digest=True))
     result: dict[str, list[float]] = {}
     for rep in range(-1, args.repeats):
         for name, fn in methods.items():
@@ -202,18 +213,23 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
     raw = torch.empty(sum(shard_bytes) // 4)
     raw_parts = list(raw.split([b // 4 for b in shard_bytes]))
 
-    check = DigestCheck(SignedStore(store, SECRET, f"generator/{replica}"), replica, wait_s=TIMEOUT_S)
+    me = SignedStore(store, SECRET, f"generator/{replica}")
+    # Hashing as each broadcast lands (now), and after the whole version is in (before).
+    checks = {"streamed": DigestCheck(me, replica, wait_s=TIMEOUT_S),
+              "after": DigestCheck(me, replica, wait_s=TIMEOUT_S, overlap=False)}
 
-    def receive_with(receiver: WeightReceiver, digest: bool = False):
+    def receive_with(receiver: WeightReceiver, method: str, check: str | None = None):
         def receive(rep: int) -> None:
-            version = DIGEST_VERSIONS + rep if digest else rep
+            version = rep if check is None else _digest_version(method, rep)
             # One receiver thread at a time: both would answer group 0's next sync.
-            receiver.verify = check if digest else None
+            receiver.verify = None if check is None else checks[check]
             receiver.start_background()
-            barrier._wait(lambda: receiver.latest_version() == version or bool(check.counts), f"version {version}")
+            refused = lambda: any(c.counts for c in checks.values())  # noqa: E731
+            barrier._wait(lambda: receiver.latest_version() == version or refused(), f"version {version}")
             receiver.stop_background()
-            if check.counts:
-                raise RuntimeError(f"benchmark: generator {replica} refused a version: {check.refused}")
+            if refused():
+                raise RuntimeError(f"benchmark: generator {replica} refused a version: "
+                                   f"{ {k: c.refused for k, c in checks.items()} }")
         return receive
 
     def receive_raw(rep: int) -> None:
@@ -226,11 +242,12 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
         for work in works:
             one_group.wait(work)
 
-    methods = {"sharded": receive_with(sharded), "gather": receive_with(gather), "raw": receive_raw,
-               "p2p": receive_p2p}
+    methods = {"sharded": receive_with(sharded, "sharded"), "gather": receive_with(gather, "gather"),
+               "raw": receive_raw, "p2p": receive_p2p}
     if args.digest:
-        methods.update(sharded_digest=receive_with(sharded, digest=True),
-                       gather_digest=receive_with(gather, digest=True))
+        methods.update(sharded_digest=receive_with(sharded, "sharded_digest", "streamed"),
+                       sharded_digest_after=receive_with(sharded, "sharded_digest_after", "after"),
+                       gather_digest=receive_with(gather, "gather_digest", "after"))
     checked = False
     for rep in range(-1, args.repeats):
         for name, fn in methods.items():
@@ -294,9 +311,12 @@ def run(ranks: int, args) -> dict:
             return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
         digest = {"sharded_digest_s": statistics.median(times["sharded_digest"]),
+                  "sharded_digest_after_s": statistics.median(times["sharded_digest_after"]),
                   "gather_digest_s": statistics.median(times["gather_digest"]),
+                  "paired_sharded_digest_vs_after": paired_to("sharded_digest", "sharded_digest_after"),
                   "paired_sharded_digest_vs_gather_digest": paired_to("sharded_digest", "gather_digest"),
                   "paired_sharded_digest_vs_sharded": paired_to("sharded_digest", "sharded"),
+                  "paired_sharded_digest_after_vs_sharded": paired_to("sharded_digest_after", "sharded"),
                   "paired_gather_digest_vs_gather": paired_to("gather_digest", "gather")}
     return {
         **digest,
@@ -320,7 +340,8 @@ def main(args: argparse.Namespace) -> dict:
         print(f"  {ranks} trainer rank(s): sharded {r['sharded_s']:.3f} s, gather {r['gather_s']:.3f} s, "
               f"raw {r['raw_s']:.3f} s, p2p {r['p2p_s']:.3f} s (load {load:.1f})", flush=True)
         if args.digest:
-            print(f"    with the digest: per shard, overlapped (now) {r['sharded_digest_s']:.3f} s, gathered "
-                  f"(before) {r['gather_digest_s']:.3f} s; paired now/before "
-                  f"{r['paired_sharded_digest_vs_gather_digest']:.2f}", flush=True)
+            print(f"    with the digest: per shard, hashed as it lands (now) {r['sharded_digest_s']:.3f} s, "
+                  f"hashed after the receive {r['sharded_digest_after_s']:.3f} s (paired now/after "
+                  f"{r['paired_sharded_digest_vs_after']:.2f}), gathered {r['gather_digest_s']:.3f} s "
+                  f"(paired now/gathered {r['paired_sharded_digest_vs_gather_digest']:.2f})", flush=True)
     return by_ranks

@@ -27,10 +27,14 @@ JSON then holds ``by_trainer_ranks["N"] = {sharded_s, gather_s, raw_s, ...}``:
 
     python benchmarks/weight_sync.py --trainer-ranks 1 2 4 --json benchmarks/results/weight_sync_sharded.json
 
-``--digest`` adds, per N, the sync with the weight digest per shard (now) and with the
-gather and whole-model digest it needed before (``sharded_digest_s``, ``gather_digest_s``):
+``--digest`` adds, per N, the sync with the weight digest per shard, the generators
+hashing each broadcast as it lands (now, ``sharded_digest_s``) and hashing after the
+whole version is in (before, ``sharded_digest_after_s``; the table's ``now/after`` is
+their paired ratio), and with the gather and whole-model digest it needed before that
+(``gather_digest_s``):
 
-    python benchmarks/weight_sync.py --trainer-ranks 1 2 --digest --json benchmarks/results/weight_digest_sharded.json
+    python benchmarks/weight_sync.py --trainer-ranks 1 2 --digest --generators 1 --repeats 5 \
+        --json benchmarks/results/weight_digest_sharded.json
 """
 
 from __future__ import annotations
@@ -222,8 +226,9 @@ def main() -> None:
                     help="compare the sharded sync, gather-then-broadcast and a raw broadcast for each "
                          "of these numbers of trainer ranks (instead of the one-trainer comparison)")
     ap.add_argument("--digest", action="store_true",
-                    help="with --trainer-ranks: also the sync with the weight digest, per shard (now) and "
-                         "of the gathered whole model (before)")
+                    help="with --trainer-ranks: also the sync with the weight digest per shard, the "
+                         "generators hashing as each broadcast lands (now) and after the receive "
+                         "(before), and of the gathered whole model (before that)")
     args = ap.parse_args()
     if args.trainer_ranks:
         sharded_comparison(args)
@@ -313,6 +318,13 @@ def sharded_comparison(args: argparse.Namespace) -> None:
         print(f"{n:<15}{r['sharded_s']:>11.3f}{r['gather_s']:>10.3f}{r['raw_s']:>8.3f}{r['p2p_s']:>8.3f}"
               f"{r['sharded_vs_gather']:>16.2f}{r['sharded_vs_raw']:>13.2f}"
               f"{r['paired_sharded_vs_gather']:>12.2f}{r['paired_sharded_vs_raw']:>12.2f}")
+    if args.digest:
+        print(f"\n{'trainer ranks':<15}{'digest now s':>14}{'after s':>9}{'gathered s':>12}{'now/after':>11}"
+              f"{'now/bare':>10}{'after/bare':>12}   (paired; bare: the sharded sync without a digest)")
+        for n, r in by_ranks.items():
+            print(f"{n:<15}{r['sharded_digest_s']:>14.3f}{r['sharded_digest_after_s']:>9.3f}"
+                  f"{r['gather_digest_s']:>12.3f}{r['paired_sharded_digest_vs_after']:>11.2f}"
+                  f"{r['paired_sharded_digest_vs_sharded']:>10.2f}{r['paired_sharded_digest_after_vs_sharded']:>12.2f}")
     summary = {"by_trainer_ranks": by_ranks, "bytes": nbytes, "generators": args.generators,
                "repeats": args.repeats, "torch": torch.__version__, "cpus": os.cpu_count()}
     with open(args.json, "w") as f:

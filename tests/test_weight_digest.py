@@ -8,6 +8,7 @@ sends bytes other than those it signed)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from app import names, weight_digest
-from app.weight_digest import DigestCheck, ShardDigest, digest, run_pieces
+from app.weight_digest import Digest, DigestCheck, ShardDigest, digest, run_pieces
 from app.weight_layout import Layout
 from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
 from role_processes import loopback_store, run_roles, signed, weight_member
@@ -50,6 +51,85 @@ def test_one_changed_byte_or_another_order_changes_the_digest():
 def test_a_run_of_pieces_of_several_dtypes_is_refused():
     with pytest.raises(ValueError, match="one dtype"):
         digest([[torch.zeros(2), torch.zeros(2, dtype=torch.float64)]])
+
+
+def test_the_digest_is_the_definition_worked_by_hand(monkeypatch):
+    """SHA-256 over the chunk size, then per run its dtype and byte count and the SHA-256
+    of each CHUNK_BYTES slice of its bytes (a chunk never spans two runs)."""
+    monkeypatch.setattr(weight_digest, "CHUNK_BYTES", 8)
+    f32 = torch.arange(5, dtype=torch.float32)  # 20 bytes: chunks of 8, 8, 4
+    i64 = torch.tensor([7], dtype=torch.int64)  # 8 bytes: one chunk
+    raw = f32.numpy().tobytes()
+    sha = lambda b: hashlib.sha256(b).digest()  # noqa: E731
+    by_hand = hashlib.sha256(b"llamarl weights v1, chunks of 8\0")
+    by_hand.update(b"torch.float32:20\0" + sha(raw[:8]) + sha(raw[8:16]) + sha(raw[16:]))
+    by_hand.update(b"torch.bfloat16:0\0")  # an empty run: its head only
+    by_hand.update(b"torch.int64:8\0" + sha(i64.numpy().tobytes()))
+    assert digest([[f32[:3], f32[3:]], torch.empty(0, dtype=torch.bfloat16), i64]) == by_hand.hexdigest()
+
+
+def _cuts(t: torch.Tensor, g: torch.Generator) -> list[torch.Tensor]:
+    """``t`` (flat) in pieces cut at random, empty ones among them."""
+    at, out = 0, []
+    while at < t.numel():
+        n = int(torch.randint(0, 40, (1,), generator=g))
+        out.append(t[at:at + n])
+        at += n
+    return out + [t[t.numel():]]
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("chunk_bytes", [weight_digest.CHUNK_BYTES, 100, 7])  # 7: cuts inside elements too
+def test_the_digest_fed_piece_by_piece_is_the_digest_of_the_whole(monkeypatch, chunk_bytes, deferred):
+    """What a generator hashes as each broadcast lands is ``digest()`` of the whole runs:
+    odd cuts across chunk boundaries, several dtypes, empty pieces, an empty run and
+    runs never fed (they count as empty)."""
+    monkeypatch.setattr(weight_digest, "CHUNK_BYTES", chunk_bytes)
+    g = torch.Generator().manual_seed(0)
+    runs = [torch.randn(301, generator=g), torch.randn(77, generator=g).bfloat16(),
+            torch.empty(0, dtype=torch.float16), torch.randint(-9, 9, (53,), generator=g),
+            torch.randn(10, generator=g).double()]
+    fed = Digest([r.dtype for r in runs], deferred=deferred)
+    for k, run in enumerate(runs[:-1]):  # the last run fed nothing...
+        for piece in _cuts(run, g):
+            fed.update(k, piece)
+    assert fed.hexdigest() == digest(runs[:-1] + [runs[-1][:0]])  # ...is an empty run
+    assert fed.hexdigest() != digest(runs)
+    with pytest.raises(ValueError, match="in order"):
+        fed.update(0, runs[0])  # run 0 after run 3
+    with pytest.raises(ValueError, match="one dtype"):
+        Digest([torch.float32]).update(0, runs[1])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_byte_the_hook_flips_as_it_lands_is_refused(store, monkeypatch, overlap):
+    """The test hook flips the first byte of a rank's first piece as it is fed, before
+    its chunk is hashed: with chunks far smaller than a piece, a flip after the hashing
+    would pass unseen."""
+    monkeypatch.setattr(weight_digest, "CHUNK_BYTES", 64)
+    monkeypatch.setenv(weight_digest.TEST_CORRUPT_ENV, "0:4:1")  # generator 0, version 4, trainer rank 1
+    g = torch.Generator().manual_seed(1)
+    senders = [[torch.randn(100, generator=g)], [torch.randn(500, generator=g), torch.randn(9, generator=g).half()]]
+    sent = [digest(runs) for runs in senders]
+    check = DigestCheck(signed(store, "generator/0"), 0, wait_s=5.0, overlap=overlap)
+    for version in (4, 5):
+        for rank, hexdigest in enumerate(sent):
+            signed(store, f"trainer/{rank}").put(names.weight_digest_key(version, rank),
+                                                 {"version": version, "rank": rank, "ranks": 2, "digest": hexdigest})
+        staged = [[t.clone() for t in runs] for runs in senders]
+        arriving = check.start(version, [[t.dtype for t in runs] for runs in staged])
+        for rank, runs in enumerate(staged):
+            for k, run in enumerate(runs):
+                for piece in _cuts(run, g):
+                    arriving.feed(rank, k, [piece])
+        if version == 4:
+            assert not arriving.taken() and check.refused == {1: "mismatch"}
+            flipped, before = staged[1][0].view(torch.uint8), senders[1][0].view(torch.uint8)
+            assert torch.equal(flipped[:4], ~before[:4])  # its first element's bytes, in place
+            assert torch.equal(flipped[4:], before[4:]) and torch.equal(staged[0][0], senders[0][0])
+        else:  # the hook alters that version only
+            assert arriving.taken()
+    assert check.metrics() == {"security/weight_digest/mismatch": 1.0}
 
 
 @pytest.fixture()
@@ -138,6 +218,9 @@ def _received(receiver: WeightReceiver, version: int) -> tuple[int | None, int |
 
 
 def _refuse_an_altered_version(store, rank: int, world_size: int) -> str:
+    # Chunks far smaller than a bucket: the generator hashes each as its bucket lands, so
+    # the hook's flip is seen only if it comes before (both sides cut alike).
+    weight_digest.CHUNK_BYTES = 1000
     group = init_weight_group(weight_member(store, rank), rank, world_size, torch.device("cpu"), timeout_s=30)
     if rank == 0:
         live = flattened(model_params(0))
