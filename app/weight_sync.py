@@ -23,8 +23,9 @@ the store, each a signed record of its rank's member; a generator rebuilds each 
 buckets from its document), so a sync carries no per-tensor metadata: one small int64
 header (version, layout fingerprint, which runs go whole) followed by the runs' bytes.
 A run that is one slice
-of a ``flatten_parameters_`` buffer goes out as one broadcast with no copy (what the
-trainer does); any other run goes bucket by bucket, packing those that are not one
+of a ``flatten_parameters_`` buffer goes out with no copy (what the trainer does), in
+slices of one bucket's bytes (``_whole_cuts``: a generator hashes each as it lands,
+``app.weight_digest``, instead of the whole run after it); any other run goes bucket by bucket, packing those that are not one
 contiguous tensor into two reused buffers, so parameters that are not one flat buffer
 (a trainer rank's shards) sync too.
 
@@ -213,6 +214,14 @@ def wait_first(works: Sequence[tuple[WeightGroup, dist.Work]]) -> int:
     i = 0 if len(works) == 1 else _first_done(works)
     works[i][0].wait(works[i][1])
     return i
+
+
+def _whole_cuts(run: Span, bucket_bytes: int) -> list[tuple[int, int]]:
+    """The element ranges ``[start, stop)`` of a run sent whole, one broadcast each: one
+    bucket's bytes at most, so a receiver has bytes to work on (hash) while the rest of
+    the run is on the wire; still no copy, and a handful of broadcasts for a large model."""
+    step = max(1, bucket_bytes // run.dtype.itemsize)
+    return [(at, min(at + step, run.numel)) for at in range(0, run.numel, step)]
 
 
 def _host_or_device(group: WeightGroup, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -411,7 +420,7 @@ class WeightSender:
             packed = zero_copy = 0
             for run, view in zip(layout.runs, views):
                 if view is not None:
-                    works.append(g.broadcast(view))
+                    works += [g.broadcast(view[a:b]) for a, b in _whole_cuts(run, layout.bucket_bytes)]
                     zero_copy += len(run.buckets)
                     continue
                 for bucket in run.buckets:
@@ -459,8 +468,8 @@ class _Landed:
     group: WeightGroup
     work: dist.Work
     run: int
-    span: Span
-    """The run or bucket of the sender's layout it carries."""
+    pieces: list[torch.Tensor]
+    """Its bytes once in, where they lie in staging (views, in the sender's order)."""
     scatters: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """``(scratch view, staging view)``: its packed parts, copied into place once it is in."""
 
@@ -506,17 +515,20 @@ class _SenderPlan:
                 if (at := self._run_at[k]) is None:
                     raise WeightLayoutError(f"weight sync of version {version}: trainer rank "
                                             f"{self.shards.rank} sent a run whole that does not land whole")
-                landed.append(_Landed(g, g.broadcast(flat[at:at + run.numel]), k, run))
+                for a, b in _whole_cuts(run, layout.bucket_bytes):
+                    piece = flat[at + a:at + b]
+                    landed.append(_Landed(g, g.broadcast(piece), k, [piece]))
                 continue
             for b, bucket in enumerate(run.buckets):
                 if bucket.numel == 0:
                     continue
                 if (at := self._bucket_at[(k, b)]) is not None:  # lands where it belongs as it comes
-                    landed.append(_Landed(g, g.broadcast(flat[at:at + bucket.numel]), k, bucket))
+                    piece = flat[at:at + bucket.numel]
+                    landed.append(_Landed(g, g.broadcast(piece), k, [piece]))
                     continue
                 start = self._scratch_at[(k, b)]
                 scratch = self._scratch[k][start:start + bucket.numel]
-                landed.append(_Landed(g, g.broadcast(scratch), k, bucket, [
+                landed.append(_Landed(g, g.broadcast(scratch), k, self.landing.received(bucket, flat), [
                     (scratch[src:src + n], flat[dst:dst + n]) for src, dst, n in self.landing.pieces(bucket)]))
         return landed
 
@@ -672,7 +684,7 @@ class WeightReceiver:
                     dst.copy_(src)
             if verification is not None:
                 item.group.synchronize()  # on a GPU: landed before another thread reads them
-                verification.feed(s, item.run, self._senders[s].landing.received(item.span, self._staging[item.run]))
+                verification.feed(s, item.run, item.pieces)
 
     def start_background(self, should_stop: Callable[[], bool] | None = None) -> None:
         """Receive every new version into staging on a daemon thread, as soon as it is sent."""
