@@ -307,7 +307,7 @@ class DigestCheck:
                 arriving.feed(rank, k, pieces)
         return arriving.taken()
 
-    def _judge(self, version: int, mine: Sequence[str]) -> bool:
+    def judge(self, version: int, mine: Sequence[str]) -> bool:
         """Whether ``mine`` (each trainer rank's digest of what arrived) match their records."""
         failed = {}
         for rank, hexdigest in enumerate(mine):
@@ -376,7 +376,11 @@ class Arriving:
                 self._corrupt_rank = None
             self.digests[rank].update(run, piece)
 
+    def hexdigests(self) -> list[str]:
+        """Once every byte is fed: each rank's digest of what arrived."""
+        return [d.hexdigest() for d in self.digests]
+
     def taken(self) -> bool:
         """Once every byte is fed: whether every rank's digest matches its signed record
         (hashed first: the records are published as the trainer ranks finish their own hash)."""
-        return self.check._judge(self.version, [d.hexdigest() for d in self.digests])
+        return self.check.judge(self.version, self.hexdigests())
