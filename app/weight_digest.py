@@ -73,7 +73,8 @@ from app.weight_shards import local_parts
 
 log = logging.getLogger("llamarl")
 
-__all__ = ["CHUNK_BYTES", "Arriving", "Digest", "DigestCheck", "Pending", "ShardDigest", "TEST_CORRUPT_ENV", "digest", "run_pieces"]
+__all__ = ["CHUNK_BYTES", "Arriving", "Digest", "DigestCheck", "Pending", "ShardDigest", "TEST_CORRUPT_ENV", "digest",
+           "run_pieces"]
 
 CHUNK_BYTES = 16 << 20
 """Bytes hashed per task: large enough that a thread's start is noise, small enough that

@@ -22,12 +22,13 @@ built, and checked once across all ranks then (the layout handshake: JSON docume
 the store, each a signed record of its rank's member; a generator rebuilds each sender's
 buckets from its document), so a sync carries no per-tensor metadata: one small int64
 header (version, layout fingerprint, which runs go whole) followed by the runs' bytes.
-A run that is one slice
-of a ``flatten_parameters_`` buffer goes out with no copy (what the trainer does), in
-slices of one bucket's bytes (``_whole_cuts``: a generator hashes each as it lands,
-``app.weight_digest``, instead of the whole run after it); any other run goes bucket by bucket, packing those that are not one
-contiguous tensor into two reused buffers, so parameters that are not one flat buffer
-(a trainer rank's shards) sync too.
+A run that is one slice of a ``flatten_parameters_`` buffer goes out whole, with no copy
+(what the trainer does), in slices of one bucket's bytes (``_whole_cuts``: a generator
+hashes each as it lands, ``app.weight_digest``, instead of the whole run after it); any
+other run goes bucket by bucket, packing those that are not one contiguous tensor into
+two reused buffers, so parameters that are not one flat buffer (a trainer rank's
+shards) sync too. A generator takes each trainer rank's broadcasts in order, whichever
+rank's next is in first (``_wait_first``), and works on each as it lands.
 
 Each sync is announced by setting a per-sync key in the store before the first
 collective, so a receiver waits for the next sync by polling that key (woken within
@@ -71,8 +72,7 @@ from app.weight_layout import (  # flatten_parameters_: part of this plane's API
 from app.weight_shards import SHARD_ALONE_BYTES, Landing, Shards, check_tiling, local_parts, meta_params
 
 __all__ = ["DEFAULT_BUCKET_MB", "SyncStats", "Verification", "Verifier", "WeightGroup", "WeightLayoutError",
-           "WeightReceiver", "WeightSender", "WeightSyncError", "flatten_parameters_", "init_weight_group",
-           "wait_first"]
+           "WeightReceiver", "WeightSender", "WeightSyncError", "flatten_parameters_", "init_weight_group"]
 
 
 _HEADER_LEN = 3  # version, layout fingerprint, bitmask of the runs sent whole
@@ -208,7 +208,7 @@ def _first_done(works: Sequence[tuple[WeightGroup, dist.Work]]) -> int:
         time.sleep(backoff.next())
 
 
-def wait_first(works: Sequence[tuple[WeightGroup, dist.Work]]) -> int:
+def _wait_first(works: Sequence[tuple[WeightGroup, dist.Work]]) -> int:
     """Wait for one of ``works`` (each with its group): the index of the first that is
     done, its error raised if it failed (``WeightGroup.wait``'s deadline and abandonment)."""
     i = 0 if len(works) == 1 else _first_done(works)
@@ -677,7 +677,7 @@ class WeightReceiver:
         ``verification``, its bytes fed to it, so they are hashed while the rest arrives."""
         queues = [deque(b) for b in broadcasts]
         while live := [s for s, q in enumerate(queues) if q]:
-            s = live[wait_first([(queues[s][0].group, queues[s][0].work) for s in live])]
+            s = live[_wait_first([(queues[s][0].group, queues[s][0].work) for s in live])]
             item = queues[s].popleft()
             with torch.no_grad():
                 for src, dst in item.scatters:
