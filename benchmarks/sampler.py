@@ -38,6 +38,11 @@ on each ``--config`` x ``--rows`` x ``--precision`` (or each ``--case CONFIG:ROW
 
 - ``captured``: ``sample(decoder="static")`` (``app.sampling.static_decode``): captured CUDA
   graphs on CUDA, the same static steps without capture on CPU;
+- ``compiled``: ``sample(decoder="compiled")``: the same static steps through
+  ``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``, a bucket
+  compiled at its first use (inductor's kernels, replayed as CUDA graphs on CUDA;
+  inductor's C++ kernels on CPU); its ``warmup_s`` holds the compilations of the buckets
+  the first call reaches (a bucket first reached later compiles inside a timed call);
 - ``eager``: ``sample(decoder="eager")``, the decode loop of ``app.sampling.decode``;
 - ``generate``: ``model.generate`` with per-token log-probs, as above;
 - ``generate_static``: the same with ``cache_implementation="static"`` (transformers then
@@ -57,6 +62,8 @@ one read of the weights per step, on CUDA only). ``--check-every K ...`` repeats
 ``captured`` side at each ``static_decode.CHECK_EVERY`` (field ``check_every``).
 
     python benchmarks/sampler.py --sampler captured eager generate generate_static --config default --rows 32
+    python benchmarks/sampler.py --sampler compiled captured eager --config default --rows 32 64 \
+        --json benchmarks/results/sampler_compiled_cpu.json   # compile vs capture on CPU
     python benchmarks/sampler.py --device cuda --sampler captured eager generate generate_static \\
         --case 60m:64:fp32 374m:64:bf16 374m:256:bf16 --max-new-tokens 128 --repeats 3 \\
         --json benchmarks/results/sampler_gpu.json        # the issue's table (benchmarks/gpu_check.py)
@@ -97,7 +104,7 @@ SIZED_CONFIGS = {
 """The random-init Llamas of ``--sampler`` (32000-token vocabulary, untied head): 60.0M
 and 373.9M parameters."""
 SIZED_VOCAB = 32000
-SAMPLERS = ("captured", "eager", "generate", "generate_static")
+SAMPLERS = ("captured", "compiled", "eager", "generate", "generate_static")
 WEIGHT_READ_BYTES_PER_S = 4.3e12
 """HBM bandwidth the weight-read limit assumes: an H200's (issue 18's table)."""
 
@@ -381,8 +388,8 @@ def compare_samplers(args: argparse.Namespace) -> dict:
                 for k in args.check_every or [static_decode.CHECK_EVERY]:
                     label = name if not args.check_every else f"captured@{k}"
                     sides[label] = functools.partial(_captured, ours, repeated, params, k, common)
-            elif name == "eager":
-                sides[name] = lambda s: run_sampler(ours, repeated, params, seed=s, decoder="eager", **common)
+            elif name in ("eager", "compiled"):
+                sides[name] = functools.partial(_sampler_side, ours, repeated, params, name, common)
             else:
                 cache = "static" if name == "generate_static" else None
                 sides[name] = (lambda s, cache=cache: run_generate(
@@ -411,6 +418,10 @@ def compare_samplers(args: argparse.Namespace) -> dict:
         if args.json:  # after every case: a run cut short keeps what it measured
             Path(args.json).write_text(json.dumps(result, indent=2))
     return result
+
+
+def _sampler_side(model, prompts, params, decoder: str, common: dict, seed: int) -> int:
+    return run_sampler(model, prompts, params, seed=seed, decoder=decoder, **common)
 
 
 def _captured(model, prompts, params, check_every: int, common: dict, seed: int) -> int:

@@ -42,7 +42,7 @@ generator's precision).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from transformers import PreTrainedModel
@@ -61,10 +61,12 @@ __all__ = ["SamplingParams", "Samples", "sample", "process_logits", "token_logpr
            "LlamaFastPath", "TESTED_TRANSFORMERS", "GEN_PRECISIONS", "GenPrecision", "GenWeights",
            "quantize_", "Decoder", "DEFAULT_DECODER"]
 
-Decoder = Literal["auto", "eager", "static"]
+Decoder = Literal["auto", "eager", "static", "compiled"]
 """How ``sample`` decodes: ``eager`` the loop of ``decode.run``; ``static`` the
 fixed-shape steps of ``static_decode`` (captured as CUDA graphs on CUDA; Llama fast
-path only); ``auto`` what ``DEFAULT_DECODER`` says for the model's device."""
+path only); ``compiled`` the same steps through ``torch.compile(mode="reduce-overhead")``
+(``StaticDecoder(compiled=True)``: inductor's kernels, CUDA graphs on CUDA; fp32, bf16
+and fp8); ``auto`` what ``DEFAULT_DECODER`` says for the model's device."""
 
 DEFAULT_DECODER = {"cuda": "static", "cpu": "eager"}
 """``auto``'s choice per device type (others: eager). CUDA: static, captured (the
@@ -124,12 +126,12 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingPar
     if decoder == "auto":
         decoder = "static" if (DEFAULT_DECODER.get(weight.device.type) == "static"
                                and LlamaFastPath.supports(model)) else "eager"
-    if decoder == "static":
-        tokens_BT, logprobs_BT, lengths_B = static_decode.decoder_for(model).run(
+    if decoder in ("static", "compiled"):
+        tokens_BT, logprobs_BT, lengths_B = static_decode.decoder_for(model, compiled=decoder == "compiled").run(
             prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator)
         return Samples(tokens_BT=tokens_BT, logprobs_BT=logprobs_BT, lengths_B=lengths_B)
     if decoder != "eager":
-        raise ValueError(f"decoder must be one of auto, eager, static; got {decoder!r}")
+        raise ValueError(f"decoder must be one of {', '.join(get_args(Decoder))}; got {decoder!r}")
     B, T = len(prompts), params.max_new_tokens
     P = max(len(p) for p in prompts)
     fast_path = (LlamaFastPath(model, P + T, precision.fast_linears(model))
