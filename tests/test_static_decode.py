@@ -300,3 +300,38 @@ def test_the_compiled_decoder_refuses_int8(tokenizer, prompts):  # noqa: F811
     with pytest.raises(ValueError, match="int8"):
         sample(model, prompts, SamplingParams(max_new_tokens=2), eos_id=-1, pad_id=PAD, decoder="compiled")
 
+
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (0.7, 0.8)])
+def test_the_step_is_capturable_no_host_read_no_graph_break(tokenizer, temperature, top_p):  # noqa: F811
+    """What CUDA graph capture needs of ``_step``, checked on CPU with the decoder on the
+    meta device (tensors without data): run as it is (what ``_capture_all`` captures), a
+    read back to the host (``.item()``, ``int(x.sum())``, ``bool(x.any())`` in a branch,
+    ``.tolist()``) or a boolean-mask index (a data-dependent shape) raises; traced by
+    dynamo (what ``compiled`` compiles) with ``fullgraph=True``, a graph break raises, and
+    every value in the graph is a tensor of static shape on the decoder's device (no
+    host tensor made per step, whose value a graph would freeze, no unbacked size)."""
+    import functools
+
+    model = make_model("llama", len(tokenizer)).to("meta")
+    decoder = StaticDecoder(model)
+    key = static_decode.StepKey(16, temperature, top_p, eos_id=2)
+    with torch.inference_mode():
+        decoder.refresh_weights()
+        st = decoder._state_for(key.rows, 40)
+        decoder._step(st, key)
+    graphs = []
+
+    def inspect(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        torch.compile(functools.partial(decoder._step, st, key), backend=inspect, fullgraph=True, dynamic=False)()
+    (gm,) = graphs
+    outputs = [(n.format_node(), v) for n in gm.graph.nodes if n.op != "output"
+               for v in (lambda x: x if isinstance(x, (tuple, list)) else [x])(n.meta.get("example_value"))]
+    assert len(outputs) > 50  # the whole step is one graph
+    wrong = [node for node, v in outputs if not (isinstance(v, torch.Tensor) and v.device.type == "meta"
+                                                  and all(isinstance(d, int) for d in v.shape))]
+    assert not wrong, wrong
