@@ -72,9 +72,20 @@ measure:
   start: a compilation costs seconds on CPU (tens on a GPU for a 374M model) per
   bucket, and a batch whose rows rarely end never reaches the smaller buckets.
 
-Which wins on CUDA is ``benchmarks/sampler.py --sampler captured compiled ...``'s
-question on a GPU (``benchmarks/gpu_check.py``'s ``sampler_benchmark``): not measured
-yet. On CPU: see ``app.sampling.DEFAULT_DECODER``.
+Measured on CPU (``benchmarks/sampler.py --sampler compiled captured eager --config
+default --rows 32 64 --repeats 9``, 2 shared cores, torch 2.13;
+``benchmarks/results/sampler_compiled_cpu.json``): compiled 75 and 103 tokens/s against
+captured 7612 and 8202 (eager 6565 and 12088), after 44 and 86 s of compilation. Why
+(``torch.profiler`` with inductor's kernel profile): compile does not capture the same
+work. AOT autograd functionalizes the step's in-place writes into views of the one KV
+tensor (``index_copy_`` at the slot into ``kv[1, k|v, layer, :b]``), and inductor's code
+then copies the whole KV tensor (both sets, every layer) once per layer and step: one
+fused kernel per layer, 20-40 ms each, whose loops run over all of ``kv``. The
+functionalization is device-independent, so a GPU run is expected to pay the same
+copies (there, ~GBs per step at 374M); which wins on CUDA is still
+``benchmarks/gpu_check.py``'s ``sampler_benchmark`` to measure (not yet: no GPU lent).
+Until then the hand capture is the one ``auto`` takes on CUDA: it replays exactly the
+step's own kernels, nothing added.
 """
 
 from __future__ import annotations
