@@ -335,3 +335,25 @@ def test_the_step_is_capturable_no_host_read_no_graph_break(tokenizer, temperatu
     wrong = [node for node, v in outputs if not (isinstance(v, torch.Tensor) and v.device.type == "meta"
                                                   and all(isinstance(d, int) for d in v.shape))]
     assert not wrong, wrong
+
+
+def test_capture_warm_up_runs_on_a_state_the_last_call_filled_to_capacity(llama, prompts):  # noqa: F811
+    """A new sampling setting on a used state is captured after warm-up steps on what the
+    last call left there: rows at position capacity - 1 when the call filled it. The
+    warm-up (``_warm_up``, run by ``_capture_all`` on a side stream; device-generic)
+    must start them over, or its steps index past the rotary tables (on CUDA a
+    device-side assert)."""
+    decoder = StaticDecoder(llama)
+    P = max(len(p) for p in prompts)
+    T = capacity_for(P + 1) - P  # prompt + new tokens == the capacity
+    decoder.run(prompts, SamplingParams(max_new_tokens=T, temperature=0), eos_id=-1, pad_id=PAD, generator=None)
+    st = decoder.state
+    assert st.capacity == P + T and int(st.pos_R[: len(prompts)].max()) == st.capacity - 1
+    with torch.inference_mode():
+        decoder._warm_up(st, static_decode.StepKey(len(prompts), 0.7, 0.8, eos_id=-1))
+    assert int(st.pos_R.max()) == 1  # each warm-up step starts at position 0
+    after = decoder.run(prompts, SamplingParams(max_new_tokens=T, temperature=0), eos_id=-1, pad_id=PAD,
+                        generator=None)
+    eager = sample(llama, prompts, SamplingParams(max_new_tokens=T, temperature=0), eos_id=-1, pad_id=PAD,
+                   decoder="eager")
+    assert torch.equal(after[0], eager.tokens_BT)  # the call sets the state up again

@@ -43,7 +43,13 @@ weight receiver's in-place copy shows in their version counters): at fp32 the fu
 matrices are rewritten where they are (``fused_weights(out=...)``; o and down are the
 parameters themselves), at another precision the kernels ``GenWeights.refresh`` built
 are copied in (``FusedLinears.load_``). A new version therefore needs no recapture and
-no new storage for what the graphs read.
+no new storage for what the graphs read. Ordering on CUDA: the receiver's thread writes
+only its staging buffers; the copy into the parameters (``WeightReceiver.swap_if_newer``)
+and this refresh run on the generator's own thread between ``sample`` calls, on its
+current stream, the one the graphs replay on, so a copy starts after the last replay
+that read the old weights and the next call's replays start after it, with no host
+wait. (The capture itself runs on a side stream torch creates non-blocking, with
+``capture_error_mode="thread_local"``: the receiver's thread may use the GPU meanwhile.)
 
 On CPU the same code runs without capture (``capture=False``): the bucketing, masks and
 in-place updates are what the CPU tests check. Whether a CPU generator uses it is
@@ -201,6 +207,18 @@ class StaticState:
         self.tokens_BT = torch.zeros((rows + 1, capacity), dtype=torch.long, device=like.device)
         self.logprobs_BT = torch.zeros((rows + 1, capacity), dtype=torch.float32, device=like.device)
         self.u_BT = torch.zeros((rows + 1, capacity), dtype=torch.float32, device=like.device)
+
+    def ready_for_warmup_(self) -> None:
+        """A state a step can run on whatever it held (a capture's warm-up steps, before
+        the call sets the state up): position 0 visible, the counters at the start, and
+        every row at position 0: the last call leaves rows at up to the capacity - 1,
+        and a warm-up step past it would index past the rotary tables (on CUDA a
+        device-side assert, which ends the process's use of the GPU)."""
+        self.bias_RC.fill_(float("-inf"))
+        self.bias_RC[:, 0] = 0.0
+        self.t_1.fill_(1)
+        self.slot_1.fill_(0)
+        self.pos_R.fill_(0)
 
     def decode_kv(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the decode set's keys and values of the first ``rows`` rows."""
@@ -383,6 +401,13 @@ class StaticDecoder:
                  f"; inductor skipped its CUDA graphs ({self.cudagraph_skips} so far)"
                  if self.cudagraph_skips else "")
 
+    def _warm_up(self, st: StaticState, key: StepKey) -> None:
+        """``CAPTURE_WARMUP_STEPS`` steps on whatever ``st`` holds (the last call's rows,
+        or zeros), each from a state it can run on (``StaticState.ready_for_warmup_``)."""
+        for _ in range(CAPTURE_WARMUP_STEPS):
+            st.ready_for_warmup_()
+            self._step(st, key)
+
     def _capture_all(self, st: StaticState, template: StepKey) -> None:
         """One graph per bucket at ``template``'s sampling setting (before the call
         sets the state up: the warm-up steps write into it)."""
@@ -397,18 +422,10 @@ class StaticDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         for key in keys:
-            # A state the warm-up steps can run on: position 0 visible, counters in range.
-            st.bias_RC.fill_(float("-inf"))
-            st.bias_RC[:, 0] = 0.0
-            st.t_1.fill_(1)
-            st.slot_1.fill_(0)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for _ in range(CAPTURE_WARMUP_STEPS):
-                    self._step(st, key)
-                    st.t_1.fill_(1)
-                    st.slot_1.fill_(0)
+                self._warm_up(st, key)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the weight receiver's thread may use the GPU meanwhile (its
