@@ -77,11 +77,11 @@ default policy, 2 shared cores): 0.65x eager at 32 rows in one run, 0.94x (32 ro
 0.76-0.89x (64 rows) in another, 0.76x and 0.62x in a third (15 repeats); at par on a random-init 60M Llama, where the matmuls
 dominate (1.04x fp32, 0.94x int8, 16 rows). A CPU has no launches to save, and pays for
 what static shapes add: attention over the full capacity, rows kept until the next
-bucket down. Not ``compiled`` either: side by side with the two (``--sampler compiled
-captured eager --rows 32 64``, ``benchmarks/results/sampler_compiled_cpu.json``) it ran
-at 75 and 103 tokens/s against 6565 and 12088 eager (0.01x), after 44 and 86 s of
-compilation: inductor's code copies the whole KV state per layer and step
-(``static_decode``'s docstring says why)."""
+bucket down. Not ``compiled`` either, by the numbers: side by side with the two
+(``--sampler compiled captured eager --config default --rows 32 64 --repeats 9``,
+``benchmarks/results/sampler_compiled_cpu.json``) it beat the uncaptured static steps
+(8960 vs 7052 tokens/s at 32 rows, 8086 vs 7297 at 64) but not the eager loop (11154
+and 10785: 0.80x and 0.75x), and costs seconds of compilation per bucket."""
 
 
 @dataclass(kw_only=True)

@@ -80,18 +80,18 @@ measure:
 
 Measured on CPU (``benchmarks/sampler.py --sampler compiled captured eager --config
 default --rows 32 64 --repeats 9``, 2 shared cores, torch 2.13;
-``benchmarks/results/sampler_compiled_cpu.json``): compiled 75 and 103 tokens/s against
-captured 7612 and 8202 (eager 6565 and 12088), after 44 and 86 s of compilation. Why
-(``torch.profiler`` with inductor's kernel profile): compile does not capture the same
-work. AOT autograd functionalizes the step's in-place writes into views of the one KV
-tensor (``index_copy_`` at the slot into ``kv[1, k|v, layer, :b]``), and inductor's code
-then copies the whole KV tensor (both sets, every layer) once per layer and step: one
-fused kernel per layer, 20-40 ms each, whose loops run over all of ``kv``. The
-functionalization is device-independent, so a GPU run is expected to pay the same
-copies (there, ~GBs per step at 374M); which wins on CUDA is still
-``benchmarks/gpu_check.py``'s ``sampler_benchmark`` to measure (not yet: no GPU lent).
-Until then the hand capture is the one ``auto`` takes on CUDA: it replays exactly the
-step's own kernels, nothing added.
+``benchmarks/results/sampler_compiled_cpu.json``): compiled 8960 and 8086 tokens/s at 32
+and 64 rows, captured (uncaptured on CPU) 7052 and 7297, eager 11154 and 10785, after
+3.6 and 16.5 s of compilation (the 32-row graphs partly from inductor's on-disk cache
+of earlier runs). Compile captures the same work only because the step writes the KV
+cache by ``index_put_`` on the KV tensor itself (``StaticState.store_kv``): written by
+``index_copy_`` into a view of it, as first, AOT autograd functionalized each write into
+a copy of the whole KV tensor (every layer, both sets), once per layer and step, and
+compiled ran at 75 and 103 tokens/s (a profile: one fused kernel per layer, 20-40 ms,
+looping over all of ``kv``). Which wins on CUDA is ``benchmarks/gpu_check.py``'s
+``sampler_benchmark`` to measure (not yet: no GPU lent); until then the hand capture is
+``auto``'s choice there: it replays the step's own kernels with no compile time per
+bucket, and its static inputs are exactly the tensors above.
 """
 
 from __future__ import annotations
@@ -207,6 +207,12 @@ class StaticState:
         self.tokens_BT = torch.zeros((rows + 1, capacity), dtype=torch.long, device=like.device)
         self.logprobs_BT = torch.zeros((rows + 1, capacity), dtype=torch.float32, device=like.device)
         self.u_BT = torch.zeros((rows + 1, capacity), dtype=torch.float32, device=like.device)
+        # Index tensors of the KV writes (``store_kv``), made once: indices the step built
+        # would be host tensors, frozen into a captured graph.
+        self.pair_2 = torch.arange(2, device=like.device)  # [prefill, decode], [keys, values]
+        self.layer_L = torch.arange(L, device=like.device)
+        self.row_R1 = torch.arange(rows, device=like.device)[:, None]
+        self.head_1K = torch.arange(K, device=like.device)[None, :]
 
     def ready_for_warmup_(self) -> None:
         """A state a step can run on whatever it held (a capture's warm-up steps, before
@@ -219,6 +225,22 @@ class StaticState:
         self.t_1.fill_(1)
         self.slot_1.fill_(0)
         self.pos_R.fill_(0)
+
+    def store_kv(self, rows: int):
+        """``store(layer, k_RK1D, v_RK1D)`` for ``LlamaFastPath.decode_at``: the step's keys
+        and values of the first ``rows`` rows into the decode set at ``slot_1``, by
+        ``index_put_`` on ``kv`` itself, not on a view of it: compiled, an in-place write
+        into a view of a graph input is functionalized into a copy of the whole input
+        (the KV of every layer, per layer and step: ``sampler_compiled_cpu.json``), while
+        inductor turns an ``index_put`` on the input back into the in-place scatter."""
+        rows_b1, slot_11 = self.row_R1[:rows], self.slot_1[:, None]
+
+        def store(i: int, k_bK1D: torch.Tensor, v_bK1D: torch.Tensor) -> None:
+            for which, x_bK1D in ((0, k_bK1D), (1, v_bK1D)):
+                self.kv.index_put_((self.pair_2[1], self.pair_2[which], self.layer_L[i], rows_b1, self.head_1K,
+                                    slot_11), x_bK1D[:, :, 0])
+
+        return store
 
     def decode_kv(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the decode set's keys and values of the first ``rows`` rows."""
@@ -333,8 +355,8 @@ class StaticDecoder:
     def _step(self, st: StaticState, key: StepKey) -> None:
         """One decode step of the first ``key.rows`` rows, then the next token's draw."""
         b = key.rows
-        logits_bV = st.fast_path.decode_at(st.tok_R[:b], st.pos_R[:b], st.decode_kv(b), st.slot_1,
-                                           st.bias_RC[:b, None, None, :])
+        logits_bV = st.fast_path.decode_at(st.tok_R[:b], st.pos_R[:b], st.decode_kv(b), st.store_kv(b),
+                                           st.slot_1, st.bias_RC[:b, None, None, :])
         st.pos_R[:b].add_(1)
         st.slot_1.add_(1)
         self._sample(st, logits_bV, key)
