@@ -1,8 +1,8 @@
 """The static decoder on CUDA, captured as CUDA graphs (``app.sampling.static_decode``):
 equal results to the eager loop, no host sync inside the steps, and a weight swap that
-reaches the captured graphs without recapture. For the GPU check to run when a GPU
-machine is lent (skipped without one); the shared logic is tested on CPU in
-``test_static_decode.py``."""
+reaches the captured graphs without recapture; the compiled variant's CUDA graphs too.
+For the GPU check to run when a GPU machine is lent (skipped without one); the shared
+logic is tested on CPU in ``test_static_decode.py``."""
 
 from __future__ import annotations
 
@@ -98,6 +98,35 @@ def test_after_a_weight_swap_the_captured_graphs_sample_from_the_new_weights(tok
     after = sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="static")
     assert decoder.graphs == graphs  # the same graph objects: no recapture
     assert [k.w_KM.data_ptr() for layer in decoder.linears.layers for k in layer] == ptrs
+    expected = sample(other, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="eager")
+    assert torch.equal(after.tokens_BT, expected.tokens_BT)
+    assert not torch.equal(after.tokens_BT, before.tokens_BT)
+
+
+def test_the_compiled_steps_replay_cuda_graphs_and_take_a_weight_swap(tokenizer, prompts):  # noqa: F811
+    """``decoder="compiled"`` on CUDA: inductor replays its steps as CUDA graphs (none
+    skipped: every tensor they write is a static address), greedy tokens are the eager
+    loop's, and after a swap copied into the parameters the same compiled step samples
+    from the new weights without compiling again."""
+    from torch._dynamo.utils import counters
+
+    model = cuda_llama(len(tokenizer))
+    other = cuda_llama(len(tokenizer))
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    greedy = SamplingParams(max_new_tokens=10, temperature=0)
+    before = sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="compiled")
+    decoder = static_decode.decoder_for(model, compiled=True)
+    assert decoder.cudagraph_skips == 0 and len(decoder.steps) == 1 and not decoder.graphs
+    assert torch.equal(before.tokens_BT, sample(model, prompts, greedy, eos_id=-1, pad_id=PAD,
+                                                decoder="eager").tokens_BT)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():  # what WeightReceiver.swap_if_newer does
+        for live, new in zip(model.parameters(), other.parameters()):
+            live.copy_(new)
+    after = sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="compiled")
+    assert counters["stats"]["unique_graphs"] == graphs and decoder.cudagraph_skips == 0
     expected = sample(other, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="eager")
     assert torch.equal(after.tokens_BT, expected.tokens_BT)
     assert not torch.equal(after.tokens_BT, before.tokens_BT)
