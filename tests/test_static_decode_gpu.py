@@ -20,6 +20,21 @@ def cuda_llama(vocab: int):
     return make_model("llama", vocab).cuda()
 
 
+def next_version(model):
+    """``model`` with its weights moved, in place: a new version to swap in."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+def swap_in(model, other) -> None:
+    """What ``WeightReceiver.swap_if_newer`` does: copy into the live tensors."""
+    with torch.no_grad():
+        for live, new in zip(model.parameters(), other.parameters()):
+            live.copy_(new)
+
+
 @pytest.fixture
 def batch(prompts):  # noqa: F811
     return [p for p in prompts for _ in range(4)]  # 24 rows: buckets 24, 16, 8
@@ -82,19 +97,13 @@ def test_captured_steps_never_sync_with_the_host(tokenizer, batch):  # noqa: F81
 
 
 def test_after_a_weight_swap_the_captured_graphs_sample_from_the_new_weights(tokenizer, prompts):  # noqa: F811
-    model = cuda_llama(len(tokenizer))
-    other = cuda_llama(len(tokenizer))
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn_like(p) * 0.5)
+    model, other = cuda_llama(len(tokenizer)), next_version(cuda_llama(len(tokenizer)))
     greedy = SamplingParams(max_new_tokens=10, temperature=0)
     before = sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="static")
     decoder = static_decode.decoder_for(model)
     graphs = dict(decoder.graphs)
     ptrs = [k.w_KM.data_ptr() for layer in decoder.linears.layers for k in layer]
-    with torch.no_grad():  # what WeightReceiver.swap_if_newer does: copy into the live tensors
-        for live, new in zip(model.parameters(), other.parameters()):
-            live.copy_(new)
+    swap_in(model, other)
     after = sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="static")
     assert decoder.graphs == graphs  # the same graph objects: no recapture
     assert [k.w_KM.data_ptr() for layer in decoder.linears.layers for k in layer] == ptrs
@@ -110,11 +119,7 @@ def test_the_compiled_steps_replay_cuda_graphs_and_take_a_weight_swap(tokenizer,
     from the new weights without compiling again."""
     from torch._dynamo.utils import counters
 
-    model = cuda_llama(len(tokenizer))
-    other = cuda_llama(len(tokenizer))
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn_like(p) * 0.5)
+    model, other = cuda_llama(len(tokenizer)), next_version(cuda_llama(len(tokenizer)))
     greedy = SamplingParams(max_new_tokens=10, temperature=0)
     before = sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="compiled")
     decoder = static_decode.decoder_for(model, compiled=True)
@@ -122,9 +127,7 @@ def test_the_compiled_steps_replay_cuda_graphs_and_take_a_weight_swap(tokenizer,
     assert torch.equal(before.tokens_BT, sample(model, prompts, greedy, eos_id=-1, pad_id=PAD,
                                                 decoder="eager").tokens_BT)
     graphs = counters["stats"]["unique_graphs"]
-    with torch.no_grad():  # what WeightReceiver.swap_if_newer does
-        for live, new in zip(model.parameters(), other.parameters()):
-            live.copy_(new)
+    swap_in(model, other)
     after = sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="compiled")
     assert counters["stats"]["unique_graphs"] == graphs and decoder.cudagraph_skips == 0
     expected = sample(other, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="eager")
