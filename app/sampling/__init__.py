@@ -78,10 +78,10 @@ default policy, 2 shared cores): 0.65x eager at 32 rows in one run, 0.94x (32 ro
 dominate (1.04x fp32, 0.94x int8, 16 rows). A CPU has no launches to save, and pays for
 what static shapes add: attention over the full capacity, rows kept until the next
 bucket down. Not ``compiled`` either, by the numbers: side by side with the two
-(``--sampler compiled captured eager --config default --rows 32 64 --repeats 9``,
+(``--sampler compiled captured eager --config default --rows 32 64 --repeats 15``,
 ``benchmarks/results/sampler_compiled_cpu.json``) it beat the uncaptured static steps
-(8960 vs 7052 tokens/s at 32 rows, 8086 vs 7297 at 64) but not the eager loop (11154
-and 10785: 0.80x and 0.75x), and costs seconds of compilation per bucket."""
+(7667 vs 6114 tokens/s at 32 rows, 7951 vs 7095 at 64) but not the eager loop (9846
+and 9649: 0.78x and 0.82x), and cost 20-33 s of compilation."""
 
 
 @dataclass(kw_only=True)
