@@ -79,18 +79,19 @@ measure:
   bucket, and a batch whose rows rarely end never reaches the smaller buckets.
 
 Measured on CPU (``benchmarks/sampler.py --sampler compiled captured eager --config
-default --rows 32 64 --repeats 15``, 2 shared cores, torch 2.13, inductor's cache
-empty; ``benchmarks/results/sampler_compiled_cpu.json``): compiled 7667 and 7951
-tokens/s at 32 and 64 rows, captured (uncaptured on CPU) 6114 and 7095, eager 9846 and
-9649, after 32.9 and 19.5 s of compilation. Compile captures the same work only because the step writes the KV
-cache by ``index_put_`` on the KV tensor itself (``StaticState.store_kv``): written by
-``index_copy_`` into a view of it, as first, AOT autograd functionalized each write into
-a copy of the whole KV tensor (every layer, both sets), once per layer and step, and
-compiled ran at 75 and 103 tokens/s (a profile: one fused kernel per layer, 20-40 ms,
-looping over all of ``kv``; 9 repeats, another run). Which wins on CUDA is ``benchmarks/gpu_check.py``'s
-``sampler_benchmark`` to measure (not yet: no GPU lent); until then the hand capture is
-``auto``'s choice there: it replays the step's own kernels with no compile time per
-bucket, and its static inputs are exactly the tensors above.
+default --rows 32 64 --repeats 15``, 2 shared cores, torch 2.13, inductor's cache empty;
+``benchmarks/results/sampler_compiled_cpu.json``): compiled 7667 and 7951 tokens/s at 32
+and 64 rows, captured (uncaptured on CPU) 6114 and 7095, eager 9846 and 9649, after 32.9
+and 19.5 s of compilation. Compile captures the same work only because the step writes
+the KV cache by ``index_put_`` on the KV tensor itself (``StaticState.store_kv``):
+written by ``index_copy_`` into a view of it, as first, AOT autograd functionalized each
+write into a copy of the whole KV tensor (every layer, both sets), once per layer and
+step, and compiled ran at 75 and 103 tokens/s (a profile: one fused kernel per layer,
+20-40 ms, looping over all of ``kv``; 9 repeats, another run). Which wins on CUDA is
+``benchmarks/gpu_check.py``'s ``sampler_benchmark`` to measure (not yet: no GPU lent);
+until then the hand capture is ``auto``'s choice there: it replays the step's own
+kernels with no compile time per bucket, and its static inputs are exactly the tensors
+above.
 """
 
 from __future__ import annotations
