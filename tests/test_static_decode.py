@@ -325,7 +325,6 @@ def test_the_step_is_capturable_no_host_read_no_graph_break(tokenizer, temperatu
         graphs.append(gm)
         return gm.forward
 
-    torch._dynamo.reset()
     with torch.inference_mode():
         torch.compile(functools.partial(decoder._step, st, key), backend=inspect, fullgraph=True, dynamic=False)()
     (gm,) = graphs
