@@ -234,12 +234,17 @@ class GeneratorConfig:
     gen_decoder: Decoder = "auto"
     """How generators decode a Llama-architecture policy: ``auto`` (static steps captured
     as CUDA graphs on CUDA, the eager loop on CPU: ``app.sampling.DEFAULT_DECODER``),
-    ``eager`` or ``static`` (refused at the first batch for a policy the Llama fast path
-    does not run). Other policies always decode eagerly. See README, Devices."""
+    ``eager``, ``static`` or ``compiled`` (the static steps through ``torch.compile``,
+    each batch bucket compiled at its first use; not with int8) (static and compiled are
+    refused at the first batch for a policy the Llama fast path does not run). Other
+    policies always decode eagerly. See README, Devices."""
 
     def __post_init__(self) -> None:
         if self.gen_decoder not in get_args(Decoder):
             raise ValueError(f"gen_decoder must be one of {', '.join(get_args(Decoder))}, got {self.gen_decoder!r}")
+        if self.gen_decoder == "compiled" and self.gen_precision == "int8":
+            raise ValueError("gen_decoder compiled runs fp32, bf16 and fp8 kernels: int8's prepacked kernels are "
+                             "opaque to torch.compile (use static or eager with int8)")
         if self.gen_precision not in GEN_PRECISIONS:
             raise ValueError(f"gen_precision must be one of {', '.join(GEN_PRECISIONS)}, got {self.gen_precision!r}")
         if self.temperature <= 0:

@@ -1,18 +1,21 @@
 """GPU check: the CUDA paths of llamarl, exercised on a CUDA machine in a few minutes.
 
-    python benchmarks/gpu_check.py [--json PATH] [--skip app_run ...]
+    python benchmarks/gpu_check.py [--json PATH] [--skip CHECK ...] [--only CHECK ...]
     python benchmarks/gpu_check.py --cpu-dry-run     # the same steps on the CPU and gloo
 
 Run from the repository root after the README's setup (with a CUDA build of torch). Each
 check runs on its own and is reported as ok, skipped (with the reason) or failed (with
 the error); the exit code is 1 when one failed, 2 when this machine has no CUDA device.
+Checks run in ``CHECKS``' order; the report is written after each one (``finished``
+false until the last), so a run killed at a time limit keeps what it finished.
 
 - ``environment``: torch and CUDA versions, the GPUs, bf16 support, NCCL and NVML;
 - ``generator``: the policy on ``cuda:0`` samples groups (tokens/s, finite log-probs);
-- ``static_decoder``: the static decoder (``app.sampling.static_decode``: captured CUDA
-  graphs) against the eager loop on the policy: the same greedy tokens, log-probs within
-  1e-5, both sides' tokens/s and the capture's seconds (the dry run: the same steps on
-  the CPU, without capture);
+- ``static_decoder``: both static decoders (``app.sampling.static_decode``: captured CUDA
+  graphs, and ``compiled``, torch.compile's reduce-overhead) against the eager loop on
+  the policy: the same greedy tokens, log-probs within 1e-5, each side's tokens/s, the
+  capture's and the compilations' seconds, and no compiled step run without its CUDA
+  graphs (the dry run: the same steps on the CPU, without capture; compiled by inductor);
 - ``trainer``: one AIPO step on ``cuda:0`` in bf16 autocast (where the GPU runs it; the
   dry run too) and the same step in fp32 from the same weights: losses side by side
   (5% apart fails), weights stay fp32;
@@ -28,17 +31,50 @@ the error); the exit code is 1 when one failed, 2 when this machine has no CUDA 
   (losses, and weights after an SGD step, compared);
 - ``app_run``: the TorchX app on ``local_cwd`` for a few steps with ``--trainer_gpu 1
   --generator_gpu 1``: steps done, weight syncs and GPU metrics in ``metrics.db``, and
-  the weight plane's backend from the trainer's log;
+  the weight plane's backend from the trainer's log (needs torchx and llamarl installed:
+  see below);
+- ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu`` over the files holding
+  them; the captured decoder's issue 18 tests among them);
 - ``sampler_benchmark``: issue 18's table, ``benchmarks/sampler.py`` with ``SAMPLER_BENCH_ARGS``
-  (the captured and eager samplers, ``generate`` and ``generate`` with a static cache; 60M
-  fp32 at 64 rows, 374M bf16 at 64 and 256), its JSON beside this report as
-  ``sampler_gpu.json`` (to commit as ``benchmarks/results/sampler_gpu.json``), within
-  ``SAMPLER_BENCH_TIMEOUT_S`` (what it measured before a timeout is kept); skipped by the
-  dry run;
+  (captured and compiled samplers, eager, ``generate`` and ``generate`` with a static
+  cache on 374M bf16 at 64 and 256 rows; captured, eager and ``generate`` on 60M fp32 at
+  64), its JSON beside this report as ``sampler_gpu.json`` (to commit as
+  ``benchmarks/results/sampler_gpu.json``), within ``SAMPLER_BENCH_TIMEOUT_S`` (what it
+  measured before a timeout is kept);
+- ``check_every_benchmark``: ``static_decode.CHECK_EVERY`` at 1, 4, 8, 16 on the captured
+  sampler (``CHECK_EVERY_ARGS``), ``sampler_check_every_gpu.json`` beside the report,
+  within ``CHECK_EVERY_TIMEOUT_S``.
+
+The two benchmarks' dry run runs the same script and sides on the CPU at 8 rows of the
+tiny policy, without the compiling sides (``DRY_RUN_LEFT_OUT``), and keeps no JSON.
 
 The JSON (``--json``; default ``$OUT/gpu_check.json`` when ``$OUT`` is set, else
 ``benchmarks/results/gpu_check.json``, ``gpu_check_cpu_dry_run.json`` for a dry run)
 holds every check's status, seconds and figures.
+
+On this workplace's lent GPU machine (``/work/.library/device/``: 15 minutes of device
+time per session, the machine's start of a minute or two included, at most 600 s per
+call, at most 8 files back from ``$OUT``; its image has torch 2.11 and transformers
+5.17, not torchx), issue 18 in one call, through the ``device`` tool's ``run`` with
+``timeout_s`` 590 (the checks' sum: ~10 s tiny policy, ~60 s static_decoder with two
+compilations, gpu_tests up to ``GPU_TEST_TIMEOUT_S`` (expected ~1-2 minutes), the table
+up to 300 s, the CHECK_EVERY run up to 150 s (expected ~1 minute); a kill at the limit
+keeps the report of the checks done and the table's finished cases)::
+
+    export PYTHONUNBUFFERED=1; nvidia-smi -L; python3 benchmarks/gpu_check.py --only environment \
+        static_decoder gpu_tests sampler_benchmark check_every_benchmark 2>&1 | tee $OUT/gpu_check.log
+
+It brings back ``gpu_check.json``, ``sampler_gpu.json``, ``sampler_check_every_gpu.json``
+and the log. Then, if at least 5 minutes of device time are left (``status``), on the
+same warm machine, the rest but the app (``timeout_s`` what is left less a minute)::
+
+    export PYTHONUNBUFFERED=1; python3 benchmarks/gpu_check.py --json $OUT/gpu_check_rest.json \
+        --only generator trainer weight_plane_shared weight_plane_nccl fsdp2_step 2>&1 | tee $OUT/rest.log
+
+``app_run`` needs torchx 0.7.0 and llamarl's entry points on that machine (carried as
+wheels, README's Notes of the device tool): left for a session with time to spare.
+Commit ``sampler_gpu.json`` as ``benchmarks/results/sampler_gpu.json`` and the table in
+the README; ``give_back`` at the end.
 """
 
 from __future__ import annotations
@@ -75,12 +111,39 @@ from app.transport import connect_store, host_store  # noqa: E402
 from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group  # noqa: E402
 
 CHECKS = ("environment", "generator", "static_decoder", "trainer", "weight_plane_shared", "weight_plane_nccl",
-          "fsdp2_step", "app_run", "sampler_benchmark", "gpu_tests")
+          "fsdp2_step", "app_run", "gpu_tests", "sampler_benchmark", "check_every_benchmark")
+"""In the order they run: the benchmarks last, the longest and the least needed to know
+the code works."""
 GPU_TEST_TIMEOUT_S = 300.0
 SAMPLER_BENCH_TIMEOUT_S = 300.0
-SAMPLER_BENCH_ARGS = ["--device", "cuda", "--sampler", "captured", "eager", "generate", "generate_static",
-                      "--case", "60m:64:fp32", "374m:64:bf16", "374m:256:bf16", "--group-size", "4",
-                      "--prompt-tokens", "64", "--max-new-tokens", "128", "--repeats", "2", "--threads", "0"]
+SAMPLER_BENCH_ARGS = ["--device", "cuda", "--sampler", "captured", "compiled", "eager", "generate", "generate_static",
+                      "--case", "374m:64:bf16", "374m:256:bf16", "60m:64:fp32:captured+eager+generate",
+                      "--group-size", "4", "--prompt-tokens", "64", "--max-new-tokens", "128", "--repeats", "2",
+                      "--threads", "0"]
+"""Issue 18's table within its 5 minutes (``SAMPLER_BENCH_TIMEOUT_S``), compile warm-ups
+included: the issue's targets (374M bf16, 64 and 256 rows) first, with every side,
+``compiled`` beside ``captured`` (each side's compilation or capture in its
+``warmup_s``); 60M fp32 last, without the two compiled sides (the issue's table has no
+``generate_static`` there, and the compile-or-capture question is the targets'): the
+compilations are what would push the run past 5 minutes (~30 s per batch shape for
+``generate_static`` on an H200, per the issue; ``compiled`` compiles its first bucket
+only, the rows of random-init models rarely ending). 2 timed repeats after 2 warm-up
+rounds. A case the timeout cuts off is missing from the JSON, whose cases so far stay."""
+CHECK_EVERY_TIMEOUT_S = 150.0
+CHECK_EVERY_ARGS = ["--device", "cuda", "--sampler", "captured", "--check-every", "1", "4", "8", "16",
+                    "--case", "374m:64:bf16", "--group-size", "4", "--prompt-tokens", "64", "--max-new-tokens", "128",
+                    "--repeats", "3", "--threads", "0"]
+"""``static_decode.CHECK_EVERY`` measured again where the host reads it spaces out stall
+the launch queue: the captured sampler at k = 1, 4, 8 and 16 on the 374M bf16 Llama at
+64 rows (its rows rarely end: what k costs here is the reads alone)."""
+DRY_RUN_BENCH_ARGS = ["--device", "cpu", "--case", "default:8:fp32", "--group-size", "4", "--max-new-tokens", "8",
+                      "--repeats", "1", "--threads", "1"]
+"""The dry run's stand-in for both benchmarks: the same script and sides on the CPU, on
+the check's tiny policy, 8 rows (the script is checked, nothing is measured), less
+``DRY_RUN_LEFT_OUT``."""
+DRY_RUN_LEFT_OUT = ("compiled", "generate_static")
+"""Sides the dry run leaves out: their compilations would cost it a minute and check no
+plumbing of the script (the static_decoder check's dry run compiles)."""
 ROLE_TIMEOUT_S = 240.0
 APP_TIMEOUT_S = 300.0
 APP_STEPS = 3
@@ -99,6 +162,8 @@ class Target:
     gpus: int
     policy: Path
     work: Path
+    reports: Path
+    """Where the report goes: the benchmarks' JSON files go beside it."""
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu") if self.dry_run else torch.device("cuda", index)
@@ -230,20 +295,30 @@ def check_static_decoder(t: Target) -> dict[str, Any]:
     greedy = SamplingParams(max_new_tokens=24, temperature=0)
     ids = dict(eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
     out, tokens_per_s = {}, {}
-    for decoder in ("eager", "static", "eager", "static"):  # the second round is timed
+    for decoder in ("eager", "static", "compiled") * 2:  # the second round is timed
         t0 = time.perf_counter()
         out[decoder] = sample(model, prompts, greedy, decoder=decoder, **ids)
         devices.synchronize(device)
         tokens_per_s[decoder] = round(int(out[decoder].lengths_B.sum()) / (time.perf_counter() - t0), 1)
-    if not torch.equal(out["static"].tokens_BT, out["eager"].tokens_BT):
-        raise AssertionError("the static decoder's greedy tokens differ from the eager loop's")
-    diff = float((out["static"].logprobs_BT - out["eager"].logprobs_BT).abs().max())
-    if diff > 1e-5:
-        raise AssertionError(f"the static decoder's log-probs differ from the eager loop's by {diff:g}")
-    decoder = static_decode.decoder_for(model)
-    return {"device": devices.describe(device), "captured": decoder.capture, "graphs": len(decoder.graphs),
-            "capture_s": round(decoder.capture_s, 3), "tokens_per_s": tokens_per_s["static"],
-            "eager_tokens_per_s": tokens_per_s["eager"], "max_logprob_diff": diff}
+    diffs = {}
+    for decoder in ("static", "compiled"):  # both against the eager loop, both reported before either fails
+        diffs[decoder] = float((out[decoder].logprobs_BT - out["eager"].logprobs_BT).abs().max())
+    captured, compiled = static_decode.decoder_for(model), static_decode.decoder_for(model, compiled=True)
+    report = {"device": devices.describe(device), "captured": captured.capture, "graphs": len(captured.graphs),
+              "capture_s": round(captured.capture_s, 3), "tokens_per_s": tokens_per_s["static"],
+              "eager_tokens_per_s": tokens_per_s["eager"], "max_logprob_diff": diffs["static"],
+              "compiled_steps": len(compiled.steps), "compile_s": round(compiled.capture_s, 3),
+              "compiled_tokens_per_s": tokens_per_s["compiled"], "compiled_max_logprob_diff": diffs["compiled"],
+              "compiled_cudagraph_skips": compiled.cudagraph_skips}
+    for decoder, name in (("static", "static (captured)"), ("compiled", "compiled")):
+        if not torch.equal(out[decoder].tokens_BT, out["eager"].tokens_BT):
+            raise AssertionError(f"the {name} decoder's greedy tokens differ from the eager loop's; {report}")
+        if diffs[decoder] > 1e-5:
+            raise AssertionError(f"the {name} decoder's log-probs differ from the eager loop's by {diffs[decoder]:g}")
+    if compiled.cudagraph_skips:
+        raise AssertionError(f"inductor ran {compiled.cudagraph_skips} compiled decode steps without CUDA graphs "
+                             "(the log says why): the compiled decoder's measurement would not be of graphs")
+    return report
 
 
 def check_trainer(t: Target) -> dict[str, Any]:
@@ -440,34 +515,68 @@ def check_gpu_tests(t: Target) -> dict[str, Any]:
     without a GPU: run here, on the GPU."""
     if t.dry_run:
         raise Skipped("the gpu-marked tests need CUDA; a dry run leaves them out")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+    # Only the files that hold such tests: collecting the others would import what the
+    # GPU check needs not (torchx, selenium, ...), which a bare GPU machine may lack.
+    files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py")
+                   if "mark.gpu" in f.read_text())
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files],
                           cwd=ROOT, capture_output=True, text=True, timeout=GPU_TEST_TIMEOUT_S)
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
     if proc.returncode != 0:
         raise AssertionError(f"pytest -m gpu: {summary}\n{proc.stdout[-4000:]}")
-    return {"pytest": summary}
+    return {"pytest": summary, "files": files}
 
 
-def check_sampler_benchmark(t: Target) -> dict[str, Any]:
-    """``benchmarks/sampler.py`` with ``SAMPLER_BENCH_ARGS``: issue 18's table on this GPU."""
+def _sampler_script(t: Target, args: list[str], name: str, timeout_s: float) -> dict[str, Any]:
+    """``benchmarks/sampler.py args``, its JSON ``name`` beside this report, within
+    ``timeout_s`` (what it measured before a timeout is kept); the dry run runs
+    ``DRY_RUN_BENCH_ARGS`` with ``args``' sides instead, on the tiny policy."""
+    out = (t.work if t.dry_run else t.reports) / name  # a dry run's figures are not worth keeping
     if t.dry_run:
-        raise Skipped("the GPU table needs CUDA; on CPU run benchmarks/sampler.py --sampler ... --config default")
-    out = default_json(False).parent / "sampler_gpu.json"
+        parser = argparse.ArgumentParser(add_help=False)
+        parser.add_argument("--sampler", nargs="+")
+        parser.add_argument("--check-every", nargs="+", default=None)
+        sides, _ = parser.parse_known_args(args)
+        args = ["--sampler", *[s for s in sides.sampler if s not in DRY_RUN_LEFT_OUT],
+                *(["--check-every", *sides.check_every] if sides.check_every else []),
+                *DRY_RUN_BENCH_ARGS, "--policy", str(t.policy)]
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sampler.py"), *SAMPLER_BENCH_ARGS,
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=SAMPLER_BENCH_TIMEOUT_S, check=True)
+        # PYTHONPATH: the script imports `app`, which a machine without llamarl installed
+        # (a lent GPU machine) finds only in this checkout.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sampler.py"), *args, "--json", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=True)
         finished = True
     except subprocess.TimeoutExpired:
         finished = False  # the JSON holds the cases measured so far
     except subprocess.CalledProcessError as e:
         raise AssertionError(f"benchmarks/sampler.py failed:\n{e.stderr[-3000:]}") from e
     runs = json.loads(out.read_text())["runs"] if out.exists() else []
-    table = {f"{r['config']} {r['precision']} {r['rows']} {r['sampler']}": round(r["tokens_per_s"])
-             for r in runs}
-    return {"json": str(out), "finished": finished, "tokens_per_s": table,
-            "warmup_s": {f"{r['config']} {r['precision']} {r['rows']} {r['sampler']}": round(r["warmup_s"], 1)
-                         for r in runs}}
+
+    def label(r: dict) -> str:
+        return " ".join(str(x) for x in (r["config"], r["precision"], r["rows"], r["sampler"],
+                                         r.get("check_every", ""))).strip()
+
+    ran = [r for r in runs if "error" not in r]
+    report = {"json": str(out), "finished": finished, "tokens_per_s": {label(r): round(r["tokens_per_s"]) for r in ran},
+              "warmup_s": {label(r): round(r["warmup_s"], 1) for r in ran}}
+    failed = {label(r): r["error"][:300] for r in runs if "error" in r}
+    if failed:  # the others' figures are in the JSON and in this message
+        raise AssertionError(f"sides failed: {failed}; measured: {report}")
+    return report
+
+
+def check_sampler_benchmark(t: Target) -> dict[str, Any]:
+    """``benchmarks/sampler.py`` with ``SAMPLER_BENCH_ARGS``: issue 18's table on this GPU
+    (``sampler_gpu.json``, to commit as ``benchmarks/results/sampler_gpu.json``)."""
+    return _sampler_script(t, SAMPLER_BENCH_ARGS, "sampler_gpu.json", SAMPLER_BENCH_TIMEOUT_S)
+
+
+def check_check_every_benchmark(t: Target) -> dict[str, Any]:
+    """``benchmarks/sampler.py`` with ``CHECK_EVERY_ARGS``: the host-read interval on this
+    GPU (``sampler_check_every_gpu.json``)."""
+    return _sampler_script(t, CHECK_EVERY_ARGS, "sampler_check_every_gpu.json", CHECK_EVERY_TIMEOUT_S)
 
 
 def _logged(log_text: str, prefix: str) -> str | None:
@@ -478,6 +587,7 @@ def _logged(log_text: str, prefix: str) -> str | None:
 CHECK_FUNCTIONS: dict[str, Callable[[Target], dict[str, Any]]] = {
     "environment": check_environment, "generator": check_generator, "static_decoder": check_static_decoder,
     "trainer": check_trainer, "sampler_benchmark": check_sampler_benchmark,
+    "check_every_benchmark": check_check_every_benchmark,
     "weight_plane_shared": check_weight_plane_shared, "weight_plane_nccl": check_weight_plane_nccl,
     "fsdp2_step": check_fsdp2_step, "app_run": check_app_run, "gpu_tests": check_gpu_tests}
 
@@ -500,7 +610,10 @@ def default_json(dry_run: bool) -> Path:
     return Path(os.environ["OUT"]) / name if os.environ.get("OUT") else ROOT / "benchmarks" / "results" / name
 
 
-def run_checks(names: list[str], target: Target) -> dict[str, dict[str, Any]]:
+def run_checks(names: list[str], target: Target,
+               after_each: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Each check in turn; ``after_each(report so far)`` after each (the report is
+    written then: a run its caller kills keeps the checks it finished)."""
     report: dict[str, dict[str, Any]] = {}
     for name in names:
         t0 = time.monotonic()
@@ -513,13 +626,16 @@ def run_checks(names: list[str], target: Target) -> dict[str, dict[str, Any]]:
         entry["seconds"] = round(time.monotonic() - t0, 1)
         report[name] = entry
         print(f"  {name:<20} {entry['status']:<8} {entry['seconds']:6.1f} s  {_headline(entry)}", flush=True)
+        if after_each is not None:
+            after_each(report)
     return report
 
 
 def _headline(entry: dict[str, Any]) -> str:
     if entry["status"] != "ok":
         return (entry.get("reason") or entry.get("error", "")).splitlines()[0][:160]
-    keys = ("gpus", "device", "tokens_per_s", "eager_tokens_per_s", "capture_s", "precision", "loss", "loss_fp32", "backend", "staged", "send_s",
+    keys = ("gpus", "device", "tokens_per_s", "eager_tokens_per_s", "capture_s", "compiled_tokens_per_s", "compile_s",
+            "precision", "loss", "loss_fp32", "backend", "staged", "send_s",
             "ranks", "loss_unsharded", "max_weight_diff", "steps", "weight_plane", "pytest")
     return ", ".join(f"{k}={entry[k]}" for k in keys if k in entry)[:300]
 
@@ -529,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run the same steps on the CPU with gloo (checks the script itself, no GPU needed)")
     parser.add_argument("--skip", nargs="*", default=[], choices=CHECKS, help="checks to leave out")
+    parser.add_argument("--only", nargs="*", default=None, choices=CHECKS,
+                        help="run these checks only (in CHECKS' order; --skip still applies)")
     parser.add_argument("--json", type=Path, default=None, help="where to write the report (see the docstring)")
     args = parser.parse_args(argv)
     if not args.cpu_dry_run and not torch.cuda.is_available():
@@ -536,20 +654,26 @@ def main(argv: list[str] | None = None) -> int:
               f"{torch.version.cuda or 'none'}): nothing to check. Run it on a GPU machine, or with "
               "--cpu-dry-run to exercise the same steps on the CPU.", file=sys.stderr)
         return 2
-    names = [n for n in CHECKS if n not in args.skip]
+    names = [n for n in CHECKS if n not in args.skip and (args.only is None or n in args.only)]
+    path = args.json or default_json(args.cpu_dry_run)
+    path.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
+    summary: dict[str, Any] = {}
+
+    def write(report: dict[str, dict[str, Any]]) -> None:
+        failed = [n for n, e in report.items() if e["status"] == "failed"]
+        summary.update(started_at=started, seconds=round(time.time() - started, 1), dry_run=args.cpu_dry_run,
+                       ok=not failed, failed=failed, finished=len(report) == len(names), checks=report)
+        path.write_text(json.dumps(summary, indent=2, default=str))
+
     with tempfile.TemporaryDirectory(prefix="llamarl-gpu-check-") as tmp:
         work = Path(tmp)
         print(f"gpu_check ({'CPU dry run' if args.cpu_dry_run else 'CUDA'}): making a tiny policy ...", flush=True)
         target = Target(dry_run=args.cpu_dry_run, gpus=0 if args.cpu_dry_run else torch.cuda.device_count(),
-                        policy=_tiny_policy(work), work=work)
-        report = run_checks(names, target)
-    failed = [n for n, e in report.items() if e["status"] == "failed"]
-    summary = {"started_at": started, "seconds": round(time.time() - started, 1), "dry_run": args.cpu_dry_run,
-               "ok": not failed, "failed": failed, "checks": report}
-    path = args.json or default_json(args.cpu_dry_run)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=2, default=str))
+                        policy=_tiny_policy(work), work=work, reports=path.parent)
+        report = run_checks(names, target, after_each=write)
+    write(report)
+    failed = summary["failed"]
     print(f"gpu_check: {len(names) - len(failed)}/{len(names)} checks ok or skipped in {summary['seconds']:.0f} s"
           f"{'; FAILED: ' + ', '.join(failed) if failed else ''}; report {path}")
     return 1 if failed else 0

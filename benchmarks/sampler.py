@@ -34,10 +34,16 @@ plus ``params`` and the seconds one quantization of the weights took, ``quantize
     python benchmarks/sampler.py --precision fp32 int8 bf16 --json benchmarks/results/sampler_precision.json
 
 With ``--sampler`` it compares decoders (``compare_samplers``), side by side, interleaved,
-on each ``--config`` x ``--rows`` x ``--precision`` (or each ``--case CONFIG:ROWS:PRECISION``):
+on each ``--config`` x ``--rows`` x ``--precision`` (or each ``--case CONFIG:ROWS:PRECISION``,
+``CONFIG:ROWS:PRECISION:SIDE+SIDE`` for some of the sides only):
 
 - ``captured``: ``sample(decoder="static")`` (``app.sampling.static_decode``): captured CUDA
   graphs on CUDA, the same static steps without capture on CPU;
+- ``compiled``: ``sample(decoder="compiled")``: the same static steps through
+  ``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``, a bucket
+  compiled at its first use (inductor's kernels, replayed as CUDA graphs on CUDA;
+  inductor's C++ kernels on CPU); its ``warmup_s`` holds the compilations of the buckets
+  the first call reaches (a bucket first reached later compiles inside a timed call);
 - ``eager``: ``sample(decoder="eager")``, the decode loop of ``app.sampling.decode``;
 - ``generate``: ``model.generate`` with per-token log-probs, as above;
 - ``generate_static``: the same with ``cache_implementation="static"`` (transformers then
@@ -53,13 +59,16 @@ compilation, allocator warm-up) is timed apart as ``warmup_s``. JSON: ``device``
 ``runs`` of flat objects (``config``, ``rows``, ``precision``, ``sampler``,
 ``tokens_per_s``, ``warmup_s``, ``median_tokens``, ``params``,
 ``weight_read_limit_tokens_per_s``: rows / (weight bytes / ``WEIGHT_READ_BYTES_PER_S``),
-one read of the weights per step, on CUDA only). ``--check-every K ...`` repeats the
+one read of the weights per step, on CUDA only; a side that raised has ``error`` and
+no figures, and the others go on). ``--check-every K ...`` repeats the
 ``captured`` side at each ``static_decode.CHECK_EVERY`` (field ``check_every``).
 
     python benchmarks/sampler.py --sampler captured eager generate generate_static --config default --rows 32
-    python benchmarks/sampler.py --device cuda --sampler captured eager generate generate_static \\
-        --case 60m:64:fp32 374m:64:bf16 374m:256:bf16 --max-new-tokens 128 --repeats 3 \\
-        --json benchmarks/results/sampler_gpu.json        # the issue's table (benchmarks/gpu_check.py)
+    python benchmarks/sampler.py --sampler compiled captured eager --config default --rows 32 64 \\
+        --json benchmarks/results/sampler_compiled_cpu.json   # compile vs capture on CPU
+    python benchmarks/sampler.py --device cuda --sampler captured compiled eager generate generate_static \\
+        --case 374m:64:bf16 374m:256:bf16 60m:64:fp32:captured+eager+generate --max-new-tokens 128 \\
+        --repeats 2 --json sampler_gpu.json     # the issue's table (benchmarks/gpu_check.py's SAMPLER_BENCH_ARGS)
 """
 
 from __future__ import annotations
@@ -97,7 +106,7 @@ SIZED_CONFIGS = {
 """The random-init Llamas of ``--sampler`` (32000-token vocabulary, untied head): 60.0M
 and 373.9M parameters."""
 SIZED_VOCAB = 32000
-SAMPLERS = ("captured", "eager", "generate", "generate_static")
+SAMPLERS = ("captured", "compiled", "eager", "generate", "generate_static")
 WEIGHT_READ_BYTES_PER_S = 4.3e12
 """HBM bandwidth the weight-read limit assumes: an H200's (issue 18's table)."""
 
@@ -154,26 +163,34 @@ def run_generate(model: PreTrainedModel, prompts: list[list[int]], params: Sampl
     return count_tokens(new_BT, eos_id)
 
 
-def interleaved(sides: dict[str, Callable[[int], int]], repeats: int, warmup: int = 2
-                ) -> dict[str, dict[str, float]]:
+def interleaved(sides: dict[str, Callable[[int], int]], repeats: int, warmup: int = 2,
+                failures: dict[str, str] | None = None) -> dict[str, dict[str, float]]:
     """Run the sides in turn ``repeats`` times (after ``warmup`` rounds, timed apart as
     ``warmup_s``, the first round's seconds: capture, compilation); per side: median
-    seconds, median tokens and median tokens/s over the repeats."""
+    seconds, median tokens and median tokens/s over the repeats. With ``failures``, a
+    side that raises is recorded there (its error) and left out from then on, so that
+    one broken side does not cost a one-shot GPU run the others' figures."""
+    sides = dict(sides)
     warmup_s = {k: 0.0 for k in sides}
-    for r in range(warmup):
-        for name, fn in sides.items():
-            t0 = time.perf_counter()
-            fn(10_000 + r)
-            if r == 0:
-                warmup_s[name] = time.perf_counter() - t0
     times: dict[str, list[float]] = {k: [] for k in sides}
     tokens: dict[str, list[int]] = {k: [] for k in sides}
-    for r in range(repeats):
-        for name, fn in sides.items():
+    for r in range(warmup + repeats):
+        for name, fn in list(sides.items()):
             t0 = time.perf_counter()
-            n = fn(r)
-            times[name].append(time.perf_counter() - t0)
-            tokens[name].append(n)
+            try:
+                n = fn(10_000 + r if r < warmup else r - warmup)
+            except Exception as e:
+                if failures is None:
+                    raise
+                failures[name] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"side {name} failed, left out: {failures[name][:300]}", flush=True)
+                del sides[name]
+                continue
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+                tokens[name].append(n)
+            elif r == 0:
+                warmup_s[name] = time.perf_counter() - t0
     return {name: {"median_s": statistics.median(times[name]), "warmup_s": warmup_s[name],
                    "median_tokens": statistics.median(tokens[name]),
                    "tokens_per_s": statistics.median(n / t for n, t in
@@ -202,8 +219,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="compare these decoders side by side (see the module docstring)")
     parser.add_argument("--config", nargs="+", choices=("default", *SIZED_CONFIGS), default=["default"],
                         help="--sampler: models to run (default: the warm-started policy)")
-    parser.add_argument("--case", nargs="+", default=None, metavar="CONFIG:ROWS:PRECISION",
-                        help="--sampler: these combinations instead of --config x --rows x --precision")
+    parser.add_argument("--case", nargs="+", default=None, metavar="CONFIG:ROWS:PRECISION[:SIDE+SIDE]",
+                        help="--sampler: these combinations instead of --config x --rows x --precision, "
+                             "each with --sampler's sides or the ones named after a fourth colon")
     parser.add_argument("--device", default="cpu", help="--sampler: cpu or cuda")
     parser.add_argument("--prompt-tokens", type=int, default=64,
                         help="--sampler: prompt length of the random-init configs")
@@ -324,14 +342,19 @@ def compare_precisions(args: argparse.Namespace) -> dict:
     return result
 
 
-def _cases(args: argparse.Namespace) -> list[tuple[str, int, str]]:
+def _cases(args: argparse.Namespace) -> list[tuple[str, int, str, list[str]]]:
+    """``(config, rows, precision, samplers)`` per case: ``--case CONFIG:ROWS:PRECISION``
+    runs ``--sampler``'s sides, ``CONFIG:ROWS:PRECISION:SIDE+SIDE...`` those of them."""
     if args.case:
         out = []
         for case in args.case:
-            config, rows, prec = case.split(":")
-            out.append((config, int(rows), prec))
+            config, rows, prec, *only = case.split(":")
+            sides = only[0].split("+") if only else args.sampler
+            if unknown := [s for s in sides if s not in args.sampler]:
+                raise SystemExit(f"--case {case}: {', '.join(unknown)} not among --sampler {' '.join(args.sampler)}")
+            out.append((config, int(rows), prec, [s for s in args.sampler if s in sides]))
         return out
-    return [(c, r, p) for c in args.config for r in args.rows for p in (args.precision or ["fp32"])]
+    return [(c, r, p, args.sampler) for c in args.config for r in args.rows for p in (args.precision or ["fp32"])]
 
 
 def sized_model(config: str, device: torch.device) -> PreTrainedModel:
@@ -348,7 +371,7 @@ def compare_samplers(args: argparse.Namespace) -> dict:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0)
     G, runs = args.group_size, []
     base: dict[str, tuple] = {}
-    for config, rows, prec in _cases(args):
+    for config, rows, prec, samplers in _cases(args):
         if config not in base:
             base.clear()  # one config's models on the device at a time
             if config == "default":
@@ -376,21 +399,27 @@ def compare_samplers(args: argparse.Namespace) -> dict:
         theirs = model if prec == "fp32" else copy.deepcopy(model).to(torch.bfloat16)
         common = dict(eos_id=eos_id, pad_id=pad_id)
         sides: dict[str, Callable[[int], int]] = {}
-        for name in args.sampler:
+        for name in samplers:
             if name == "captured":
                 for k in args.check_every or [static_decode.CHECK_EVERY]:
                     label = name if not args.check_every else f"captured@{k}"
                     sides[label] = functools.partial(_captured, ours, repeated, params, k, common)
-            elif name == "eager":
-                sides[name] = lambda s: run_sampler(ours, repeated, params, seed=s, decoder="eager", **common)
+            elif name in ("eager", "compiled"):
+                sides[name] = functools.partial(_sampler_side, ours, repeated, params, name, common)
             else:
                 cache = "static" if name == "generate_static" else None
                 sides[name] = (lambda s, cache=cache: run_generate(
                     theirs, distinct, params, seed=s, num_return_sequences=G, cache_implementation=cache, **common))
-        res = interleaved(sides, args.repeats)
+        failures: dict[str, str] = {}
+        res = interleaved(sides, args.repeats, failures=failures)
         n_params = sum(p.numel() for p in model.parameters())
         weight_bytes = n_params * (4 if prec == "fp32" else 2 if prec == "bf16" else 1)
         limit = rows / (weight_bytes / WEIGHT_READ_BYTES_PER_S) if device.type == "cuda" else None
+        for label, error in failures.items():
+            name, _, k = label.partition("@")
+            runs.append({"config": config, "rows": len(repeated), "precision": prec, "sampler": name,
+                         "tokens_per_s": None, "warmup_s": None, "error": error, "params": n_params,
+                         "weight_read_limit_tokens_per_s": limit, **({"check_every": int(k)} if k else {})})
         for label, r in res.items():
             name, _, k = label.partition("@")
             runs.append({"config": config, "rows": len(repeated), "precision": prec, "sampler": name,
@@ -411,6 +440,10 @@ def compare_samplers(args: argparse.Namespace) -> dict:
         if args.json:  # after every case: a run cut short keeps what it measured
             Path(args.json).write_text(json.dumps(result, indent=2))
     return result
+
+
+def _sampler_side(model, prompts, params, decoder: str, common: dict, seed: int) -> int:
+    return run_sampler(model, prompts, params, seed=seed, decoder=decoder, **common)
 
 
 def _captured(model, prompts, params, check_every: int, common: dict, seed: int) -> int:

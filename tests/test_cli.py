@@ -157,6 +157,7 @@ def test_trainer_and_generator_flags_parse_together():
     (["--run-id", ".."], "run_id must be one safe path component"),
     (["--gen-precision", "int4"], "invalid choice"),
     (["--gen-decoder", "graphs"], "invalid choice"),
+    (["--gen-decoder", "compiled", "--gen-precision", "int8"], "gen_decoder compiled runs fp32, bf16 and fp8"),
     (["--loss", "ppo", "--no-ratio-correction"], "--no-ratio-correction is AIPO's"),
 ])
 def test_trainer_generator_validation_is_an_argparse_error(argv, message, capsys):

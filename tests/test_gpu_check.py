@@ -36,9 +36,16 @@ def test_dry_run_passes_every_check_on_the_cpu(tmp_path):
     assert report["ok"] and report["dry_run"]
     assert {name: c["status"] for name, c in checks.items()} == {
         "environment": "ok", "generator": "ok", "static_decoder": "ok", "trainer": "ok", "weight_plane_shared": "ok",
-        "weight_plane_nccl": "skipped", "fsdp2_step": "ok", "app_run": "ok", "sampler_benchmark": "skipped",
-        "gpu_tests": "skipped"}
+        "weight_plane_nccl": "skipped", "fsdp2_step": "ok", "app_run": "ok", "sampler_benchmark": "ok",
+        "check_every_benchmark": "ok", "gpu_tests": "skipped"}
+    assert report["finished"]
     assert checks["static_decoder"]["captured"] is False  # the same steps, no capture on CPU
+    assert checks["static_decoder"]["compiled_steps"] >= 1 and checks["static_decoder"]["compile_s"] > 0
+    # The benchmarks' script ran each side of the GPU run but the compiling ones (not on the CPU).
+    assert set(checks["sampler_benchmark"]["tokens_per_s"]) == {
+        "default fp32 8 captured", "default fp32 8 eager", "default fp32 8 generate"}
+    assert set(checks["check_every_benchmark"]["tokens_per_s"]) == {
+        f"default fp32 8 captured {k}" for k in (1, 4, 8, 16)}
     assert checks["weight_plane_nccl"]["reason"] == "CPU dry run: NCCL needs GPUs"
     assert checks["weight_plane_shared"]["bit_identical"] and checks["weight_plane_shared"]["backend"] == "gloo"
     trainer = checks["trainer"]

@@ -184,7 +184,7 @@ def test_new_weights_are_copied_into_the_same_storage_and_sampled_from(llama, pr
     assert not torch.equal(after.tokens_BT, before.tokens_BT)
     assert not decoder.refresh_weights()  # nothing changed since the last call
     twin = copy.deepcopy(model)  # a reference model: its own decoder, made at its first call
-    assert getattr(twin, static_decode._ATTACHED) is None
+    assert getattr(twin, static_decode._ATTACHED[False]) is None
     assert static_decode.decoder_for(twin) is not decoder
 
 
@@ -207,7 +207,7 @@ def test_models_without_the_fast_path_keep_the_eager_loop(tokenizer, prompts):  
     out = sample(gpt2, prompts, SamplingParams(max_new_tokens=4), eos_id=-1, pad_id=PAD,
                  generator=torch.Generator().manual_seed(0))  # auto: eager
     assert out.tokens_BT.shape == (len(prompts), 4)
-    assert not hasattr(gpt2, static_decode._ATTACHED)
+    assert not hasattr(gpt2, static_decode._ATTACHED[False])
     with pytest.raises(ValueError, match="Llama fast path"):
         sample(gpt2, prompts, SamplingParams(max_new_tokens=4), eos_id=-1, pad_id=PAD, decoder="static")
 
@@ -246,7 +246,113 @@ def test_generators_decode_as_gen_decoder_says(tokenizer):  # noqa: F811
         gen = GeneratorConfig(max_new_tokens=6, gen_decoder=decoder)
         groups = rl.generate_groups(model, tokenizer, problems, group_size=2, params=gen.sampling(), version=0,
                                     rng=torch.Generator().manual_seed(0), decoder=gen.gen_decoder)
-        assert hasattr(model, static_decode._ATTACHED) == (decoder == "static")
+        assert hasattr(model, static_decode._ATTACHED[False]) == (decoder == "static")
         assert all(r.behaviour_logprobs and max(r.behaviour_logprobs) <= 0 for g in groups for r in g.rollouts)
     with pytest.raises(ValueError, match="gen_decoder"):
         GeneratorConfig(gen_decoder="graphs")  # type: ignore[arg-type]
+    assert GeneratorConfig(gen_decoder="compiled", gen_precision="bf16").gen_decoder == "compiled"
+    with pytest.raises(ValueError, match="int8"):
+        GeneratorConfig(gen_decoder="compiled", gen_precision="int8")
+
+
+def test_compiled_steps_equal_the_eager_loop_and_take_new_weights(tokenizer, prompts):  # noqa: F811
+    """``decoder="compiled"``: the same step through torch.compile (inductor's C++ kernels
+    on CPU), a bucket compiled at its first use. After a weight swap (copied in normal
+    mode into parameters whose kernels were made in inference mode), bucket 16's
+    compiled step runs the new weights without compiling again, and bucket 8 compiles
+    then: the same greedy tokens and log-probs as the eager loop throughout."""
+    from torch._dynamo.utils import counters
+
+    model = make_model("llama", len(tokenizer))
+    batch = [p for p in prompts[:4] for _ in range(4)]  # 16 rows: buckets 16, 8
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+
+    def both(rows, reference):
+        """``model`` compiled, and ``reference`` (its weights) through the eager loop."""
+        return (sample(model, rows, greedy, eos_id=-1, pad_id=PAD, decoder="compiled"),
+                sample(reference, rows, greedy, eos_id=-1, pad_id=PAD, decoder="eager"))
+
+    compiled, eager = both(batch, model)
+    decoder = static_decode.decoder_for(model, compiled=True)
+    assert decoder.compiled and not decoder.capture and not decoder.graphs
+    assert [k.rows for k in decoder.steps] == [16] and decoder.capture_s > 0
+    assert torch.equal(compiled.tokens_BT, eager.tokens_BT)
+    assert static_decode.decoder_for(model) is not decoder  # the captured one is another
+    other = make_model("llama", len(tokenizer))
+    with torch.no_grad():  # what the weight receiver does
+        for live, p in zip(model.parameters(), other.parameters()):
+            p.add_(torch.randn_like(p) * 0.5)
+            live.copy_(p)
+    graphs = counters["stats"]["unique_graphs"]
+    after, expected = both(batch, other)
+    assert counters["stats"]["unique_graphs"] == graphs  # no compilation
+    assert torch.equal(after.tokens_BT, expected.tokens_BT) and not torch.equal(after.tokens_BT, compiled.tokens_BT)
+    assert (after.logprobs_BT - expected.logprobs_BT).abs().max() <= 1e-5
+    small, expected = both(prompts[:2] * 4, other)  # 8 rows of the same state: bucket 8
+    assert sorted(k.rows for k in decoder.steps) == [8, 16] and counters["stats"]["unique_graphs"] == graphs + 1
+    assert torch.equal(small.tokens_BT, expected.tokens_BT)
+
+
+@pytest.mark.skipif(int8_engine() is None, reason="no quantized engine")
+def test_the_compiled_decoder_refuses_int8(tokenizer, prompts):  # noqa: F811
+    model = make_model("llama", len(tokenizer))
+    precision.quantize_(model, "int8").refresh()
+    with pytest.raises(ValueError, match="int8"):
+        sample(model, prompts, SamplingParams(max_new_tokens=2), eos_id=-1, pad_id=PAD, decoder="compiled")
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (0.7, 0.8)])
+def test_the_step_is_capturable_no_host_read_no_graph_break(tokenizer, temperature, top_p):  # noqa: F811
+    """What CUDA graph capture needs of ``_step``, checked on CPU with the decoder on the
+    meta device (tensors without data): run as it is (what ``_capture_all`` captures), a
+    read back to the host (``.item()``, ``int(x.sum())``, ``bool(x.any())`` in a branch,
+    ``.tolist()``) or a boolean-mask index (a data-dependent shape) raises; traced by
+    dynamo (what ``compiled`` compiles) with ``fullgraph=True``, a graph break raises, and
+    every value in the graph is a tensor of static shape on the decoder's device (no
+    host tensor made per step, whose value a graph would freeze, no unbacked size)."""
+    import functools
+
+    model = make_model("llama", len(tokenizer)).to("meta")
+    decoder = StaticDecoder(model)
+    key = static_decode.StepKey(16, temperature, top_p, eos_id=2)
+    with torch.inference_mode():
+        decoder.refresh_weights()
+        st = decoder._state_for(key.rows, 40)
+        decoder._step(st, key)
+    graphs = []
+
+    def inspect(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.inference_mode():
+        torch.compile(functools.partial(decoder._step, st, key), backend=inspect, fullgraph=True, dynamic=False)()
+    (gm,) = graphs
+    outputs = [(n.format_node(), v) for n in gm.graph.nodes if n.op != "output"
+               for v in (lambda x: x if isinstance(x, (tuple, list)) else [x])(n.meta.get("example_value"))]
+    assert len(outputs) > 50  # the whole step is one graph
+    wrong = [node for node, v in outputs if not (isinstance(v, torch.Tensor) and v.device.type == "meta"
+                                                  and all(isinstance(d, int) for d in v.shape))]
+    assert not wrong, wrong
+
+
+def test_capture_warm_up_runs_on_a_state_the_last_call_filled_to_capacity(llama, prompts):  # noqa: F811
+    """A new sampling setting on a used state is captured after warm-up steps on what the
+    last call left there: rows at position capacity - 1 when the call filled it. The
+    warm-up (``_warm_up``, run by ``_capture_all`` on a side stream; device-generic)
+    must start them over, or its steps index past the rotary tables (on CUDA a
+    device-side assert)."""
+    decoder = StaticDecoder(llama)
+    P = max(len(p) for p in prompts)
+    T = capacity_for(P + 1) - P  # prompt + new tokens == the capacity
+    decoder.run(prompts, SamplingParams(max_new_tokens=T, temperature=0), eos_id=-1, pad_id=PAD, generator=None)
+    st = decoder.state
+    assert st.capacity == P + T and int(st.pos_R[: len(prompts)].max()) == st.capacity - 1
+    with torch.inference_mode():
+        decoder._warm_up(st, static_decode.StepKey(len(prompts), 0.7, 0.8, eos_id=-1))
+    assert int(st.pos_R.max()) == 1  # each warm-up step starts at position 0
+    after = decoder.run(prompts, SamplingParams(max_new_tokens=T, temperature=0), eos_id=-1, pad_id=PAD,
+                        generator=None)
+    eager = sample(llama, prompts, SamplingParams(max_new_tokens=T, temperature=0), eos_id=-1, pad_id=PAD,
+                   decoder="eager")
+    assert torch.equal(after[0], eager.tokens_BT)  # the call sets the state up again

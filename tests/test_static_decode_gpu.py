@@ -1,8 +1,8 @@
 """The static decoder on CUDA, captured as CUDA graphs (``app.sampling.static_decode``):
 equal results to the eager loop, no host sync inside the steps, and a weight swap that
-reaches the captured graphs without recapture. For the GPU check to run when a GPU
-machine is lent (skipped without one); the shared logic is tested on CPU in
-``test_static_decode.py``."""
+reaches the captured graphs without recapture; the compiled variant's CUDA graphs too.
+For the GPU check to run when a GPU machine is lent (skipped without one); the shared
+logic is tested on CPU in ``test_static_decode.py``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,21 @@ pytestmark = pytest.mark.gpu
 
 def cuda_llama(vocab: int):
     return make_model("llama", vocab).cuda()
+
+
+def next_version(model):
+    """``model`` with its weights moved, in place: a new version to swap in."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+def swap_in(model, other) -> None:
+    """What ``WeightReceiver.swap_if_newer`` does: copy into the live tensors."""
+    with torch.no_grad():
+        for live, new in zip(model.parameters(), other.parameters()):
+            live.copy_(new)
 
 
 @pytest.fixture
@@ -82,22 +97,39 @@ def test_captured_steps_never_sync_with_the_host(tokenizer, batch):  # noqa: F81
 
 
 def test_after_a_weight_swap_the_captured_graphs_sample_from_the_new_weights(tokenizer, prompts):  # noqa: F811
-    model = cuda_llama(len(tokenizer))
-    other = cuda_llama(len(tokenizer))
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn_like(p) * 0.5)
+    model, other = cuda_llama(len(tokenizer)), next_version(cuda_llama(len(tokenizer)))
     greedy = SamplingParams(max_new_tokens=10, temperature=0)
     before = sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="static")
     decoder = static_decode.decoder_for(model)
     graphs = dict(decoder.graphs)
     ptrs = [k.w_KM.data_ptr() for layer in decoder.linears.layers for k in layer]
-    with torch.no_grad():  # what WeightReceiver.swap_if_newer does: copy into the live tensors
-        for live, new in zip(model.parameters(), other.parameters()):
-            live.copy_(new)
+    swap_in(model, other)
     after = sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="static")
     assert decoder.graphs == graphs  # the same graph objects: no recapture
     assert [k.w_KM.data_ptr() for layer in decoder.linears.layers for k in layer] == ptrs
+    expected = sample(other, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="eager")
+    assert torch.equal(after.tokens_BT, expected.tokens_BT)
+    assert not torch.equal(after.tokens_BT, before.tokens_BT)
+
+
+def test_the_compiled_steps_replay_cuda_graphs_and_take_a_weight_swap(tokenizer, prompts):  # noqa: F811
+    """``decoder="compiled"`` on CUDA: inductor replays its steps as CUDA graphs (none
+    skipped: every tensor they write is a static address), greedy tokens are the eager
+    loop's, and after a swap copied into the parameters the same compiled step samples
+    from the new weights without compiling again."""
+    from torch._dynamo.utils import counters
+
+    model, other = cuda_llama(len(tokenizer)), next_version(cuda_llama(len(tokenizer)))
+    greedy = SamplingParams(max_new_tokens=10, temperature=0)
+    before = sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="compiled")
+    decoder = static_decode.decoder_for(model, compiled=True)
+    assert decoder.cudagraph_skips == 0 and len(decoder.steps) == 1 and not decoder.graphs
+    assert torch.equal(before.tokens_BT, sample(model, prompts, greedy, eos_id=-1, pad_id=PAD,
+                                                decoder="eager").tokens_BT)
+    graphs = counters["stats"]["unique_graphs"]
+    swap_in(model, other)
+    after = sample(model, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="compiled")
+    assert counters["stats"]["unique_graphs"] == graphs and decoder.cudagraph_skips == 0
     expected = sample(other, prompts, greedy, eos_id=-1, pad_id=PAD, decoder="eager")
     assert torch.equal(after.tokens_BT, expected.tokens_BT)
     assert not torch.equal(after.tokens_BT, before.tokens_BT)

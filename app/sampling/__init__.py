@@ -42,7 +42,7 @@ generator's precision).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from transformers import PreTrainedModel
@@ -61,10 +61,12 @@ __all__ = ["SamplingParams", "Samples", "sample", "process_logits", "token_logpr
            "LlamaFastPath", "TESTED_TRANSFORMERS", "GEN_PRECISIONS", "GenPrecision", "GenWeights",
            "quantize_", "Decoder", "DEFAULT_DECODER"]
 
-Decoder = Literal["auto", "eager", "static"]
+Decoder = Literal["auto", "eager", "static", "compiled"]
 """How ``sample`` decodes: ``eager`` the loop of ``decode.run``; ``static`` the
 fixed-shape steps of ``static_decode`` (captured as CUDA graphs on CUDA; Llama fast
-path only); ``auto`` what ``DEFAULT_DECODER`` says for the model's device."""
+path only); ``compiled`` the same steps through ``torch.compile(mode="reduce-overhead")``
+(``StaticDecoder(compiled=True)``: inductor's kernels, CUDA graphs on CUDA; fp32, bf16
+and fp8); ``auto`` what ``DEFAULT_DECODER`` says for the model's device."""
 
 DEFAULT_DECODER = {"cuda": "static", "cpu": "eager"}
 """``auto``'s choice per device type (others: eager). CUDA: static, captured (the
@@ -75,7 +77,11 @@ default policy, 2 shared cores): 0.65x eager at 32 rows in one run, 0.94x (32 ro
 0.76-0.89x (64 rows) in another, 0.76x and 0.62x in a third (15 repeats); at par on a random-init 60M Llama, where the matmuls
 dominate (1.04x fp32, 0.94x int8, 16 rows). A CPU has no launches to save, and pays for
 what static shapes add: attention over the full capacity, rows kept until the next
-bucket down."""
+bucket down. Not ``compiled`` either, by the numbers: side by side with the two
+(``--sampler compiled captured eager --config default --rows 32 64 --repeats 15``,
+``benchmarks/results/sampler_compiled_cpu.json``) it beat the uncaptured static steps
+(7667 vs 6114 tokens/s at 32 rows, 7951 vs 7095 at 64) but not the eager loop (9846
+and 9649: 0.78x and 0.82x), and cost 20-33 s of compilation."""
 
 
 @dataclass(kw_only=True)
@@ -124,12 +130,12 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingPar
     if decoder == "auto":
         decoder = "static" if (DEFAULT_DECODER.get(weight.device.type) == "static"
                                and LlamaFastPath.supports(model)) else "eager"
-    if decoder == "static":
-        tokens_BT, logprobs_BT, lengths_B = static_decode.decoder_for(model).run(
+    if decoder in ("static", "compiled"):
+        tokens_BT, logprobs_BT, lengths_B = static_decode.decoder_for(model, compiled=decoder == "compiled").run(
             prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator)
         return Samples(tokens_BT=tokens_BT, logprobs_BT=logprobs_BT, lengths_B=lengths_B)
     if decoder != "eager":
-        raise ValueError(f"decoder must be one of auto, eager, static; got {decoder!r}")
+        raise ValueError(f"decoder must be one of {', '.join(get_args(Decoder))}; got {decoder!r}")
     B, T = len(prompts), params.max_new_tokens
     P = max(len(p) for p in prompts)
     fast_path = (LlamaFastPath(model, P + T, precision.fast_linears(model))

@@ -66,7 +66,12 @@ class DenseKernel:
     copy: ``torch.mm`` and ``addmm_`` as the fp32 fast path always did); bf16 a copy."""
 
     def __init__(self, weight_MK: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
-        self.w_KM = (weight_MK if weight_MK.dtype == dtype else weight_MK.to(dtype)).t()
+        # detach(): an fp32 kernel of a parameter is a view of it, often made in inference
+        # mode, and the weight receiver then copies into the parameter in normal mode;
+        # torch.compile refuses to trace such an autograd view ("a view was created in
+        # inference mode and its base ... modified inplace in normal mode"), a detached
+        # alias of the same storage it reads like any tensor. Kernels never take gradients.
+        self.w_KM = (weight_MK.detach() if weight_MK.dtype == dtype else weight_MK.to(dtype)).t()
 
     def __call__(self, x_NK: torch.Tensor) -> torch.Tensor:
         if x_NK.dtype == self.w_KM.dtype:

@@ -267,20 +267,20 @@ class LlamaFastPath:
         return self._decode(tok_R, pos_R, lambda i, k, v: cache.layers[i].update(k, v), bias_R11L)
 
     def decode_at(self, tok_R: torch.Tensor, pos_R: torch.Tensor,
-                  kv: list[tuple[torch.Tensor, torch.Tensor]], slot_1: torch.Tensor,
+                  kv: list[tuple[torch.Tensor, torch.Tensor]],
+                  store: Callable[[int, torch.Tensor, torch.Tensor], None], slot_1: torch.Tensor,
                   bias_R11C: torch.Tensor) -> torch.Tensor:
-        """``decode`` with fixed shapes and no host sync (``static_decode``'s step): the
-        step's keys and values go to cache position ``slot_1`` (a one-element device
-        tensor) of each layer's full-capacity buffers ``kv`` (``(R, K, C, D)`` keys and
-        values), ``bias_R11C`` is opened there in place, and attention runs over all C
-        positions, the bias hiding the ones not written yet."""
+        """``decode`` with fixed shapes and no host sync (``static_decode``'s step):
+        ``store(layer, k_RK1D, v_RK1D)`` writes the step's keys and values at cache
+        position ``slot_1`` (a one-element device tensor) of that layer's full-capacity
+        buffers ``kv[layer]`` (``(R, K, C, D)`` keys and values), ``bias_R11C`` is opened
+        there in place, and attention runs over all C positions, the bias hiding the
+        ones not written yet."""
         bias_R11C.index_fill_(-1, slot_1, 0.0)
 
         def append(i: int, k_RK1D: torch.Tensor, v_RK1D: torch.Tensor):
-            k_RKCD, v_RKCD = kv[i]
-            k_RKCD.index_copy_(2, slot_1, k_RK1D)
-            v_RKCD.index_copy_(2, slot_1, v_RK1D)
-            return k_RKCD, v_RKCD
+            store(i, k_RK1D, v_RK1D)
+            return kv[i]
 
         return self._decode(tok_R, pos_R, append, bias_R11C)
 

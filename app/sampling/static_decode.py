@@ -43,33 +43,71 @@ weight receiver's in-place copy shows in their version counters): at fp32 the fu
 matrices are rewritten where they are (``fused_weights(out=...)``; o and down are the
 parameters themselves), at another precision the kernels ``GenWeights.refresh`` built
 are copied in (``FusedLinears.load_``). A new version therefore needs no recapture and
-no new storage for what the graphs read.
+no new storage for what the graphs read. Ordering on CUDA: the receiver's thread writes
+only its staging buffers; the copy into the parameters (``WeightReceiver.swap_if_newer``)
+and this refresh run on the generator's own thread between ``sample`` calls, on its
+current stream, the one the graphs replay on, so a copy starts after the last replay
+that read the old weights and the next call's replays start after it, with no host
+wait. (The capture itself runs on a side stream torch creates non-blocking, with
+``capture_error_mode="thread_local"``: the receiver's thread may use the GPU meanwhile.)
 
 On CPU the same code runs without capture (``capture=False``): the bucketing, masks and
 in-place updates are what the CPU tests check. Whether a CPU generator uses it is
 ``DEFAULT_DECODER`` (see there for the measurement).
 
-Why ``torch.cuda.CUDAGraph`` rather than ``torch.compile(mode="reduce-overhead")``:
-the graph's static inputs are exactly the tensors above, chosen here (KV buffers, bias,
-counters, weights updated in place), so a weight swap or a compaction cannot silently
-trigger a re-trace or a copy into compile-managed buffers, and there is no compile time
-per bucket; the fast path is already the fused math compile would produce for the
-matmuls. What compile could add (fusing the elementwise ops) is left to a GPU
-measurement.
+Two ways to run the steps (``StaticDecoder(compiled=...)``; ``sample(decoder="static")``
+and ``sample(decoder="compiled")``), the same ``_step`` in both, as issue 18 asks to
+measure:
+
+- *captured* (``static``): on CUDA each bucket's step is captured by hand as a
+  ``torch.cuda.CUDAGraph`` at the call's start (``_capture_all``) and replayed; on CPU
+  the step runs as it is. The graph's static inputs are exactly the tensors above,
+  chosen here, so a weight swap or a compaction cannot trigger a re-trace or a copy
+  into compile-managed buffers, and a capture costs milliseconds, not a compilation.
+- *compiled* (``compiled``): each bucket's step goes through ``torch.compile(mode=
+  "reduce-overhead", fullgraph=True, dynamic=False)`` at its first use (logged with its
+  seconds): inductor fuses the elementwise work between the matmuls (norms, rotary,
+  SiLU, the sampling) into generated kernels, and on CUDA replays the result as CUDA
+  graphs (cudagraph trees). Every tensor the step reads or writes is marked as a
+  static address (``torch._dynamo.mark_static_address``): cudagraph trees copy any
+  other input into their own buffer before each replay, and skip the graphs of a
+  function that writes one in place, which the step does to all of its state. On CPU
+  ``reduce-overhead`` has no graphs to replay: compile then means inductor's C++
+  kernels for the same fused work, and the launch-free CPU gains what fusion and
+  fewer Python dispatches save. A bucket compiles at its first use, not at the call's
+  start: a compilation costs seconds on CPU (tens on a GPU for a 374M model) per
+  bucket, and a batch whose rows rarely end never reaches the smaller buckets.
+
+Measured on CPU (``benchmarks/sampler.py --sampler compiled captured eager --config
+default --rows 32 64 --repeats 15``, 2 shared cores, torch 2.13, inductor's cache empty;
+``benchmarks/results/sampler_compiled_cpu.json``): compiled 7667 and 7951 tokens/s at 32
+and 64 rows, captured (uncaptured on CPU) 6114 and 7095, eager 9846 and 9649, after 32.9
+and 19.5 s of compilation. Compile captures the same work only because the step writes
+the KV cache by ``index_put_`` on the KV tensor itself (``StaticState.store_kv``):
+written by ``index_copy_`` into a view of it, as first, AOT autograd functionalized each
+write into a copy of the whole KV tensor (every layer, both sets), once per layer and
+step, and compiled ran at 75 and 103 tokens/s (a profile: one fused kernel per layer,
+20-40 ms, looping over all of ``kv``; 9 repeats, another run). Which wins on CUDA is
+``benchmarks/gpu_check.py``'s ``sampler_benchmark`` to measure (not yet: no GPU lent);
+until then the hand capture is ``auto``'s choice there: it replays the step's own
+kernels with no compile time per bucket, and its static inputs are exactly the tensors
+above.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from transformers import PreTrainedModel
 
 from app.sampling import decode, precision
+from app.sampling.kernels import Int8DynamicKernel
 from app.sampling.kv_cache import new_cache
 from app.sampling.llama_fast import FusedLinears, FusedWeights, LlamaFastPath, fused_linears, fused_weights
 from app.sampling.logits import inverse_cdf, process_logits, token_logprobs
@@ -101,7 +139,15 @@ CAPTURE_WARMUP_STEPS = 3
 """Steps run on a side stream before a capture (cuBLAS and allocator warm-up, as
 ``torch.cuda.graphs`` asks)."""
 
-_ATTACHED = "llamarl_static_decoder"
+COMPILE_RECOMPILE_LIMIT = 64
+"""dynamo's compiled entries allowed on ``_step``'s code object (its default, 8, is
+per code object, and every decoder of a process compiles the same ``_step``: a bucket
+and sampling setting per entry, e.g. 3 cases of ``benchmarks/sampler.py`` take 3-14).
+The compiled decoder raises the process's ``torch._dynamo.config.recompile_limit`` to
+this at least; past it, ``fullgraph=True`` makes dynamo raise rather than fall back."""
+
+_ATTACHED = {False: "llamarl_static_decoder", True: "llamarl_compiled_decoder"}
+"""The model attribute holding its decoder, per ``compiled``."""
 
 
 def bucket_sizes(rows: int) -> tuple[int, ...]:
@@ -161,6 +207,40 @@ class StaticState:
         self.tokens_BT = torch.zeros((rows + 1, capacity), dtype=torch.long, device=like.device)
         self.logprobs_BT = torch.zeros((rows + 1, capacity), dtype=torch.float32, device=like.device)
         self.u_BT = torch.zeros((rows + 1, capacity), dtype=torch.float32, device=like.device)
+        # Index tensors of the KV writes (``store_kv``), made once: indices the step built
+        # would be host tensors, frozen into a captured graph.
+        self.pair_2 = torch.arange(2, device=like.device)  # [prefill, decode], [keys, values]
+        self.layer_L = torch.arange(L, device=like.device)
+        self.row_R1 = torch.arange(rows, device=like.device)[:, None]
+        self.head_1K = torch.arange(K, device=like.device)[None, :]
+
+    def ready_for_warmup_(self) -> None:
+        """A state a step can run on whatever it held (a capture's warm-up steps, before
+        the call sets the state up): position 0 visible, the counters at the start, and
+        every row at position 0: the last call leaves rows at up to the capacity - 1,
+        and a warm-up step past it would index past the rotary tables (on CUDA a
+        device-side assert, which ends the process's use of the GPU)."""
+        self.bias_RC.fill_(float("-inf"))
+        self.bias_RC[:, 0] = 0.0
+        self.t_1.fill_(1)
+        self.slot_1.fill_(0)
+        self.pos_R.fill_(0)
+
+    def store_kv(self, rows: int):
+        """``store(layer, k_RK1D, v_RK1D)`` for ``LlamaFastPath.decode_at``: the step's keys
+        and values of the first ``rows`` rows into the decode set at ``slot_1``, by
+        ``index_put_`` on ``kv`` itself, not on a view of it: compiled, an in-place write
+        into a view of a graph input is functionalized into a copy of the whole input
+        (the KV of every layer, per layer and step: ``sampler_compiled_cpu.json``), while
+        inductor turns an ``index_put`` on the input back into the in-place scatter."""
+        rows_b1, slot_11 = self.row_R1[:rows], self.slot_1[:, None]
+
+        def store(i: int, k_bK1D: torch.Tensor, v_bK1D: torch.Tensor) -> None:
+            for which, x_bK1D in ((0, k_bK1D), (1, v_bK1D)):
+                self.kv.index_put_((self.pair_2[1], self.pair_2[which], self.layer_L[i], rows_b1, self.head_1K,
+                                    slot_11), x_bK1D[:, :, 0])
+
+        return store
 
     def decode_kv(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the decode set's keys and values of the first ``rows`` rows."""
@@ -177,20 +257,34 @@ class StaticState:
 
 class StaticDecoder:
     """The static-shape decode of one model (``decoder_for``): its state, its fused
-    weights and, on CUDA, one captured graph per bucket and sampling setting."""
+    weights and, on CUDA, one captured graph per bucket and sampling setting, or with
+    ``compiled`` one ``torch.compile``d step per bucket and setting on any device (the
+    module docstring). ``capture``: CUDA graphs by hand (default: on CUDA, unless
+    ``compiled``)."""
 
-    def __init__(self, model: PreTrainedModel, *, capture: bool | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, *, compiled: bool = False, capture: bool | None = None) -> None:
         if not LlamaFastPath.supports(model):
             raise ValueError("static decoding runs the Llama fast path, which does not support "
                              f"{type(model).__name__}")
+        if compiled and capture:
+            raise ValueError("a compiled decoder's graphs are torch.compile's (reduce-overhead): capture=True "
+                             "would capture its steps a second time")
         self.model = model
         self.device = next(model.parameters()).device
-        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.compiled = compiled
+        self.capture = not compiled and (self.device.type == "cuda" if capture is None else capture)
         self.linears: FusedLinears | None = None
         self.state: StaticState | None = None
         self.graphs: dict[StepKey, torch.cuda.CUDAGraph] = {}
+        self.steps: dict[StepKey, Callable[[], None]] = {}
+        """``compiled``: the compiled step of each bucket and setting of ``state``."""
         self.capture_s = 0.0
-        """Seconds spent capturing graphs, all of them (0 on CPU)."""
+        """Seconds spent capturing graphs or compiling steps, all of them (0 on CPU
+        uncompiled)."""
+        self.cudagraph_skips = 0
+        """``compiled`` on CUDA: compiled steps whose CUDA graphs inductor skipped (it
+        then runs their kernels without graphs), which the log says why; 0 is the
+        point."""
         self._stamp: tuple | None = None
         self._fused: FusedWeights | None = None
         self._pool = None
@@ -227,7 +321,13 @@ class StaticDecoder:
                      "weights, state and graphs")
             self.linears = self.state = None
             self.graphs.clear()
+            self.steps.clear()
         quantized = precision.fast_linears(self.model)
+        if self.compiled and quantized is not None and any(
+                isinstance(k, Int8DynamicKernel) for layer in quantized.layers for k in layer):
+            raise ValueError("the compiled decoder runs kernels made of tensors (fp32, bf16, fp8); this "
+                             "precision's kernels hold prepacked objects torch.compile cannot trace (int8: "
+                             "use the static or the eager decoder)")
         if self.linears is None:
             # fp32: the kernels are the fused matrices themselves (and the o and down
             # parameters), which a new version rewrites in place.
@@ -249,13 +349,14 @@ class StaticDecoder:
             fast_path = LlamaFastPath(self.model, capacity, self.linears)
             self.state = st = StaticState(fast_path, rows, capacity)
             self.graphs.clear()  # they read the old state's tensors
+            self.steps.clear()
         return st
 
     def _step(self, st: StaticState, key: StepKey) -> None:
         """One decode step of the first ``key.rows`` rows, then the next token's draw."""
         b = key.rows
-        logits_bV = st.fast_path.decode_at(st.tok_R[:b], st.pos_R[:b], st.decode_kv(b), st.slot_1,
-                                           st.bias_RC[:b, None, None, :])
+        logits_bV = st.fast_path.decode_at(st.tok_R[:b], st.pos_R[:b], st.decode_kv(b), st.store_kv(b),
+                                           st.slot_1, st.bias_RC[:b, None, None, :])
         st.pos_R[:b].add_(1)
         st.slot_1.add_(1)
         self._sample(st, logits_bV, key)
@@ -281,7 +382,54 @@ class StaticDecoder:
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
+        elif self.compiled:
+            step = self.steps.get(key)
+            if step is None:
+                self._compile(st, key)  # which runs the step once
+            else:
+                step()
         else:
+            self._step(st, key)
+
+    def _static_inputs(self, st: StaticState) -> list[torch.Tensor]:
+        """Every tensor a step reads or writes: the state's, the kernels', the rotary
+        tables and the model's parameters (the embedding)."""
+        state = [v for v in vars(st).values() if isinstance(v, torch.Tensor)]
+        kernels = [v for v in _kernel_attributes(self.linears) if isinstance(v, torch.Tensor)]
+        rotary = [st.fast_path.cos_LD, st.fast_path.sin_LD]
+        return [*state, *kernels, *rotary, *self.model.parameters()]
+
+    def _compile(self, st: StaticState, key: StepKey) -> None:
+        """``key``'s step through ``torch.compile`` (module docstring), compiled and run
+        once: the first call of a bucket's step is its compilation."""
+        import torch._dynamo
+
+        for x in self._static_inputs(st):
+            torch._dynamo.mark_static_address(x)
+        config = torch._dynamo.config  # recompile_limit: cache_size_limit in older torch
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit, max(getattr(config, limit), COMPILE_RECOMPILE_LIMIT))
+        step = torch.compile(functools.partial(self._step, st, key), mode="reduce-overhead", fullgraph=True,
+                             dynamic=False)
+        skips = _cudagraph_skips()
+        t0 = time.perf_counter()
+        step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.cudagraph_skips += _cudagraph_skips() - skips
+        seconds = time.perf_counter() - t0
+        self.capture_s += seconds
+        self.steps[key] = step
+        log.info("static decoder: compiled the decode step of bucket %d (capacity %d, temperature %g, top-p %g) "
+                 "in %.2f s%s", key.rows, st.capacity, key.temperature, key.top_p, seconds,
+                 f"; inductor skipped its CUDA graphs ({self.cudagraph_skips} so far)"
+                 if self.cudagraph_skips else "")
+
+    def _warm_up(self, st: StaticState, key: StepKey) -> None:
+        """``CAPTURE_WARMUP_STEPS`` steps on whatever ``st`` holds (the last call's rows,
+        or zeros), each from a state it can run on (``StaticState.ready_for_warmup_``)."""
+        for _ in range(CAPTURE_WARMUP_STEPS):
+            st.ready_for_warmup_()
             self._step(st, key)
 
     def _capture_all(self, st: StaticState, template: StepKey) -> None:
@@ -298,18 +446,10 @@ class StaticDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         for key in keys:
-            # A state the warm-up steps can run on: position 0 visible, counters in range.
-            st.bias_RC.fill_(float("-inf"))
-            st.bias_RC[:, 0] = 0.0
-            st.t_1.fill_(1)
-            st.slot_1.fill_(0)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for _ in range(CAPTURE_WARMUP_STEPS):
-                    self._step(st, key)
-                    st.t_1.fill_(1)
-                    st.slot_1.fill_(0)
+                self._warm_up(st, key)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the weight receiver's thread may use the GPU meanwhile (its
@@ -383,11 +523,23 @@ class StaticDecoder:
                              eos_id=eos_id, pad_id=pad_id)
 
 
-def decoder_for(model: PreTrainedModel) -> StaticDecoder:
-    """The model's static decoder, made on first use and kept on the model (its state,
-    weights and graphs live as long as the model)."""
-    decoder: StaticDecoder | None = getattr(model, _ATTACHED, None)
+def decoder_for(model: PreTrainedModel, *, compiled: bool = False) -> StaticDecoder:
+    """The model's static decoder (``compiled``: its compiled one), made on first use and
+    kept on the model (its state, weights and graphs live as long as the model)."""
+    decoder: StaticDecoder | None = getattr(model, _ATTACHED[compiled], None)
     if decoder is None:
-        decoder = StaticDecoder(model)
-        setattr(model, _ATTACHED, decoder)
+        decoder = StaticDecoder(model, compiled=compiled)
+        setattr(model, _ATTACHED[compiled], decoder)
     return decoder
+
+
+def _kernel_attributes(linears: FusedLinears) -> list:
+    """The attribute values of every kernel of ``linears`` (their weights and scales)."""
+    return [v for layer in [*linears.layers, (linears.head,)] for kernel in layer for v in vars(kernel).values()]
+
+
+def _cudagraph_skips() -> int:
+    """How many compiled functions inductor has run without their CUDA graphs so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
