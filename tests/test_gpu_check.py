@@ -55,3 +55,28 @@ def test_dry_run_passes_every_check_on_the_cpu(tmp_path):
     app = checks["app_run"]
     assert app["steps"] == 3 and "gloo (every member on the CPU)" in app["weight_plane"]
     assert app["trainer"] == "cpu, training in bf16 autocast over fp32 weights"
+
+
+def test_the_sampler_table_survives_a_failing_side_and_takes_sides_per_case():
+    """What keeps a one-shot GPU run's table: a side that raises is recorded and left out,
+    the others measured (``interleaved(failures=...)``); ``--case C:R:P:SIDE+SIDE`` runs
+    some of ``--sampler``'s sides only, in ``--sampler``'s order."""
+    import argparse
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import sampler
+
+    seeds, failures = [], {}
+    res = sampler.interleaved({"good": lambda s: seeds.append(s) or 10, "bad": lambda s: 1 // 0},
+                              repeats=2, warmup=1, failures=failures)
+    assert list(res) == ["good"] and res["good"]["median_tokens"] == 10
+    assert failures == {"bad": "ZeroDivisionError: integer division or modulo by zero"}
+    assert seeds == [10_000, 0, 1]  # the warm-up round, then the timed ones
+    with pytest.raises(ZeroDivisionError):
+        sampler.interleaved({"bad": lambda s: 1 // 0}, repeats=1)
+    args = argparse.Namespace(case=["374m:64:bf16", "60m:64:fp32:eager+captured"],
+                              sampler=["captured", "compiled", "eager"])
+    assert sampler._cases(args) == [("374m", 64, "bf16", ["captured", "compiled", "eager"]),
+                                    ("60m", 64, "fp32", ["captured", "eager"])]
+    with pytest.raises(SystemExit, match="generate not among"):
+        sampler._cases(argparse.Namespace(case=["60m:64:fp32:generate"], sampler=["captured"]))
