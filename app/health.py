@@ -197,10 +197,12 @@ def watch_parent(on_orphaned: Callable[[int], None]) -> threading.Thread:
     return thread
 
 
-def sibling_failure() -> str | None:
-    """The cause another replica of this app wrote to its error file (it failed), or
-    ``None``. Roles that merely stopped write none (``reported``)."""
+def sibling_failure(role: str | None = None) -> str | None:
+    """The cause another replica of this app (of ``role``, when given) wrote to its error
+    file (it failed), or ``None``. Roles that merely stopped write none (``reported``)."""
     for member, d in sibling_replica_dirs().items():
+        if role is not None and member.split("/")[0] != role:
+            continue
         message = read_error_file(str(d / "error.json"))
         if message is not None:  # app.launch's already says "trainer failed: ..."
             return f"{member} failed: {message.removeprefix(member.split('/')[0] + ' failed: ')}"

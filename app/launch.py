@@ -172,7 +172,12 @@ def supervise(command: list[str]) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, forward)
-        returncode = proc.wait()
+        returncode, stopped_for = _wait_watching_trainer_nodes(proc)
+        if stopped_for is not None:
+            # Another trainer node failed: its cause is the app's; this node merely
+            # stopped (no error file, which would name it as a cause too).
+            print(f"stopping: {stopped_for}", file=sys.stderr, flush=True)
+            return 1
         if returncode == 0:
             return 0
         cause = (health.read_error_file(str(error_file)) or crash_cause(crash_dir)
@@ -183,6 +188,37 @@ def supervise(command: list[str]) -> int:
     health.write_error_file(message, returncode)
     print(message, file=sys.stderr, flush=True)
     return returncode if returncode > 0 else 1
+
+
+SIBLING_POLL_S = 0.5
+"""How often a trainer node looks for another trainer node's failure."""
+STOP_GRACE_S = 10.0
+"""How long torchrun gets to stop its ranks after a SIGTERM before it is killed."""
+
+
+def _wait_watching_trainer_nodes(proc: subprocess.Popen) -> tuple[int, str | None]:
+    """Wait for torchrun, watching the other trainer replicas (nodes) of this app
+    (``health.sibling_failure``: their error files, in the local layout): when one has
+    failed, stop torchrun (SIGTERM, SIGKILL after ``STOP_GRACE_S``) and return its cause
+    beside torchrun's exit code. Why: a node whose torchrun waits in the static
+    rendezvous for a node that failed before it (a busy rendezvous port, a bad
+    interpreter) has no rank yet, so nothing of the app reaches it; torchrun would wait
+    out its rendezvous timeout (600 s) and keep the app alive that long. A trainer
+    cannot lose a node and go on, so the whole run is watched, not only the rendezvous.
+    With one node there is no other trainer replica: the watch finds nothing."""
+    while True:
+        try:
+            return proc.wait(timeout=SIBLING_POLL_S), None
+        except subprocess.TimeoutExpired:
+            pass
+        if (cause := health.sibling_failure("trainer")) is not None:
+            break
+    proc.terminate()
+    try:
+        return proc.wait(timeout=STOP_GRACE_S), cause
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(), cause
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,8 @@ behind. The tiny policy the launches use is the ``tiny_policy`` fixture (conftes
 
 from __future__ import annotations
 
+import os
+import random
 import sqlite3
 import socket
 import time
@@ -29,10 +31,26 @@ SMALL = ["--eval-every", "2", "--eval-size", "20", "--prompts-per-step", str(PRO
 APP_TIMEOUT_S = 300.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+PORTS = range(20000, 29600)
+"""Where tests pick store ports: below Linux's ephemeral range (32768 and up, where any
+process's outgoing connection may take a port at any moment; a multi-node trainer's
+rendezvous listens at the store port + 1, which a port the kernel picked for us does not
+keep free) and below the ports llamarl derives from app ids (``app.names``)."""
+
+
+def free_port(span: int = 2) -> int:
+    """A port p with p .. p + span - 1 free now (the store's, and the rendezvous's)."""
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(200):
+        port = rng.randrange(PORTS.start, PORTS.stop - span)
+        try:
+            for p in range(port, port + span):
+                with socket.socket() as s:
+                    s.bind(("", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no {span} free ports in a row in {PORTS}")
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torchx.specs import AppState
 
-from app_launch import APP_TIMEOUT_S, SMALL, App, launch, rows
+from app_launch import APP_TIMEOUT_S, SMALL, App, free_port, launch, rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -115,6 +115,23 @@ def test_a_store_port_held_by_another_program_ends_every_role_in_seconds(tiny_po
     try:
         with launch(tiny_policy, tmp_path, num_generators=1, store_port=port) as app:
             assert_fails_naming(app, f"cannot host the control store on port {port}")
+    finally:
+        holder.close()
+
+
+def test_a_trainer_node_that_cannot_rendezvous_ends_the_other_node_in_seconds(tiny_policy, tmp_path):
+    """trainer_nodes=2 with trainer replica 0's rendezvous port (the store port + 1) held
+    by another program: replica 0's torchrun fails before any rank exists, so no rank of
+    the app can tell replica 1, whose torchrun waits in the rendezvous; its ``app.launch``
+    finds replica 0's error file, stops it and names that cause, instead of torchrun
+    waiting out its rendezvous timeout (600 s) with the app alive."""
+    port = free_port()
+    holder = socket.socket()
+    holder.bind(("", port + 1))
+    holder.listen()
+    try:
+        with launch(tiny_policy, tmp_path, num_generators=1, store_port=port, options=["--trainer_nodes", "2"]) as app:
+            assert_fails_naming(app, "EADDRINUSE", stopped=(("generator", 0), ("trainer", 1)))
     finally:
         holder.close()
 

@@ -172,6 +172,8 @@ def test_a_sibling_that_failed_before_reaching_the_store_is_named(tmp_path, monk
     monkeypatch.setenv(health.ERROR_FILE_ENV, "/tmp/torchrun-of-the-trainer/error.json")
     assert health.sibling_failure() == "reward/0 failed: ValueError: unknown reward 'x'", \
         "a trainer rank finds its replica's directory through app.launch's variable"
+    assert health.sibling_failure("trainer") is None, "only trainer replicas' failures when asked so"
+    assert health.sibling_failure("reward") == "reward/0 failed: ValueError: unknown reward 'x'"
 
 
 def test_siblings_outside_the_local_layout_are_none(tmp_path, monkeypatch):
