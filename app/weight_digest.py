@@ -62,7 +62,8 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -86,6 +87,10 @@ just received, which the trainer published at most a send or two ago."""
 RECORD_WAIT_S = 60.0
 """How long a generator waits for a trainer rank's record after it hashed what it
 received: the rank publishes once its own hash is done, which it started with the send."""
+HASH_WAIT_S = 600.0
+"""The longest a digest waits for its hash threads: hashing is local CPU work (SHA-256 at
+~1 GB/s per thread, a few seconds for billions of parameters), so a wait this long means a
+thread is stuck, and the sync fails saying so rather than waiting for ever."""
 TEST_CORRUPT_ENV = "LLAMARL_TEST_CORRUPT_WEIGHTS"
 MISMATCH, NO_RECORD, BAD_RECORD = "mismatch", "no_record", "bad_record"
 _WHY = {MISMATCH: "its digest differs from the one that trainer rank signed: altered in flight",
@@ -107,6 +112,15 @@ def _threads() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="weight-digest")
         return _pool
+
+
+def _hashed(future: Future, deadline: float) -> Any:
+    """``future``'s result, waiting until ``deadline`` (``time.monotonic``) at the latest."""
+    try:
+        return future.result(timeout=max(0.0, deadline - time.monotonic()))
+    except FutureTimeout:
+        raise TimeoutError(f"hashing the weights took more than {HASH_WAIT_S:g} s (HASH_WAIT_S): "
+                           "a weight-digest thread is stuck") from None
 
 
 def _chunk_digest(pieces: list[torch.Tensor]) -> bytes:
@@ -174,9 +188,10 @@ class Digest:
         hashes = [[_threads().submit(_chunk_digest, c) if isinstance(c, list) else c for c in run]
                   for run in self._hashes]
         top = hashlib.sha256(f"llamarl weights v1, chunks of {self._chunk_bytes}\0".encode())
+        deadline = time.monotonic() + HASH_WAIT_S
         for dtype, nbytes, run in zip(self.dtypes, self._nbytes, hashes):
             top.update(f"{dtype}:{nbytes}\0".encode())
-            top.update(b"".join(f.result() for f in run))
+            top.update(b"".join(_hashed(f, deadline) for f in run))
         return top.hexdigest()
 
 
@@ -213,7 +228,7 @@ class Pending:
 
     def publish(self) -> float:
         """Wait for the hash, publish the signed record; the seconds the hash took."""
-        hexdigest, seconds = self.future.result()
+        hexdigest, seconds = _hashed(self.future, time.monotonic() + HASH_WAIT_S)
         self.owner.publish(self.version, hexdigest)
         return seconds
 

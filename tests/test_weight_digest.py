@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 
 import pytest
@@ -51,6 +52,20 @@ def test_one_changed_byte_or_another_order_changes_the_digest():
 def test_a_run_of_pieces_of_several_dtypes_is_refused():
     with pytest.raises(ValueError, match="one dtype"):
         digest([[torch.zeros(2), torch.zeros(2, dtype=torch.float64)]])
+
+
+def test_a_hash_thread_that_never_finishes_fails_the_digest_at_its_deadline(monkeypatch):
+    """Every wait has a deadline: a digest whose hash thread is stuck raises, naming it."""
+    stuck = threading.Event()
+    monkeypatch.setattr(weight_digest, "HASH_WAIT_S", 0.2)
+    monkeypatch.setattr(weight_digest, "_chunk_digest", lambda pieces: stuck.wait(30))
+    h = Digest([torch.float32])
+    h.update(0, torch.ones(4))
+    try:
+        with pytest.raises(TimeoutError, match="weight-digest thread is stuck"):
+            h.hexdigest()
+    finally:
+        stuck.set()
 
 
 def test_the_digest_is_the_definition_worked_by_hand(monkeypatch):
