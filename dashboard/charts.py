@@ -16,10 +16,12 @@ from plotly.subplots import make_subplots
 
 BUSY_COLOR, IDLE_COLOR, DROPPED_COLOR, BOUND_COLOR = "#1f77b4", "#d3d7de", "#d62728", "#d62728"
 RESUME_COLOR = "#7f7f7f"
-HEIGHT = 320
-_LAYOUT = dict(height=HEIGHT, margin=dict(l=10, r=10, t=40, b=10), hovermode="x unified",
-               template="plotly_white",
-               legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0))
+HEIGHT = 340
+# The title sits at the top of the margin and the legend in a row of its own under it, on
+# the plot's top edge: a legend in the title's row ran into long titles and run names.
+_LAYOUT = dict(height=HEIGHT, margin=dict(l=10, r=10, t=64, b=10), hovermode="x unified",
+               template="plotly_white", title_y=0.985, title_yanchor="top",
+               legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0.0))
 
 
 def run_colors(run_ids: list[str]) -> dict[str, str]:
