@@ -152,8 +152,8 @@ def executors_tab(run: data.Run) -> None:
     members = run.scalar_series(prefix=names.MEMBERS_PREFIX)
     if not members.empty:  # runs recorded before executors could be lost have none
         chart_pair((charts.line_figure(members, "Executors alive", y_title="replicas"), "exec-members"),
-                   (charts.line_figure(run.scalar_series(LOSSES), "Lost executors: groups regenerated, "
-                                       "duplicates dropped, weight regroups (so far)", y_title="count"),
+                   (charts.line_figure(run.scalar_series(LOSSES), "After lost executors (totals so far)",
+                                       y_title="count"),
                     "exec-losses"))
 
 
