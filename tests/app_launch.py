@@ -20,7 +20,6 @@ import pytest
 from torchx.runner import Runner, get_runner
 from torchx.specs import AppState, is_terminal, parse_app_handle
 
-from venv_bin import component_env
 
 STEPS = 4
 PROMPTS_PER_STEP = 4
@@ -51,6 +50,13 @@ def free_port(span: int = 2) -> int:
         except OSError:
             continue
     raise RuntimeError(f"no {span} free ports in a row in {PORTS}")
+
+
+def component_env(env: dict[str, str] | None) -> list[str]:
+    """The component's ``--env`` option for ``env`` (values without ``,`` or ``=``). No PATH:
+    llamarl's local_cwd scheduler puts this interpreter's directory first on every role's
+    PATH, so the launches here run as a user's ``.venv/bin/torchx run`` does."""
+    return ["--env", ",".join(f"{k}={v}" for k, v in env.items())] if env else []
 
 
 @dataclass

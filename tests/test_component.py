@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -242,6 +243,19 @@ def test_local_dryrun_resolves_the_rank0_host():
     for p in params["generator"] + params["reward"]:
         assert f"--store-addr ${{TORCHX_RANK0_HOST}}:{PORT}" in p.args[-1]
         assert p.env["TORCHX_RANK0_HOST"] == "localhost"
+
+
+def test_on_local_cwd_every_role_runs_with_the_submitting_python_first_on_path():
+    """components/local_scheduler.py: the roles start ``python -m ...`` by name, and find
+    this interpreter first, activated virtualenv or not (the integration tests start their
+    apps with nothing else on PATH: tests/app_launch.py)."""
+    info = get_runner().dryrun_component(
+        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)],
+        scheduler="local_cwd", cfg={})
+    replicas = [p for params in info.request.role_params.values() for p in params]
+    assert len(replicas) == 4
+    for p in replicas:
+        assert p.env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable), p.env["PATH"]
 
 
 def test_cli_dryrun_for_slurm_and_kubernetes(cli):
