@@ -110,11 +110,15 @@ def test_a_smaller_call_and_a_longer_one_reuse_or_grow_the_state(llama, batch, p
     assert decoder.state is state and state.kv.data_ptr() == kv_ptr
     eager = sample(llama, prompts, params, eos_id=-1, pad_id=PAD, decoder="eager")
     assert torch.equal(small[0], eager.tokens_BT)
-    # More positions than the capacity: a bigger state.
+    # More positions than the capacity: a bigger state, whose graphs (on CUDA) go into a
+    # new memory pool: the old one's graphs are gone, and torch refuses to capture into
+    # a pool whose graphs are all gone while it still holds memory (``_drop_graphs``).
+    decoder._pool = "the old graphs' pool"
     decoder.run(prompts, SamplingParams(max_new_tokens=state.capacity, temperature=0), eos_id=-1,
                 pad_id=PAD, generator=None)
     assert decoder.state is not state and decoder.state.capacity > state.capacity
     assert decoder.state.rows == state.rows  # rows never shrink
+    assert decoder._pool is None and not decoder.graphs
 
 
 def test_select_rows_moves_each_rows_state_and_filled_cache():

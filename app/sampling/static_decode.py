@@ -48,7 +48,7 @@ only its staging buffers; the copy into the parameters (``WeightReceiver.swap_if
 and this refresh run on the generator's own thread between ``sample`` calls, on its
 current stream, the one the graphs replay on, so a copy starts after the last replay
 that read the old weights and the next call's replays start after it, with no host
-wait. (The capture itself runs on a side stream torch creates non-blocking, with
+wait. (The warm-up and the capture run on a side stream of the decoder's own, with
 ``capture_error_mode="thread_local"``: the receiver's thread may use the GPU meanwhile.)
 
 On CPU the same code runs without capture (``capture=False``): the bucketing, masks and
@@ -288,6 +288,9 @@ class StaticDecoder:
         self._stamp: tuple | None = None
         self._fused: FusedWeights | None = None
         self._pool = None
+        """The memory pool every graph of ``graphs`` was captured into (``_capture_all``);
+        None while there are none."""
+        self._capture_stream: torch.cuda.Stream | None = None
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -320,8 +323,7 @@ class StaticDecoder:
             log.info("static decoder: the model's parameters moved to new storage; rebuilding its "
                      "weights, state and graphs")
             self.linears = self.state = None
-            self.graphs.clear()
-            self.steps.clear()
+            self._drop_graphs()
         quantized = precision.fast_linears(self.model)
         if self.compiled and quantized is not None and any(
                 isinstance(k, Int8DynamicKernel) for layer in quantized.layers for k in layer):
@@ -348,9 +350,19 @@ class StaticDecoder:
             capacity = capacity_for(max(positions, st.capacity if st else 0))
             fast_path = LlamaFastPath(self.model, capacity, self.linears)
             self.state = st = StaticState(fast_path, rows, capacity)
-            self.graphs.clear()  # they read the old state's tensors
-            self.steps.clear()
+            self._drop_graphs()  # they read the old state's tensors
         return st
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph and compiled step, and the graphs' memory pool: a
+        pool all of whose graphs are gone must not be captured into again. torch's
+        allocator keeps such a pool while any block of it is still allocated, and a
+        capture into it then fails ``create_or_incref_pool``'s internal assert
+        ``use_count > 0`` (c10/cuda/CUDACachingAllocator.cpp); a new state's graphs get
+        a new pool."""
+        self.graphs.clear()
+        self.steps.clear()
+        self._pool = None
 
     def _step(self, st: StaticState, key: StepKey) -> None:
         """One decode step of the first ``key.rows`` rows, then the next token's draw."""
@@ -445,16 +457,23 @@ class StaticDecoder:
         # outside), so any order of replays is safe.
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        # The warm-up and the capture on one stream of the decoder's own, on its device:
+        # cuBLAS's workspace is kept per (handle, stream) and made at a stream's first
+        # matmul, which is then the warm-up's, not the capture's (made in a capture, it
+        # would live in the graphs' pool for good); and torch.cuda.graph's default
+        # capture stream is one per process, made on whichever device was current then.
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream, current = self._capture_stream, torch.cuda.current_stream(self.device)
         for key in keys:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            stream.wait_stream(current)
             with torch.cuda.stream(stream):
                 self._warm_up(st, key)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            current.wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the weight receiver's thread may use the GPU meanwhile (its
             # work is not captured, and does not break this capture).
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
                 self._step(st, key)
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
