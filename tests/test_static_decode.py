@@ -340,6 +340,41 @@ def test_the_step_is_capturable_no_host_read_no_graph_break(tokenizer, temperatu
     assert not wrong, wrong
 
 
+def test_every_input_of_the_compiled_step_is_a_static_address(tokenizer):  # noqa: F811
+    """What cudagraph trees need to replay the compiled step as CUDA graphs, read on CPU
+    from the metadata AOT autograd hands inductor (``TracingContext.fw_metadata``): every
+    graph input is a static input (``_prepare_compile``'s marks), so none is copied into
+    the trees' own buffers before each replay (the weights, the KV cache), and those the
+    step writes in place are among them, or the trees would run the step without its
+    graphs ("skipping cudagraphs due to mutated inputs": ``check_for_mutation`` in
+    torch/_inductor/cudagraph_utils.py). On CPU inductor never gets that far (its
+    graphs are CUDA only), hence this check."""
+    import functools
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    decoder = StaticDecoder(make_model("llama", len(tokenizer)), compiled=True)
+    key = static_decode.StepKey(8, 0.7, 0.8, eos_id=2)
+    seen = {}
+
+    def read_metadata(gm: torch.fx.GraphModule, example_inputs):
+        meta = torch._guards.TracingContext.get().fw_metadata
+        seen["inputs"] = len(meta.input_info)
+        seen["static"] = set(meta.static_input_indices)
+        seen["written"] = {i for i, info in enumerate(meta.input_info) if info.mutates_data}
+        return gm
+
+    with torch.inference_mode():
+        decoder.refresh_weights()
+        st = decoder._state_for(key.rows, 40)
+        st.ready_for_warmup_()
+        decoder._prepare_compile(st)
+        torch.compile(functools.partial(decoder._step, st, key), backend=aot_autograd(fw_compiler=read_metadata),
+                      fullgraph=True, dynamic=False)()
+    assert len(seen["written"]) >= 8  # the KV cache, the bias, the counters, the outputs, ...
+    assert seen["static"] == set(range(seen["inputs"]))
+
+
 def test_capture_warm_up_runs_on_a_state_the_last_call_filled_to_capacity(llama, prompts):  # noqa: F811
     """A new sampling setting on a used state is captured after warm-up steps on what the
     last call left there: rows at position capacity - 1 when the call filled it. The

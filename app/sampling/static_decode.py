@@ -282,9 +282,10 @@ class StaticDecoder:
         """Seconds spent capturing graphs or compiling steps, all of them (0 on CPU
         uncompiled)."""
         self.cudagraph_skips = 0
-        """``compiled`` on CUDA: compiled steps whose CUDA graphs inductor skipped (it
-        then runs their kernels without graphs), which the log says why; 0 is the
-        point."""
+        """``compiled`` on CUDA: how often inductor ran compiled steps without their CUDA
+        graphs over all calls so far (torch's ``counters["inductor"]["cudagraph_skips"]``
+        during them: at compilation, and at replays, e.g. past cudagraph trees'
+        re-recording limit), each logged by torch with its reason; 0 is the point."""
         self._stamp: tuple | None = None
         self._fused: FusedWeights | None = None
         self._pool = None
@@ -411,9 +412,9 @@ class StaticDecoder:
         rotary = [st.fast_path.cos_LD, st.fast_path.sin_LD]
         return [*state, *kernels, *rotary, *self.model.parameters()]
 
-    def _compile(self, st: StaticState, key: StepKey) -> None:
-        """``key``'s step through ``torch.compile`` (module docstring), compiled and run
-        once: the first call of a bucket's step is its compilation."""
+    def _prepare_compile(self, st: StaticState) -> None:
+        """Mark every tensor a step of ``st`` touches as a static address, and let dynamo
+        keep an entry per bucket and setting (``COMPILE_RECOMPILE_LIMIT``)."""
         import torch._dynamo
 
         for x in self._static_inputs(st):
@@ -421,21 +422,22 @@ class StaticDecoder:
         config = torch._dynamo.config  # recompile_limit: cache_size_limit in older torch
         limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, limit, max(getattr(config, limit), COMPILE_RECOMPILE_LIMIT))
+
+    def _compile(self, st: StaticState, key: StepKey) -> None:
+        """``key``'s step through ``torch.compile`` (module docstring), compiled and run
+        once: the first call of a bucket's step is its compilation."""
+        self._prepare_compile(st)
         step = torch.compile(functools.partial(self._step, st, key), mode="reduce-overhead", fullgraph=True,
                              dynamic=False)
-        skips = _cudagraph_skips()
         t0 = time.perf_counter()
         step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.cudagraph_skips += _cudagraph_skips() - skips
         seconds = time.perf_counter() - t0
         self.capture_s += seconds
         self.steps[key] = step
         log.info("static decoder: compiled the decode step of bucket %d (capacity %d, temperature %g, top-p %g) "
-                 "in %.2f s%s", key.rows, st.capacity, key.temperature, key.top_p, seconds,
-                 f"; inductor skipped its CUDA graphs ({self.cudagraph_skips} so far)"
-                 if self.cudagraph_skips else "")
+                 "in %.2f s", key.rows, st.capacity, key.temperature, key.top_p, seconds)
 
     def _warm_up(self, st: StaticState, key: StepKey) -> None:
         """``CAPTURE_WARMUP_STEPS`` steps on whatever ``st`` holds (the last call's rows,
@@ -489,7 +491,13 @@ class StaticDecoder:
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``sample`` through static steps: ``tokens_BT``, ``logprobs_BT``, ``lengths_B``."""
         with self._lock:
-            return self._run(prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator)
+            skips = _cudagraph_skips() if self.compiled else 0
+            out = self._run(prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator)
+            if self.compiled and self.device.type == "cuda" and (new := _cudagraph_skips() - skips):
+                self.cudagraph_skips += new
+                log.warning("static decoder: inductor ran compiled decode steps without their CUDA graphs %d "
+                            "times in this call (%d so far; torch logged why)", new, self.cudagraph_skips)
+            return out
 
     def _run(self, prompts, params, *, eos_id, pad_id, generator):
         device = self.device
