@@ -49,7 +49,9 @@ and this refresh run on the generator's own thread between ``sample`` calls, on 
 current stream, the one the graphs replay on, so a copy starts after the last replay
 that read the old weights and the next call's replays start after it, with no host
 wait. (The warm-up and the capture run on a side stream of the decoder's own, with
-``capture_error_mode="thread_local"``: the receiver's thread may use the GPU meanwhile.)
+``capture_error_mode="thread_local"``: the receiver's thread may use the GPU meanwhile;
+cuBLAS's workspaces are dropped around each capture, as cudagraph trees do, so that
+the one a graph bakes in lives in the graphs' own memory pool: ``_capture_all``.)
 
 On CPU the same code runs without capture (``capture=False``): the bucketing, masks and
 in-place updates are what the CPU tests check. Whether a CPU generator uses it is
@@ -360,7 +362,9 @@ class StaticDecoder:
         allocator keeps such a pool while any block of it is still allocated, and a
         capture into it then fails ``create_or_incref_pool``'s internal assert
         ``use_count > 0`` (c10/cuda/CUDACachingAllocator.cpp); a new state's graphs get
-        a new pool."""
+        a new pool (blocks can stay allocated there: a cuBLAS workspace made in a capture
+        by torch's lazy initialization, which ``_capture_all`` drops, or anything else
+        torch keeps from a capture)."""
         self.graphs.clear()
         self.steps.clear()
         self._pool = None
@@ -459,11 +463,9 @@ class StaticDecoder:
         # outside), so any order of replays is safe.
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # The warm-up and the capture on one stream of the decoder's own, on its device:
-        # cuBLAS's workspace is kept per (handle, stream) and made at a stream's first
-        # matmul, which is then the warm-up's, not the capture's (made in a capture, it
-        # would live in the graphs' pool for good); and torch.cuda.graph's default
-        # capture stream is one per process, made on whichever device was current then.
+        # The warm-up and the capture on one stream of the decoder's own, on its device
+        # (torch.cuda.graph's default capture stream is one per process, made on
+        # whichever device was current then).
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)
         stream, current = self._capture_stream, torch.cuda.current_stream(self.device)
@@ -473,10 +475,24 @@ class StaticDecoder:
                 self._warm_up(st, key)
             current.wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: the weight receiver's thread may use the GPU meanwhile (its
-            # work is not captured, and does not break this capture).
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-                self._step(st, key)
+            # cuBLAS's workspaces, one per (handle, stream) made at its first matmul, are
+            # dropped, as cudagraph trees do around every warm-up and recording
+            # (torch/_inductor/cudagraph_trees.py, clear_cublas_manager), before the
+            # capture and after it. The capture's matmuls then bake in a workspace made
+            # inside it, from the graphs' own pool, which only captures into that pool
+            # allocate from and whose graphs never run concurrently; one made outside,
+            # in the ordinary pool, would be handed to other tensors at the next clear
+            # (the compiled decoder's, transformers' static cache) while the graph still
+            # replays into it. Dropped after the capture, none of it stays allocated in
+            # the pool (see _drop_graphs).
+            torch._C._cuda_clearCublasWorkspaces()
+            try:
+                # thread_local: the weight receiver's thread may use the GPU meanwhile
+                # (its work is not captured, and does not break this capture).
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                    self._step(st, key)
+            finally:
+                torch._C._cuda_clearCublasWorkspaces()
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
