@@ -33,14 +33,16 @@ false until the last), so a run killed at a time limit keeps what it finished.
   --generator_gpu 1``: steps done, weight syncs and GPU metrics in ``metrics.db``, and
   the weight plane's backend from the trainer's log (needs torchx and llamarl installed:
   see below);
-- ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu`` over the files holding
-  them; the captured decoder's issue 18 tests among them);
+- ``gpu_tests``: the tests marked ``gpu`` (``pytest -m gpu``, a process per file holding
+  them, so that a device-side assert fails one file only; the captured decoder's issue
+  18 tests among them);
 - ``sampler_benchmark``: issue 18's table, ``benchmarks/sampler.py`` with ``SAMPLER_BENCH_ARGS``
   (captured and compiled samplers, eager, ``generate`` and ``generate`` with a static
   cache on 374M bf16 at 64 and 256 rows; captured, eager and ``generate`` on 60M fp32 at
   64), its JSON beside this report as ``sampler_gpu.json`` (to commit as
   ``benchmarks/results/sampler_gpu.json``), within ``SAMPLER_BENCH_TIMEOUT_S`` (what it
-  measured before a timeout is kept);
+  measured before a timeout is kept); the compiling sides' ``cudagraph_skips`` must be 0
+  (else their figures are not of CUDA graphs: the check fails, the figures kept);
 - ``check_every_benchmark``: ``static_decode.CHECK_EVERY`` at 1, 4, 8, 16 on the captured
   sampler (``CHECK_EVERY_ARGS``), ``sampler_check_every_gpu.json`` beside the report,
   within ``CHECK_EVERY_TIMEOUT_S``.
@@ -511,20 +513,33 @@ def check_app_run(t: Target) -> dict[str, Any]:
 
 def check_gpu_tests(t: Target) -> dict[str, Any]:
     """The tests marked ``gpu`` (the quantized generators' bf16 and fp8 kernels, the
-    devices' CUDA paths, the weight digest of CUDA weights), which plain pytest skips
-    without a GPU: run here, on the GPU."""
+    devices' CUDA paths, the weight digest of CUDA weights, the captured and compiled
+    decoders), which plain pytest skips without a GPU: run here, on the GPU, one pytest
+    process per file, all within ``GPU_TEST_TIMEOUT_S``: a device-side assert ends a
+    process's use of the GPU, and would fail every test after it in the same process."""
     if t.dry_run:
         raise Skipped("the gpu-marked tests need CUDA; a dry run leaves them out")
     # Only the files that hold such tests: collecting the others would import what the
     # GPU check needs not (torchx, selenium, ...), which a bare GPU machine may lack.
     files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py")
                    if "mark.gpu" in f.read_text())
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files],
-                          cwd=ROOT, capture_output=True, text=True, timeout=GPU_TEST_TIMEOUT_S)
-    summary = (proc.stdout.strip().splitlines() or [""])[-1]
-    if proc.returncode != 0:
-        raise AssertionError(f"pytest -m gpu: {summary}\n{proc.stdout[-4000:]}")
-    return {"pytest": summary, "files": files}
+    deadline = time.monotonic() + GPU_TEST_TIMEOUT_S
+    summaries, failed = {}, {}
+    for file in files:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", file],
+                                  cwd=ROOT, capture_output=True, text=True,
+                                  timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired as e:
+            summaries[file] = "timed out"
+            failed[file] = f"timed out (GPU_TEST_TIMEOUT_S {GPU_TEST_TIMEOUT_S:g} s in all):\n{str(e.stdout)[-2000:]}"
+            continue
+        summaries[file] = (proc.stdout.strip().splitlines() or [""])[-1]
+        if proc.returncode != 0:
+            failed[file] = proc.stdout[-4000:]
+    if failed:
+        raise AssertionError(f"pytest -m gpu: {summaries}\n" + "\n".join(f"{f}:\n{out}" for f, out in failed.items()))
+    return {"pytest": summaries, "files": files}
 
 
 def _sampler_script(t: Target, args: list[str], name: str, timeout_s: float) -> dict[str, Any]:
@@ -560,10 +575,14 @@ def _sampler_script(t: Target, args: list[str], name: str, timeout_s: float) -> 
 
     ran = [r for r in runs if "error" not in r]
     report = {"json": str(out), "finished": finished, "tokens_per_s": {label(r): round(r["tokens_per_s"]) for r in ran},
-              "warmup_s": {label(r): round(r["warmup_s"], 1) for r in ran}}
+              "warmup_s": {label(r): round(r["warmup_s"], 1) for r in ran},
+              "cudagraph_skips": {label(r): r["cudagraph_skips"] for r in ran if "cudagraph_skips" in r}}
     failed = {label(r): r["error"][:300] for r in runs if "error" in r}
     if failed:  # the others' figures are in the JSON and in this message
         raise AssertionError(f"sides failed: {failed}; measured: {report}")
+    if skipped := {k: n for k, n in report["cudagraph_skips"].items() if n}:
+        raise AssertionError(f"compiled sides ran without their CUDA graphs (their figures are not of graphs; "
+                             f"the script's output says why): {skipped}; measured: {report}")
     return report
 
 

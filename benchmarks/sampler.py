@@ -60,8 +60,14 @@ compilation, allocator warm-up) is timed apart as ``warmup_s``. JSON: ``device``
 ``tokens_per_s``, ``warmup_s``, ``median_tokens``, ``params``,
 ``weight_read_limit_tokens_per_s``: rows / (weight bytes / ``WEIGHT_READ_BYTES_PER_S``),
 one read of the weights per step, on CUDA only; a side that raised has ``error`` and
-no figures, and the others go on). ``--check-every K ...`` repeats the
-``captured`` side at each ``static_decode.CHECK_EVERY`` (field ``check_every``).
+no figures, and the others go on; on CUDA the two compiling sides also have
+``cudagraph_skips``, how often inductor ran their compiled code without its CUDA graphs
+during their calls, which must be 0 for their figures to be of graphs).
+``--check-every K ...`` repeats the ``captured`` side at each
+``static_decode.CHECK_EVERY`` (field ``check_every``). Between cases the models go,
+dynamo's caches and cudagraph trees are reset and freed memory is given back: on CUDA a
+case's two decoders hold the KV buffers of two states (19 GB each for 374M at 256 rows
+and 192 positions, fp32), which with the last case's still held would not fit in 80 GB.
 
     python benchmarks/sampler.py --sampler captured eager generate generate_static --config default --rows 32
     python benchmarks/sampler.py --sampler compiled captured eager --config default --rows 32 64 \\
@@ -75,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import statistics
 import time
@@ -399,6 +406,7 @@ def compare_samplers(args: argparse.Namespace) -> dict:
         theirs = model if prec == "fp32" else copy.deepcopy(model).to(torch.bfloat16)
         common = dict(eos_id=eos_id, pad_id=pad_id)
         sides: dict[str, Callable[[int], int]] = {}
+        skips: dict[str, int] = {}
         for name in samplers:
             if name == "captured":
                 for k in args.check_every or [static_decode.CHECK_EVERY]:
@@ -410,6 +418,8 @@ def compare_samplers(args: argparse.Namespace) -> dict:
                 cache = "static" if name == "generate_static" else None
                 sides[name] = (lambda s, cache=cache: run_generate(
                     theirs, distinct, params, seed=s, num_return_sequences=G, cache_implementation=cache, **common))
+            if name in ("compiled", "generate_static") and device.type == "cuda":
+                sides[name] = functools.partial(_counting_skips, sides[name], skips, name)
         failures: dict[str, str] = {}
         res = interleaved(sides, args.repeats, failures=failures)
         n_params = sum(p.numel() for p in model.parameters())
@@ -426,11 +436,14 @@ def compare_samplers(args: argparse.Namespace) -> dict:
                          "tokens_per_s": r["tokens_per_s"], "warmup_s": r["warmup_s"],
                          "median_tokens": r["median_tokens"], "params": n_params,
                          "weight_read_limit_tokens_per_s": limit,
-                         **({"check_every": int(k)} if k else {})})
+                         **({"check_every": int(k)} if k else {}),
+                         **({"cudagraph_skips": skips[name]} if name in skips else {})})
             print(f"{config:<8}{n_params / 1e6:>7.1f}M {len(repeated):>5} rows {prec:<5} {label:<16}"
                   f"{r['tokens_per_s']:>10.0f} tok/s  warm-up {r['warmup_s']:.2f} s  "
-                  f"({r['median_tokens']:.0f} tokens)", flush=True)
-        del ours, theirs
+                  f"({r['median_tokens']:.0f} tokens)"
+                  f"{f'  CUDA GRAPHS SKIPPED {skips[name]} times' if skips.get(name) else ''}", flush=True)
+        del ours, theirs, sides, weights  # GenWeights refers to its model too
+        _release(device)
         result = {"device": device.type,
                   "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -440,6 +453,28 @@ def compare_samplers(args: argparse.Namespace) -> dict:
         if args.json:  # after every case: a run cut short keeps what it measured
             Path(args.json).write_text(json.dumps(result, indent=2))
     return result
+
+
+def _counting_skips(side: Callable[[int], int], skips: dict[str, int], name: str, seed: int) -> int:
+    """``side(seed)``, adding to ``skips[name]`` how often inductor ran compiled code
+    without its CUDA graphs meanwhile (torch's counter, which torch logs with reasons)."""
+    from torch._dynamo.utils import counters
+
+    before = counters["inductor"]["cudagraph_skips"]
+    try:
+        return side(seed)
+    finally:
+        skips[name] = skips.get(name, 0) + counters["inductor"]["cudagraph_skips"] - before
+
+
+def _release(device: torch.device) -> None:
+    """Free what the last case held (see the module docstring): its models and decoders
+    (a decoder and its model refer to each other: a cycle for ``gc``), dynamo's compiled
+    code and cudagraph trees (every case compiles its own anyway), cached CUDA memory."""
+    torch.compiler.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _sampler_side(model, prompts, params, decoder: str, common: dict, seed: int) -> int:

@@ -80,3 +80,16 @@ def test_the_sampler_table_survives_a_failing_side_and_takes_sides_per_case():
                                     ("60m", 64, "fp32", ["captured", "eager"])]
     with pytest.raises(SystemExit, match="generate not among"):
         sampler._cases(argparse.Namespace(case=["60m:64:fp32:generate"], sampler=["captured"]))
+    # A compiling side's calls add up the CUDA graph skips torch counted during them (on
+    # CUDA its figures are of graphs only when that stays 0), raising or not.
+    from torch._dynamo.utils import counters
+
+    def skipping(seed: int) -> int:
+        counters["inductor"]["cudagraph_skips"] += 2
+        return 1 // seed
+
+    skips: dict[str, int] = {}
+    assert sampler._counting_skips(skipping, skips, "compiled", 1) == 1
+    with pytest.raises(ZeroDivisionError):
+        sampler._counting_skips(skipping, skips, "compiled", 0)
+    assert skips == {"compiled": 4}

@@ -110,11 +110,15 @@ def test_a_smaller_call_and_a_longer_one_reuse_or_grow_the_state(llama, batch, p
     assert decoder.state is state and state.kv.data_ptr() == kv_ptr
     eager = sample(llama, prompts, params, eos_id=-1, pad_id=PAD, decoder="eager")
     assert torch.equal(small[0], eager.tokens_BT)
-    # More positions than the capacity: a bigger state.
+    # More positions than the capacity: a bigger state, whose graphs (on CUDA) go into a
+    # new memory pool: the old one's graphs are gone, and torch refuses to capture into
+    # a pool whose graphs are all gone while it still holds memory (``_drop_graphs``).
+    decoder._pool = "the old graphs' pool"
     decoder.run(prompts, SamplingParams(max_new_tokens=state.capacity, temperature=0), eos_id=-1,
                 pad_id=PAD, generator=None)
     assert decoder.state is not state and decoder.state.capacity > state.capacity
     assert decoder.state.rows == state.rows  # rows never shrink
+    assert decoder._pool is None and not decoder.graphs
 
 
 def test_select_rows_moves_each_rows_state_and_filled_cache():
@@ -334,6 +338,41 @@ def test_the_step_is_capturable_no_host_read_no_graph_break(tokenizer, temperatu
     wrong = [node for node, v in outputs if not (isinstance(v, torch.Tensor) and v.device.type == "meta"
                                                   and all(isinstance(d, int) for d in v.shape))]
     assert not wrong, wrong
+
+
+def test_every_input_of_the_compiled_step_is_a_static_address(tokenizer):  # noqa: F811
+    """What cudagraph trees need to replay the compiled step as CUDA graphs, read on CPU
+    from the metadata AOT autograd hands inductor (``TracingContext.fw_metadata``): every
+    graph input is a static input (``_prepare_compile``'s marks), so none is copied into
+    the trees' own buffers before each replay (the weights, the KV cache), and those the
+    step writes in place are among them, or the trees would run the step without its
+    graphs ("skipping cudagraphs due to mutated inputs": ``check_for_mutation`` in
+    torch/_inductor/cudagraph_utils.py). On CPU inductor never gets that far (its
+    graphs are CUDA only), hence this check."""
+    import functools
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    decoder = StaticDecoder(make_model("llama", len(tokenizer)), compiled=True)
+    key = static_decode.StepKey(8, 0.7, 0.8, eos_id=2)
+    seen = {}
+
+    def read_metadata(gm: torch.fx.GraphModule, example_inputs):
+        meta = torch._guards.TracingContext.get().fw_metadata
+        seen["inputs"] = len(meta.input_info)
+        seen["static"] = set(meta.static_input_indices)
+        seen["written"] = {i for i, info in enumerate(meta.input_info) if info.mutates_data}
+        return gm
+
+    with torch.inference_mode():
+        decoder.refresh_weights()
+        st = decoder._state_for(key.rows, 40)
+        st.ready_for_warmup_()
+        decoder._prepare_compile(st)
+        torch.compile(functools.partial(decoder._step, st, key), backend=aot_autograd(fw_compiler=read_metadata),
+                      fullgraph=True, dynamic=False)()
+    assert len(seen["written"]) >= 8  # the KV cache, the bias, the counters, the outputs, ...
+    assert seen["static"] == set(range(seen["inputs"]))
 
 
 def test_capture_warm_up_runs_on_a_state_the_last_call_filled_to_capacity(llama, prompts):  # noqa: F811

@@ -54,10 +54,17 @@ def test_captured_greedy_tokens_equal_the_eager_loop(tokenizer, batch):  # noqa:
     check_stopping(captured, eos, T)
 
 
-@pytest.mark.parametrize("gen_precision, tolerance", [("fp32", 1e-5), ("bf16", 1e-2)])
-def test_captured_logprobs_equal_an_eager_recompute(tokenizer, batch, gen_precision, tolerance):  # noqa: F811
-    """The model's own forward recomputes the sampled tokens' log-probs (at bf16 its
-    linear layers run the same bf16 kernels)."""
+@pytest.mark.parametrize("gen_precision, tolerance, forward_tolerance",
+                         [("fp32", 1e-5, 1e-5), ("bf16", 1e-2, 5e-2)])
+def test_captured_logprobs_equal_an_eager_recompute(tokenizer, batch, gen_precision, tolerance,  # noqa: F811
+                                                    forward_tolerance):
+    """The same steps run eagerly (``capture=False``: the same kernels, the same uniform
+    numbers from the same seed) draw the same tokens with the same log-probs, within the
+    issue's tolerance per precision; the model's own forward recomputes them too. At
+    bf16 that forward is another rounding of the model: its linear layers round each
+    weight to bf16, the fast path rounds the fused weights with the norms' weights and
+    the attention scale folded in; on CPU the two differed by up to 0.0195 over 40
+    seeds of this test (more than 1e-2 in 4), at fp32 by 1e-6."""
     model = cuda_llama(len(tokenizer))
     weights = precision.quantize_(model, gen_precision)
     if weights is not None:
@@ -65,15 +72,21 @@ def test_captured_logprobs_equal_an_eager_recompute(tokenizer, batch, gen_precis
     T = 16
     eos = distinct_eos(model, batch, T)
     params = SamplingParams(max_new_tokens=T, temperature=0.8, top_p=0.9)
-    out = sample(model, batch, params, eos_id=eos, pad_id=PAD, decoder="static",
-                 generator=torch.Generator(device="cuda").manual_seed(3))
-    again = sample(model, batch, params, eos_id=eos, pad_id=PAD, decoder="static",
+    ids = dict(eos_id=eos, pad_id=PAD)
+    out = sample(model, batch, params, **ids, decoder="static", generator=torch.Generator(device="cuda").manual_seed(3))
+    again = sample(model, batch, params, **ids, decoder="static",
                    generator=torch.Generator(device="cuda").manual_seed(3))
+    assert static_decode.decoder_for(model).graphs
     assert torch.equal(out.tokens_BT, again.tokens_BT)  # reproducible from the seed
+    eager_steps = static_decode.StaticDecoder(model, capture=False)
+    tokens_BT, logprobs_BT, _ = eager_steps.run(batch, params, **ids,
+                                                generator=torch.Generator(device="cuda").manual_seed(3))
+    assert not eager_steps.graphs and torch.equal(tokens_BT, out.tokens_BT)
+    assert (logprobs_BT - out.logprobs_BT).abs().max() <= tolerance
     ref_BT = trainer_logprobs(model, batch, out, temperature=0.8, top_p=0.9)
     for i in range(len(batch)):
         n = int(out.lengths_B[i])
-        assert (out.logprobs_BT[i, :n] - ref_BT[i, :n]).abs().max() <= tolerance
+        assert (out.logprobs_BT[i, :n] - ref_BT[i, :n]).abs().max() <= forward_tolerance
 
 
 def test_captured_steps_never_sync_with_the_host(tokenizer, batch):  # noqa: F811
@@ -84,8 +97,7 @@ def test_captured_steps_never_sync_with_the_host(tokenizer, batch):  # noqa: F81
     decoder = static_decode.decoder_for(model)
     st = decoder.state
     key = static_decode.StepKey(st.buckets[0], 1.0, 1.0, -1)
-    st.t_1.fill_(1)
-    st.slot_1.fill_(0)
+    st.ready_for_warmup_()  # rows back at position 0: 8 more steps stay inside the rotary tables
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -48,8 +48,10 @@ only its staging buffers; the copy into the parameters (``WeightReceiver.swap_if
 and this refresh run on the generator's own thread between ``sample`` calls, on its
 current stream, the one the graphs replay on, so a copy starts after the last replay
 that read the old weights and the next call's replays start after it, with no host
-wait. (The capture itself runs on a side stream torch creates non-blocking, with
-``capture_error_mode="thread_local"``: the receiver's thread may use the GPU meanwhile.)
+wait. (The warm-up and the capture run on a side stream of the decoder's own, with
+``capture_error_mode="thread_local"``: the receiver's thread may use the GPU meanwhile;
+cuBLAS's workspaces are dropped around each capture, as cudagraph trees do, so that
+the one a graph bakes in lives in the graphs' own memory pool: ``_capture_all``.)
 
 On CPU the same code runs without capture (``capture=False``): the bucketing, masks and
 in-place updates are what the CPU tests check. Whether a CPU generator uses it is
@@ -282,12 +284,16 @@ class StaticDecoder:
         """Seconds spent capturing graphs or compiling steps, all of them (0 on CPU
         uncompiled)."""
         self.cudagraph_skips = 0
-        """``compiled`` on CUDA: compiled steps whose CUDA graphs inductor skipped (it
-        then runs their kernels without graphs), which the log says why; 0 is the
-        point."""
+        """``compiled`` on CUDA: how often inductor ran compiled steps without their CUDA
+        graphs over all calls so far (torch's ``counters["inductor"]["cudagraph_skips"]``
+        during them: at compilation, and at replays, e.g. past cudagraph trees'
+        re-recording limit), each logged by torch with its reason; 0 is the point."""
         self._stamp: tuple | None = None
         self._fused: FusedWeights | None = None
         self._pool = None
+        """The memory pool every graph of ``graphs`` was captured into (``_capture_all``);
+        None while there are none."""
+        self._capture_stream: torch.cuda.Stream | None = None
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -320,8 +326,7 @@ class StaticDecoder:
             log.info("static decoder: the model's parameters moved to new storage; rebuilding its "
                      "weights, state and graphs")
             self.linears = self.state = None
-            self.graphs.clear()
-            self.steps.clear()
+            self._drop_graphs()
         quantized = precision.fast_linears(self.model)
         if self.compiled and quantized is not None and any(
                 isinstance(k, Int8DynamicKernel) for layer in quantized.layers for k in layer):
@@ -348,9 +353,21 @@ class StaticDecoder:
             capacity = capacity_for(max(positions, st.capacity if st else 0))
             fast_path = LlamaFastPath(self.model, capacity, self.linears)
             self.state = st = StaticState(fast_path, rows, capacity)
-            self.graphs.clear()  # they read the old state's tensors
-            self.steps.clear()
+            self._drop_graphs()  # they read the old state's tensors
         return st
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph and compiled step, and the graphs' memory pool: a
+        pool all of whose graphs are gone must not be captured into again. torch's
+        allocator keeps such a pool while any block of it is still allocated, and a
+        capture into it then fails ``create_or_incref_pool``'s internal assert
+        ``use_count > 0`` (c10/cuda/CUDACachingAllocator.cpp); a new state's graphs get
+        a new pool (blocks can stay allocated there: a cuBLAS workspace made in a capture
+        by torch's lazy initialization, which ``_capture_all`` drops, or anything else
+        torch keeps from a capture)."""
+        self.graphs.clear()
+        self.steps.clear()
+        self._pool = None
 
     def _step(self, st: StaticState, key: StepKey) -> None:
         """One decode step of the first ``key.rows`` rows, then the next token's draw."""
@@ -399,9 +416,9 @@ class StaticDecoder:
         rotary = [st.fast_path.cos_LD, st.fast_path.sin_LD]
         return [*state, *kernels, *rotary, *self.model.parameters()]
 
-    def _compile(self, st: StaticState, key: StepKey) -> None:
-        """``key``'s step through ``torch.compile`` (module docstring), compiled and run
-        once: the first call of a bucket's step is its compilation."""
+    def _prepare_compile(self, st: StaticState) -> None:
+        """Mark every tensor a step of ``st`` touches as a static address, and let dynamo
+        keep an entry per bucket and setting (``COMPILE_RECOMPILE_LIMIT``)."""
         import torch._dynamo
 
         for x in self._static_inputs(st):
@@ -409,21 +426,22 @@ class StaticDecoder:
         config = torch._dynamo.config  # recompile_limit: cache_size_limit in older torch
         limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, limit, max(getattr(config, limit), COMPILE_RECOMPILE_LIMIT))
+
+    def _compile(self, st: StaticState, key: StepKey) -> None:
+        """``key``'s step through ``torch.compile`` (module docstring), compiled and run
+        once: the first call of a bucket's step is its compilation."""
+        self._prepare_compile(st)
         step = torch.compile(functools.partial(self._step, st, key), mode="reduce-overhead", fullgraph=True,
                              dynamic=False)
-        skips = _cudagraph_skips()
         t0 = time.perf_counter()
         step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.cudagraph_skips += _cudagraph_skips() - skips
         seconds = time.perf_counter() - t0
         self.capture_s += seconds
         self.steps[key] = step
         log.info("static decoder: compiled the decode step of bucket %d (capacity %d, temperature %g, top-p %g) "
-                 "in %.2f s%s", key.rows, st.capacity, key.temperature, key.top_p, seconds,
-                 f"; inductor skipped its CUDA graphs ({self.cudagraph_skips} so far)"
-                 if self.cudagraph_skips else "")
+                 "in %.2f s", key.rows, st.capacity, key.temperature, key.top_p, seconds)
 
     def _warm_up(self, st: StaticState, key: StepKey) -> None:
         """``CAPTURE_WARMUP_STEPS`` steps on whatever ``st`` holds (the last call's rows,
@@ -445,17 +463,36 @@ class StaticDecoder:
         # outside), so any order of replays is safe.
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        # The warm-up and the capture on one stream of the decoder's own, on its device
+        # (torch.cuda.graph's default capture stream is one per process, made on
+        # whichever device was current then).
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream, current = self._capture_stream, torch.cuda.current_stream(self.device)
         for key in keys:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            stream.wait_stream(current)
             with torch.cuda.stream(stream):
                 self._warm_up(st, key)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            current.wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: the weight receiver's thread may use the GPU meanwhile (its
-            # work is not captured, and does not break this capture).
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._step(st, key)
+            # cuBLAS's workspaces, one per (handle, stream) made at its first matmul, are
+            # dropped, as cudagraph trees do around every warm-up and recording
+            # (torch/_inductor/cudagraph_trees.py, clear_cublas_manager), before the
+            # capture and after it. The capture's matmuls then bake in a workspace made
+            # inside it, from the graphs' own pool, which only captures into that pool
+            # allocate from and whose graphs never run concurrently; one made outside,
+            # in the ordinary pool, would be handed to other tensors at the next clear
+            # (the compiled decoder's, transformers' static cache) while the graph still
+            # replays into it. Dropped after the capture, none of it stays allocated in
+            # the pool (see _drop_graphs).
+            torch._C._cuda_clearCublasWorkspaces()
+            try:
+                # thread_local: the weight receiver's thread may use the GPU meanwhile
+                # (its work is not captured, and does not break this capture).
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                    self._step(st, key)
+            finally:
+                torch._C._cuda_clearCublasWorkspaces()
             self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
@@ -470,7 +507,13 @@ class StaticDecoder:
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``sample`` through static steps: ``tokens_BT``, ``logprobs_BT``, ``lengths_B``."""
         with self._lock:
-            return self._run(prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator)
+            skips = _cudagraph_skips() if self.compiled else 0
+            out = self._run(prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator)
+            if self.compiled and self.device.type == "cuda" and (new := _cudagraph_skips() - skips):
+                self.cudagraph_skips += new
+                log.warning("static decoder: inductor ran compiled decode steps without their CUDA graphs %d "
+                            "times in this call (%d so far; torch logged why)", new, self.cudagraph_skips)
+            return out
 
     def _run(self, prompts, params, *, eos_id, pad_id, generator):
         device = self.device
