@@ -12,7 +12,8 @@ function that crashed), or, for a worker a signal ended with no Python error (SI
 by hand, the out-of-memory killer), torchrun's banner, which names the rank and the
 signal; it then prints that cause last and writes it to the scheduler's error file
 (``$TORCHELASTIC_ERROR_FILE``), which ``torchx run`` prints when the app fails. A
-torchrun that dies without a worker's cause (killed, say) is named as such.
+torchrun that dies without a worker's cause (killed, say) is named as such; one this
+launcher was told to stop (SIGTERM, SIGINT: forwarded to torchrun) names the stop.
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ def _store_arguments(trainer_args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(add_help=False)
     cli.add_store_arguments(parser)
     return parser.parse_known_args(trainer_args)[0]
+
+
+def signal_stop_cause(signum: int) -> str:
+    """Why the trainer stopped when this launcher was signalled: the scheduler cancelled
+    the app, or (local scheduler) ``torchx run`` got Ctrl-C and terminates every role."""
+    return (f"{signal.Signals(signum).name} received (Ctrl-C to `torchx run`, `torchx cancel`, or the "
+            "scheduler ended the job); the run directory keeps what was recorded and checkpointed")
 
 
 def exit_description(returncode: int) -> str:
@@ -165,14 +173,28 @@ def supervise(command: list[str]) -> int:
         stderr = StderrTail(proc.stderr)
         stderr.start()
 
+        signalled: list[int] = []
+
         def forward(signum: int, _frame: object) -> None:
-            # The scheduler's SIGTERM: torchrun stops its workers (they run in sessions of
+            # The scheduler's SIGTERM (also what the local scheduler sends every role when
+            # `torchx run` gets Ctrl-C): torchrun stops its workers (they run in sessions of
             # their own, out of the reach of a signal to this process group).
+            signalled.append(signum)
             proc.send_signal(signum)
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, forward)
-        returncode, stopped_for = _wait_watching_trainer_nodes(proc)
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            returncode, stopped_for = _wait_watching_trainer_nodes(proc)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if signalled:
+            # Told to stop: not a failure of the trainer, whatever torchrun's own error
+            # file says ("SignalException: Process N got signal: 15").
+            message = f"trainer stopped: {signal_stop_cause(signalled[0])}"
+            health.write_error_file(message, returncode if returncode > 0 else 1)
+            print(message, file=sys.stderr, flush=True)
+            return returncode if returncode > 0 else 1
         if stopped_for is not None:
             # Another trainer node failed: its cause is the app's; this node merely
             # stopped (no error file, which would name it as a cause too).

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -204,3 +206,15 @@ def test_raising_parser_raises_config_error_and_says_flags_use_dashes():
         parser.parse_args(["--group_size", "4"])
     with pytest.raises(cli.ConfigError, match="invalid int value"):
         parser.parse_args(["--steps", "many"])
+
+
+def test_every_readme_section_a_flag_points_to_exists():
+    """``--help`` sends the reader to "README, <section>": that heading must exist (a flag's
+    help once pointed to "README, Devices", a section that is called GPUs)."""
+    root = Path(__file__).resolve().parent.parent
+    headings = {line.lstrip("#").strip() for line in (root / "README.md").read_text().splitlines()
+                if line.startswith("#")}
+    pointed = {name for path in sorted((root / "app").rglob("*.py"))
+               for name in re.findall(r"README, ([A-Z][A-Za-z ]*[a-z])", path.read_text())}
+    assert pointed, "the pattern finds the references"
+    assert pointed <= headings, f"no such README section: {sorted(pointed - headings)}"

@@ -4,7 +4,11 @@ pointed at replica 0's host for the control store; the cause of a rank a signal 
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
+import time
 
 import pytest
 
@@ -67,3 +71,29 @@ def test_torchruns_banner_without_a_signal_names_nothing():
     assert launch.killed_rank_cause(banner.replace("exitcode  : 1 (pid: 17988)",
                                                    "exitcode  : -6 (pid: 17988) (SIGABRT)")).startswith(
         "trainer/1 was killed by SIGABRT with no Python error")
+
+
+def test_a_stop_signal_is_named_as_a_stop_not_as_torchruns_signal_exception(tmp_path, monkeypatch, capfd):
+    """SIGTERM to the launcher (what the local scheduler sends every role when `torchx run`
+    gets Ctrl-C, and what `torchx cancel` or SLURM sends): a real torchrun stops its rank;
+    the cause says the run was told to stop, not "trainer failed: SignalException: Process
+    N got signal: 15" (torchrun's own error file); the launcher's handlers are put back."""
+    monkeypatch.setenv(health.ERROR_FILE_ENV, str(tmp_path / "error.json"))
+    started = tmp_path / "started"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               "--no-python", sys.executable, "-c",
+               f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(600)"]
+
+    def stop_once_started() -> None:
+        deadline = time.monotonic() + 120.0  # torchrun's start on a loaded machine
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=stop_once_started, daemon=True).start()
+    assert launch.supervise(command) != 0
+    cause = health.read_error_file(str(tmp_path / "error.json"))
+    assert cause is not None and cause.startswith("trainer stopped: SIGTERM received (Ctrl-C to `torchx run`"), cause
+    assert capfd.readouterr().err.strip().splitlines()[-1] == cause
+    assert signal.getsignal(signal.SIGTERM) is handler
