@@ -161,7 +161,7 @@ def llamarl(
         **(env or {}),
     }
     trainer_cmd = " ".join([
-        # app.launch runs torchrun and ends with the failure's cause, not torchrun's banner.
+        # app.launch runs torchrun (app.torchrun) and ends with the failure's cause.
         f"python -m app.launch --nproc-per-node {nproc_per_node} --nnodes {trainer_nodes}",
         f"--node-rank {specs.macros.replica_id} --rdzv-host {rank0_host}",
         f"--store-port {store_port} --store-bind {store_bind}",
