@@ -19,8 +19,10 @@ T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A flag or a config value the run refuses (raised instead of argparse's exit, so a
-    role that hosts the control store can tell the others why it stops)."""
+    """A flag, a config value or an input (a dataset, a policy directory, a device) the run
+    refuses (raised instead of argparse's exit, so a role that hosts the control store can
+    tell the others why it stops). Its message is the whole story: a role ends on it with
+    that one line, no traceback (``health.reported``)."""
 
 
 class RaisingParser(argparse.ArgumentParser):

@@ -93,6 +93,25 @@ def test_reported_writes_the_cause_of_a_roles_own_failure_only(tmp_path, monkeyp
     assert health.read_error_file(str(path)) == "stopping: generator/0 failed: boom"
 
 
+@pytest.mark.parametrize("raised, last_line, traceback", [
+    ("cli.ConfigError('app.trainer: unrecognized arguments: --learning-rate 1e-4')",
+     "ConfigError: app.trainer: unrecognized arguments: --learning-rate 1e-4", False),
+    ("datafile.DataError('t.jsonl, line 2: not valid JSON')", "DataError: t.jsonl, line 2: not valid JSON", False),
+    ("RuntimeError('a bug')", "RuntimeError: a bug", True),
+])
+def test_a_refused_input_ends_a_role_on_one_line_and_a_bug_with_its_traceback(tmp_path, raised, last_line, traceback):
+    """What `torchx run` shows of a role: a refusal (``cli.ConfigError`` and its kinds) is
+    its one line, exit code 1, no traceback burying it; any other error keeps its
+    traceback. Both go to the scheduler's error file."""
+    code = f"from app import cli, datafile, health\nwith health.reported():\n    raise {raised}\n"
+    env = {**os.environ, health.ERROR_FILE_ENV: str(tmp_path / "error.json")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].endswith(last_line), done.stderr
+    assert ("Traceback" in done.stderr) == traceback, done.stderr
+    assert health.read_error_file(str(tmp_path / "error.json")) == last_line
+
+
 def test_a_crash_report_names_the_signal_and_the_function():
     report = """Fatal Python error: Segmentation fault
 
