@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
 import traceback
@@ -103,8 +104,11 @@ def write_error_file(message: str, exitcode: int = 1) -> None:
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
         return
+    # Outside an exception handler format_exc() is "NoneType: None", which `torchx run`
+    # prints under the cause of every failed app, as if it were an error of its own.
+    callstack = traceback.format_exc() if sys.exc_info()[1] is not None else ""
     data = {"message": {"message": message, "errorCode": exitcode,
-                        "extraInfo": {"py_callstack": traceback.format_exc(),
+                        "extraInfo": {"py_callstack": callstack,
                                       "timestamp": str(int(time.time()))}}}
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -75,8 +75,14 @@ def test_error_file_round_trip_in_torchelastic_format(tmp_path, monkeypatch):
     data = json.loads(path.read_text())
     assert data["message"]["message"] == "trainer failed: ConfigError: steps must be >= 1, got 0"
     assert data["message"]["errorCode"] == 1 and int(data["message"]["extraInfo"]["timestamp"]) > 0
+    assert data["message"]["extraInfo"]["py_callstack"] == "", "no 'NoneType: None' under the cause"
     assert health.read_error_file(str(path)) == data["message"]["message"]
     assert health.read_error_file(str(tmp_path / "none.json")) is None
+    try:
+        raise ValueError("no such reward")
+    except ValueError:
+        health.write_error_file("ValueError: no such reward")
+    assert "raise ValueError" in json.loads(path.read_text())["message"]["extraInfo"]["py_callstack"]
 
 
 def test_reported_writes_the_cause_of_a_roles_own_failure_only(tmp_path, monkeypatch):
