@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import textwrap
 import typing
@@ -29,9 +30,23 @@ class RaisingParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors raise ``ConfigError`` instead of exiting."""
 
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
-        if "unrecognized arguments" in message and "_" in message:
-            message += " (flags are spelled with dashes: --group-size, not --group_size)"
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            hint = self._suggestions(message.removeprefix(prefix).split())
+            if "_" in message:
+                message += " (flags are spelled with dashes: --group-size, not --group_size)"
+            message += hint
         raise ConfigError(f"{self.prog}: {message}")
+
+    def _suggestions(self, unknown: list[str]) -> str:
+        """The closest known flag of each unknown one; where none is close, where the
+        flags are listed (the user reads this in a role's log, far from ``--help``)."""
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        close = list(dict.fromkeys(m[0] for flag in unknown if flag.startswith("--")
+                                   if (m := difflib.get_close_matches(flag.split("=", 1)[0], known, n=1))))
+        if close:
+            return f" (did you mean {', '.join(close)}?)"
+        return f" (`python -m {self.prog} --help` lists every flag)"
 
 
 def field_docs(cls: type) -> dict[str, str]:

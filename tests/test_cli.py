@@ -208,6 +208,18 @@ def test_raising_parser_raises_config_error_and_says_flags_use_dashes():
         parser.parse_args(["--steps", "many"])
 
 
+def test_an_unknown_flag_is_answered_with_the_closest_known_one_or_where_they_are_listed():
+    parser = cli.RaisingParser(prog="app.trainer")
+    cli.add_config_args(parser, TrainerConfig)
+    with pytest.raises(cli.ConfigError) as err:
+        parser.parse_args(["--kl-coeff", "0.1", "--group_size=4"])
+    assert str(err.value).endswith("(did you mean --kl-coef, --group-size?)"), err.value
+    with pytest.raises(cli.ConfigError) as err:
+        parser.parse_args(["--learning-rate", "1e-4"])
+    assert str(err.value) == ("app.trainer: unrecognized arguments: --learning-rate 1e-4 "
+                              "(`python -m app.trainer --help` lists every flag)")
+
+
 def test_every_readme_section_a_flag_points_to_exists():
     """``--help`` sends the reader to "README, <section>": that heading must exist (a flag's
     help once pointed to "README, Devices", a section that is called GPUs)."""

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app import data, frames, health, membership, names, replica_lock, runtime, transport
+from app import cli, data, frames, health, membership, names, replica_lock, runtime, transport
 from role_processes import TEST_SECRET, control as control_as, loopback_store
 
 
@@ -141,7 +141,8 @@ def test_store_port_is_fixed_or_derived_from_the_app_id():
     assert derived == names.store_port(0, "llamarl-abc123"), "every role computes the same port"
     assert names.STORE_PORT_BASE <= derived < names.STORE_PORT_BASE + names.STORE_PORT_SPAN
     assert names.store_port(0, "llamarl-abc124") != derived
-    with pytest.raises(ValueError, match="--app-id"):
+    # A role started by hand: a refusal (one line) that says how the roles are started.
+    with pytest.raises(cli.ConfigError, match="needs --app-id: the roles are started together by `torchx run`"):
         names.store_port(0, "")
 
 
