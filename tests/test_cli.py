@@ -220,6 +220,14 @@ def test_an_unknown_flag_is_answered_with_the_closest_known_one_or_where_they_ar
                               "(`python -m app.trainer --help` lists every flag)")
 
 
+def test_the_commands_parser_suggests_too_and_exits_2_under_its_module_name(capsys):
+    with pytest.raises(SystemExit) as ended:
+        cli.parse(["--stepz", "3"], TrainerConfig, prog="python -m app.local")
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "python -m app.local: error: unrecognized arguments: --stepz 3 (did you mean --steps?)")
+
+
 def test_every_readme_section_a_flag_points_to_exists():
     """``--help`` sends the reader to "README, <section>": that heading must exist (a flag's
     help once pointed to "README, Devices", a section that is called GPUs)."""
