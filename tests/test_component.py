@@ -258,6 +258,26 @@ def test_on_local_cwd_every_role_runs_with_the_submitting_python_first_on_path()
         assert p.env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable), p.env["PATH"]
 
 
+@pytest.mark.parametrize("raised, stderr", [
+    ("SignalException('Process 1 got signal: 2', sigval=signal.SIGINT)",
+     "torchx run: SIGINT received: every role of the app was stopped (its run directory keeps what it recorded)"),
+    ("RuntimeError('a bug')", "Traceback"),
+])
+def test_torchx_run_stopped_by_ctrl_c_ends_on_one_line(raised, stderr):
+    """Ctrl-C to `torchx run` (local_cwd): torchx's SignalException, which its CLI does not
+    catch, ends the process with one line, not its traceback; other errors keep theirs."""
+    code = ("import signal\nfrom components.local_scheduler import create_scheduler\n"
+            "from torchx.schedulers.local_scheduler import SignalException\n"
+            f"create_scheduler('test')\nraise {raised}\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 1
+    if stderr == "Traceback":
+        assert done.stderr.startswith("Traceback") and "RuntimeError: a bug" in done.stderr, done.stderr
+    else:
+        assert done.stderr.strip() == stderr, done.stderr
+
+
 def test_cli_dryrun_for_slurm_and_kubernetes(cli):
     slurm = cli["slurm"].stdout
     assert slurm.count("#SBATCH hetjob") == 3
