@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import textwrap
 import typing
@@ -19,16 +20,43 @@ T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A flag or a config value the run refuses (raised instead of argparse's exit, so a
-    role that hosts the control store can tell the others why it stops)."""
+    """A flag, a config value or an input (a dataset, a policy directory, a device) the run
+    refuses (raised instead of argparse's exit, so a role that hosts the control store can
+    tell the others why it stops). Its message is the whole story: a role ends on it with
+    that one line, no traceback (``health.reported``)."""
 
 
-class RaisingParser(argparse.ArgumentParser):
+class SuggestingParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that answers an unknown flag with the closest known one (and
+    a snake_case one with the dashes flags are spelled with)."""
+
+    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+        super().error(self.explained(message))
+
+    def explained(self, message: str) -> str:
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return message
+        close = self.closest(message.removeprefix(prefix).split())
+        if "_" in message:
+            message += " (flags are spelled with dashes: --group-size, not --group_size)"
+        return message + (f" (did you mean {', '.join(close)}?)" if close else "")
+
+    def closest(self, unknown: list[str]) -> list[str]:
+        """The closest known flag of each unknown one that has one, once each."""
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        return list(dict.fromkeys(m[0] for flag in unknown if flag.startswith("--")
+                                  if (m := difflib.get_close_matches(flag.split("=", 1)[0], known, n=1))))
+
+
+class RaisingParser(SuggestingParser):
     """An ``ArgumentParser`` whose errors raise ``ConfigError`` instead of exiting."""
 
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
-        if "unrecognized arguments" in message and "_" in message:
-            message += " (flags are spelled with dashes: --group-size, not --group_size)"
+        message = self.explained(message)
+        if message.startswith("unrecognized arguments: ") and "did you mean" not in message:
+            # Read in a role's log, far from the usage that argparse prints beside its error.
+            message += f" (`python -m {self.prog} --help` lists every flag)"
         raise ConfigError(f"{self.prog}: {message}")
 
 
@@ -77,9 +105,9 @@ def config_from_args(args: argparse.Namespace, cls: type[T]) -> T:
     return cls(**given)
 
 
-def parse(argv: Sequence[str] | None, *classes: type, description: str = "") -> list[Any]:
+def parse(argv: Sequence[str] | None, *classes: type, description: str = "", prog: str | None = None) -> list[Any]:
     """Parse ``argv`` into one instance of each config class (flags must not clash)."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = SuggestingParser(description=description, prog=prog)
     for cls in classes:
         add_config_args(parser, cls)
     args = parser.parse_args(argv)

@@ -237,7 +237,7 @@ class GeneratorConfig:
     ``eager``, ``static`` or ``compiled`` (the static steps through ``torch.compile``,
     each batch bucket compiled at its first use; not with int8) (static and compiled are
     refused at the first batch for a policy the Llama fast path does not run). Other
-    policies always decode eagerly. See README, Devices."""
+    policies always decode eagerly. See README, GPUs."""
 
     def __post_init__(self) -> None:
         if self.gen_decoder not in get_args(Decoder):

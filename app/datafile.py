@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from app import answers
+from app import answers, cli
 from app.tasks import Problem
 
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -36,7 +36,7 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 DATA_EXTRA = "pip install 'llamarl[data]'"
 
 
-class DataError(ValueError):
+class DataError(cli.ConfigError):
     """Bad dataset input; the message names the file and, for a row, the row."""
 
 

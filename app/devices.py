@@ -39,7 +39,7 @@ from typing import Literal, Sequence
 import torch
 import torch.distributed as dist
 
-from app import names
+from app import cli, names
 
 log = logging.getLogger("llamarl")
 
@@ -57,7 +57,7 @@ HOST = torch.device("cpu")
 """The CPU: where gloo's collectives run and where GPU weights are staged."""
 
 
-class DeviceError(ValueError):
+class DeviceError(cli.ConfigError):
     """A role was asked for a device (or a precision on it) that it cannot have."""
 
 

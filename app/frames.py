@@ -68,7 +68,7 @@ def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
-def read_secret(secret_file: str = "") -> bytes:
+def read_secret(secret_file: str = "", *, create: bool = True) -> bytes:
     """The app's shared secret (hex), from the first of: ``secret_file`` (a role's
     ``--secret-file``); the file named by ``$LLAMARL_SECRET_FILE`` (the component sets
     it; SLURM's scheduler and a mounted Kubernetes secret use it); ``$LLAMARL_SECRET``
@@ -76,11 +76,12 @@ def read_secret(secret_file: str = "") -> bytes:
     other users may read or write it (a batch script, a job spec and ``ps`` are readable
     by others, a 0600 file is not). A file that does not exist yet is created with a
     fresh secret by the first role that looks, atomically, so the roles of one app on
-    hosts that share the file system (local, a SLURM job directory) agree on it."""
+    hosts that share the file system (local, a SLURM job directory) agree on it. Not with
+    ``create=False`` (``app.stop``: a file that does not exist names no app that ran)."""
     path, source = ((secret_file, "--secret-file") if secret_file
                     else (os.environ.get(SECRET_FILE_ENV, ""), f"${SECRET_FILE_ENV}"))
     if path:
-        value = _read_private_file(path, source)
+        value = _read_private_file(path, source, create=create)
     else:
         value, source = os.environ.get(SECRET_ENV, ""), f"${SECRET_ENV}"
     if not value:
@@ -96,9 +97,11 @@ def read_secret(secret_file: str = "") -> bytes:
     return secret
 
 
-def _read_private_file(path: str, source: str) -> str:
-    """The text of ``path`` (created with a fresh secret when missing), refused when its
-    group or other users may read or write it."""
+def _read_private_file(path: str, source: str, *, create: bool = True) -> str:
+    """The text of ``path`` (created with a fresh secret when missing, if ``create``),
+    refused when its group or other users may read or write it."""
+    if not os.path.exists(path) and not create:
+        raise RuntimeError(f"{source} names {path}, which does not exist")
     if not os.path.exists(path):
         try:
             _create_secret_file(path)

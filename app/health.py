@@ -26,12 +26,14 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
 import traceback
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from app.cli import ConfigError
 from app.replica_lock import ERROR_FILE_ENV, REPLICA_ERROR_FILE_ENV, sibling_replica_dirs
 from app.replica_lock import released as lock_released
 from app.transport import Control
@@ -102,8 +104,11 @@ def write_error_file(message: str, exitcode: int = 1) -> None:
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
         return
+    # Outside an exception handler format_exc() is "NoneType: None", which `torchx run`
+    # prints under the cause of every failed app, as if it were an error of its own.
+    callstack = traceback.format_exc() if sys.exc_info()[1] is not None else ""
     data = {"message": {"message": message, "errorCode": exitcode,
-                        "extraInfo": {"py_callstack": traceback.format_exc(),
+                        "extraInfo": {"py_callstack": callstack,
                                       "timestamp": str(int(time.time()))}}}
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -120,13 +125,21 @@ def reported(*, stops: bool = False) -> Iterator[None]:
     naming it) writes none, unless ``stops``: TorchX shows the earliest error file of the
     app, which must be the failed role's, not a bystander's that happened to exit first.
     The trainer's ranks pass ``stops=True``: their error file is torchrun's, which
-    ``app.launch`` prints as the app's cause once torchrun has ended."""
+    ``app.launch`` prints as the app's cause once torchrun has ended. A refusal
+    (``cli.ConfigError``: a bad flag, dataset, policy directory, device) ends the role
+    with its one line and exit code 1, without a traceback."""
     try:
         yield
     except SystemExit as e:
         if stops and isinstance(e.code, str):
             write_error_file(e.code)
         raise
+    except ConfigError as e:
+        # A refused flag or input: the message is the whole story. Its traceback would
+        # bury it under some 20 lines in the terminal (`torchx run` shows every role's
+        # stderr), so the role ends on that one line (SystemExit prints it, exit code 1).
+        write_error_file(f"{type(e).__name__}: {e}")
+        raise SystemExit(f"{type(e).__name__}: {e}") from None
     except Exception as e:
         write_error_file(f"{type(e).__name__}: {e}")
         raise

@@ -5,14 +5,16 @@ cause as the last line.
     python -m app.launch --nnodes 2 --node-rank K --rdzv-host HOST0 --nproc-per-node 2 ...
 
 torchrun ends a failed run with its ``ChildFailedError`` banner, which names the exit code
-of a worker, not why it failed. This wrapper gives torchrun its own error file, into
+of a worker, not why it failed; torchrun is run as ``app.torchrun`` (its agent as is),
+which ends with one line naming that rank and code instead. This wrapper gives torchrun
+its own error file, into
 which torchrun copies the failed worker's (written by ``app.health.reported``), or,
 for a worker killed by a fatal signal, reads its faulthandler report (which names the
 function that crashed), or, for a worker a signal ended with no Python error (SIGKILL:
-by hand, the out-of-memory killer), torchrun's banner, which names the rank and the
-signal; it then prints that cause last and writes it to the scheduler's error file
+by hand, the out-of-memory killer), that line, which names the rank and the signal; it then prints that cause last and writes it to the scheduler's error file
 (``$TORCHELASTIC_ERROR_FILE``), which ``torchx run`` prints when the app fails. A
-torchrun that dies without a worker's cause (killed, say) is named as such.
+torchrun that dies without a worker's cause (killed, say) is named as such; one this
+launcher was told to stop (SIGTERM, SIGINT: forwarded to torchrun) names the stop.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from app import cli, health, names
+from app import cli, health, names, torchrun
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +58,7 @@ def torchrun_command(nproc_per_node: int, trainer_args: list[str], nodes: Nodes 
     store, is on replica 0, where every other role looks for it; a dynamic c10d
     rendezvous orders nodes by host name and pid instead), and every rank is told
     replica 0's host to reach the control store there."""
-    head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc_per_node)]
+    head = [sys.executable, "-m", "app.torchrun", "--nproc_per_node", str(nproc_per_node)]
     if nodes.nnodes == 1:
         return [*head, "--standalone", "--nnodes", "1", "-m", "app.trainer", *trainer_args]
     store = _store_arguments(trainer_args)
@@ -70,6 +72,13 @@ def _store_arguments(trainer_args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(add_help=False)
     cli.add_store_arguments(parser)
     return parser.parse_known_args(trainer_args)[0]
+
+
+def signal_stop_cause(signum: int) -> str:
+    """Why the trainer stopped when this launcher was signalled: the scheduler cancelled
+    the app, or (local scheduler) ``torchx run`` got Ctrl-C and terminates every role."""
+    return (f"{signal.Signals(signum).name} received (Ctrl-C to `torchx run`, `torchx cancel`, or the "
+            "scheduler ended the job); the run directory keeps what was recorded and checkpointed")
 
 
 def exit_description(returncode: int) -> str:
@@ -93,19 +102,18 @@ def crash_cause(crash_dir: Path) -> str | None:
     return "; ".join(causes) or None
 
 
-ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\s*\[\d+\]:.*?rank\s*:\s*(\d+).*?"
-                        r"exitcode\s*:\s*(-?\d+)", re.S)
-"""The first failed rank and its exit code in torchrun's ``ChildFailedError`` banner
-(torch 2.13's ``_MSG_FORMAT_TEMPLATE``)."""
+FAILED_RANK = re.compile(re.escape(torchrun.FAILED_RANK_LINE).replace(r"\{rank\}", r"(\d+)")
+                         .replace(r"\{exitcode\}", r"(-?\d+)"))
+"""``app.torchrun``'s line naming the first failed rank and its exit code."""
 STDERR_TAIL_BYTES = 64 * 1024
-"""How much of torchrun's stderr is kept to read its banner from."""
+"""How much of torchrun's stderr is kept to read its last line from."""
 
 
 def killed_rank_cause(torchrun_stderr: str) -> str | None:
     """A rank that a signal ended without a Python error (SIGKILL: by hand or by the
     out-of-memory killer) leaves neither an error file nor a faulthandler report; only
-    torchrun's banner names it and the signal. ``None`` when it names no such rank."""
-    found = list(ROOT_CAUSE.finditer(torchrun_stderr))
+    ``app.torchrun``'s last line names it and the signal. ``None`` when it names no such rank."""
+    found = list(FAILED_RANK.finditer(torchrun_stderr))
     if not found:
         return None
     rank, exitcode = int(found[-1][1]), int(found[-1][2])
@@ -154,8 +162,8 @@ def run(nproc_per_node: int, trainer_args: list[str], nodes: Nodes = Nodes()) ->
 def supervise(command: list[str]) -> int:
     """Run ``command`` (a torchrun) to its end; on a failure print its cause last and
     write it to the error file. The cause, first found: the failed rank's error file
-    (copied into torchrun's), its faulthandler report, torchrun's banner naming a rank a
-    signal killed, else torchrun's own end."""
+    (copied into torchrun's), its faulthandler report, ``app.torchrun``'s line naming a
+    rank a signal killed, else torchrun's own end."""
     with tempfile.TemporaryDirectory(prefix="llamarl-launch-") as tmp:
         error_file, crash_dir = Path(tmp) / "error.json", Path(tmp) / "crashes"
         crash_dir.mkdir()
@@ -165,14 +173,28 @@ def supervise(command: list[str]) -> int:
         stderr = StderrTail(proc.stderr)
         stderr.start()
 
+        signalled: list[int] = []
+
         def forward(signum: int, _frame: object) -> None:
-            # The scheduler's SIGTERM: torchrun stops its workers (they run in sessions of
+            # The scheduler's SIGTERM (also what the local scheduler sends every role when
+            # `torchx run` gets Ctrl-C): torchrun stops its workers (they run in sessions of
             # their own, out of the reach of a signal to this process group).
+            signalled.append(signum)
             proc.send_signal(signum)
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, forward)
-        returncode, stopped_for = _wait_watching_trainer_nodes(proc)
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            returncode, stopped_for = _wait_watching_trainer_nodes(proc)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if signalled:
+            # Told to stop: not a failure of the trainer, whatever torchrun's own error
+            # file says ("SignalException: Process N got signal: 15").
+            message = f"trainer stopped: {signal_stop_cause(signalled[0])}"
+            health.write_error_file(message, returncode if returncode > 0 else 1)
+            print(message, file=sys.stderr, flush=True)
+            return returncode if returncode > 0 else 1
         if stopped_for is not None:
             # Another trainer node failed: its cause is the app's; this node merely
             # stopped (no error file, which would name it as a cause too).

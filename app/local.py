@@ -120,10 +120,11 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, gen = cli.parse(argv, TrainerConfig, GeneratorConfig, description=__doc__.splitlines()[0])
+    cfg, gen = cli.parse(argv, TrainerConfig, GeneratorConfig, description=__doc__.splitlines()[0],
+                         prog="python -m app.local")
     try:
         result = run(cfg, gen)
-    except data.DataError as e:  # bad input: its message says everything, a traceback nothing
+    except cli.ConfigError as e:  # refused input (a dataset, a policy): its message says everything
         raise SystemExit(f"error: {e}") from None
     if not result.evals:
         print(f"done in {result.seconds:.0f}s (no held-out evaluation); run directory {result.run_dir}")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import zlib
 
+from app.cli import ConfigError
+
 # --------------------------------------------------------------------------- store keys
 
 _ROOT = "llamarl/"
@@ -68,7 +70,10 @@ def store_port(port: int, app_id: str) -> int:
     if port:
         return port
     if not app_id:
-        raise ValueError("store port 0 (derive it from the app id) needs --app-id")
+        # Mostly met by a role started by hand, outside the app.
+        raise ConfigError("store port 0 (derive it from the app id) needs --app-id: the roles are started "
+                          "together by `torchx run` (the llamarl.llamarl component gives them both); "
+                          "one process alone: `python -m app.local`")
     return STORE_PORT_BASE + zlib.crc32(app_id.encode()) % STORE_PORT_SPAN
 
 

@@ -18,7 +18,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
                           PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 from transformers.utils import logging as hf_logging
 
-from app import tasks
+from app import cli, tasks
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 DEFAULT_VOCAB_SIZE = 512
@@ -29,7 +29,7 @@ CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 def check_causal_lm(path: str | Path) -> None:
-    """``ValueError`` unless ``path`` is a Hugging Face causal-LM directory: a config that
+    """``cli.ConfigError`` (a ``ValueError``) unless ``path`` is a Hugging Face causal-LM directory: a config that
     ``AutoModelForCausalLM`` can build and whose saved architecture is a causal LM (a
     reward classifier or a masked LM trains nonsense, so it is refused before the run)."""
     from transformers import AutoConfig
@@ -37,17 +37,17 @@ def check_causal_lm(path: str | Path) -> None:
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise ValueError(f"policy {path} is not a Hugging Face model directory (no config.json there)")
+        raise cli.ConfigError(f"policy {path} is not a Hugging Face model directory (no config.json there)")
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"policy {path}: its config.json does not load: {e}") from None
+        raise cli.ConfigError(f"policy {path}: its config.json does not load: {e}") from None
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"policy {path} is a {config.model_type!r} model, which has no causal-LM class "
+        raise cli.ConfigError(f"policy {path} is a {config.model_type!r} model, which has no causal-LM class "
                          "(AutoModelForCausalLM)")
     saved = config.architectures or []
     if saved and not any(a.endswith(CAUSAL_LM_SUFFIXES) for a in saved):
-        raise ValueError(f"policy {path} holds a {', '.join(saved)}, not a causal language model "
+        raise cli.ConfigError(f"policy {path} holds a {', '.join(saved)}, not a causal language model "
                          "(a ...ForCausalLM): give the policy's directory, not a reward model's")
 
 

@@ -29,15 +29,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="host:port of the app's control store (port 0: derived from --app-id)")
     parser.add_argument("--app-id", required=True, help="the TorchX app id of the run to stop")
     parser.add_argument("--reason", default="", help="said in every role's log and in the app's error")
-    parser.add_argument("--connect-timeout-s", type=float, default=30.0)
+    parser.add_argument("--connect-timeout-s", type=float, default=10.0,
+                        help="how long to try the store: a running app's answers at once")
     cli.add_secret_argument(parser)
     args = parser.parse_args(argv)
     host, sep, port = args.store_addr.rpartition(":")
     if not sep or not port.isdigit():
         parser.error(f"--store-addr must be 'host:port', got {args.store_addr!r}")
-    secret = frames.read_secret(args.secret_file)
-    store = runtime.connect_app_store(f"{host}:{names.store_port(int(port), args.app_id)}", args.app_id,
-                                      args.connect_timeout_s)
+    try:
+        # Never a new secret file: one that is missing names an app that never ran here
+        # (a misspelt app id), and a fresh secret could stop nothing.
+        secret = frames.read_secret(args.secret_file, create=False)
+        store = runtime.connect_app_store(f"{host}:{names.store_port(int(port), args.app_id)}", args.app_id,
+                                          args.connect_timeout_s)
+    except (RuntimeError, ConnectionError, cli.ConfigError) as e:
+        # Said in one line: the app id or the address is wrong, or the app has ended.
+        raise SystemExit(f"app.stop: cannot stop {args.app_id}: {e} (`torchx run` prints the app id as "
+                         "local_cwd://torchx/<app id>)") from None
     control = Control(SignedStore(store, secret, USER))
     who = f"{getpass.getuser()}@{socket.gethostname()}"
     reason = f"stopped by {who}" + (f": {args.reason}" if args.reason else "")

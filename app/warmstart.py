@@ -121,7 +121,7 @@ def ensure_warmstart(path: str | Path = "checkpoints/warmstart", *, log=print) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    (cfg,) = cli.parse(argv, WarmStartConfig, description=__doc__.splitlines()[0])
+    (cfg,) = cli.parse(argv, WarmStartConfig, description=__doc__.splitlines()[0], prog="python -m app.warmstart")
     warm_start(cfg)
 
 

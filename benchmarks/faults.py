@@ -80,7 +80,7 @@ CASES = [
     Case("only_generator_sigkill_sync", "generator/0", ["--num_generators", "1", "--max_staleness", "0"],
          kill="app.generator .*--app-id {app_id} --replica 0"),
     Case("torchrun_agent_sigkill", "torchrun", ["--num_generators", "1"],
-         kill="torch.distributed.run .*--app-id {app_id} "),
+         kill="app.torchrun .*--app-id {app_id} "),
 ]
 
 

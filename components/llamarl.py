@@ -17,6 +17,7 @@ import shlex
 from typing import Dict, Optional
 
 import torchx.specs as specs
+from torchx.specs.finder import ComponentValidationException
 
 SECRET_FILE_ENV = "LLAMARL_SECRET_FILE"  # app.frames.SECRET_FILE_ENV; components import nothing from app
 STORE_BIND_ENV = "LLAMARL_STORE_BIND"
@@ -27,6 +28,18 @@ DEFAULT_SECRETS_DIR = os.path.join(".llamarl", "secrets")
 """Relative to the roles' working directory, the job's: one secret file per app, private."""
 K8S_SECRET_DIR = "/etc/llamarl/secret"
 K8S_SECRET_KEY = "secret"
+
+
+def _check_counts(**counts: int) -> None:
+    """Replica, rank, thread and GPU counts the app cannot run with, refused while the job
+    is built: `torchx run` prints a ComponentValidationException as one error line, where
+    torchx's own check (a role of 0 replicas) raised a ValueError with its traceback."""
+    least = {"num_generators": 1, "nproc_per_node": 1, "trainer_nodes": 1, "threads": 1}
+    bad = [f"--{name} must be >= {least.get(name, 0)}, got {value}"
+           for name, value in counts.items() if value < least.get(name, 0)]
+    if bad:
+        raise ComponentValidationException("; ".join(bad) + " (a run needs a trainer and a generator; "
+                                           "--num_reward 0 scores inline in the trainer)")
 
 
 def llamarl(
@@ -139,6 +152,9 @@ def llamarl(
     Returns:
         specs.AppDef: roles trainer, generator and reward
     """
+    _check_counts(num_generators=num_generators, num_reward=num_reward, nproc_per_node=nproc_per_node,
+                  trainer_nodes=trainer_nodes, threads=threads, trainer_gpu=trainer_gpu,
+                  generator_gpu=generator_gpu, reward_gpu=reward_gpu)
     store_addr = f"$${{{specs.macros.rank0_env}}}:{store_port}"
     # Replica 0's host for the trainer's own replicas; "localhost" where a scheduler leaves
     # the variable unset on replica 0 itself (as torchx's dist.ddp does).
@@ -161,7 +177,7 @@ def llamarl(
         **(env or {}),
     }
     trainer_cmd = " ".join([
-        # app.launch runs torchrun and ends with the failure's cause, not torchrun's banner.
+        # app.launch runs torchrun (app.torchrun) and ends with the failure's cause.
         f"python -m app.launch --nproc-per-node {nproc_per_node} --nnodes {trainer_nodes}",
         f"--node-rank {specs.macros.replica_id} --rdzv-host {rank0_host}",
         f"--store-port {store_port} --store-bind {store_bind}",

@@ -14,13 +14,30 @@ the system interpreter, and the app failed on ``No module named 'torch'``. llama
 
 import os
 import sys
-from typing import Any, List, Optional
+from types import TracebackType
+from typing import Any, List, Optional, Type
 
-from torchx.schedulers.local_scheduler import LocalScheduler
+from torchx.schedulers.local_scheduler import LocalScheduler, SignalException
 from torchx.schedulers.local_scheduler import create_scheduler as create_torchx_local_scheduler
 
 
 def create_scheduler(session_name: str, extra_paths: Optional[List[str]] = None, **kwargs: Any) -> LocalScheduler:
-    """torchx's ``local_cwd`` scheduler with the submitting Python's directory first on PATH."""
+    """torchx's ``local_cwd`` scheduler with the submitting Python's directory first on PATH,
+    and a one-line end for ``torchx run`` stopped by Ctrl-C (``stopped_by_a_signal``)."""
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = stopped_by_a_signal
     return create_torchx_local_scheduler(
         session_name, extra_paths=[os.path.dirname(sys.executable), *(extra_paths or [])], **kwargs)
+
+
+def stopped_by_a_signal(kind: Type[BaseException], error: BaseException, tb: Optional[TracebackType]) -> None:
+    """How ``torchx run`` ends on Ctrl-C (SIGINT) or SIGTERM: torchx's local scheduler
+    raises ``SignalException`` from its signal handler, the runner's ``close`` then stops
+    every role (SIGTERM, SIGKILL after 10 s), and the exception, which torchx's CLI does
+    not catch, reaches the interpreter: one line saying so instead of its traceback (exit
+    code 1, as before). Any other uncaught exception is printed as Python prints it."""
+    if isinstance(error, SignalException):
+        print(f"torchx run: {error.sigval.name} received: every role of the app was stopped (its run "
+              "directory keeps what it recorded)", file=sys.stderr, flush=True)
+        return
+    sys.__excepthook__(kind, error, tb)

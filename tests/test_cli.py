@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -204,3 +206,35 @@ def test_raising_parser_raises_config_error_and_says_flags_use_dashes():
         parser.parse_args(["--group_size", "4"])
     with pytest.raises(cli.ConfigError, match="invalid int value"):
         parser.parse_args(["--steps", "many"])
+
+
+def test_an_unknown_flag_is_answered_with_the_closest_known_one_or_where_they_are_listed():
+    parser = cli.RaisingParser(prog="app.trainer")
+    cli.add_config_args(parser, TrainerConfig)
+    with pytest.raises(cli.ConfigError) as err:
+        parser.parse_args(["--kl-coeff", "0.1", "--group_size=4"])
+    assert str(err.value).endswith("(did you mean --kl-coef, --group-size?)"), err.value
+    with pytest.raises(cli.ConfigError) as err:
+        parser.parse_args(["--learning-rate", "1e-4"])
+    assert str(err.value) == ("app.trainer: unrecognized arguments: --learning-rate 1e-4 "
+                              "(`python -m app.trainer --help` lists every flag)")
+
+
+def test_the_commands_parser_suggests_too_and_exits_2_under_its_module_name(capsys):
+    with pytest.raises(SystemExit) as ended:
+        cli.parse(["--stepz", "3"], TrainerConfig, prog="python -m app.local")
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "python -m app.local: error: unrecognized arguments: --stepz 3 (did you mean --steps?)")
+
+
+def test_every_readme_section_a_flag_points_to_exists():
+    """``--help`` sends the reader to "README, <section>": that heading must exist (a flag's
+    help once pointed to "README, Devices", a section that is called GPUs)."""
+    root = Path(__file__).resolve().parent.parent
+    headings = {line.lstrip("#").strip() for line in (root / "README.md").read_text().splitlines()
+                if line.startswith("#")}
+    pointed = {name for path in sorted((root / "app").rglob("*.py"))
+               for name in re.findall(r"README, ([A-Z][A-Za-z ]*[a-z])", path.read_text())}
+    assert pointed, "the pattern finds the references"
+    assert pointed <= headings, f"no such README section: {sorted(pointed - headings)}"

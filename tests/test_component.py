@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torchx.specs as specs
+from torchx.specs.finder import ComponentValidationException
 from torchx.runner import get_runner
 from torchx.specs.file_linter import validate
 
@@ -256,6 +257,37 @@ def test_on_local_cwd_every_role_runs_with_the_submitting_python_first_on_path()
     assert len(replicas) == 4
     for p in replicas:
         assert p.env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable), p.env["PATH"]
+
+
+@pytest.mark.parametrize("options, error", [
+    (["--num_generators", "0"], "--num_generators must be >= 1, got 0"),
+    (["--num_reward", "-1", "--nproc_per_node", "0"], "--num_reward must be >= 0, got -1; --nproc_per_node must be >= 1"),
+])
+def test_counts_the_app_cannot_run_with_are_refused_while_the_job_is_built(options, error):
+    """torchx's own check of a role of 0 replicas is a ValueError, which `torchx run`
+    prints as a traceback; a ComponentValidationException it prints as one error."""
+    with pytest.raises(ComponentValidationException, match=re.escape(error)):
+        get_runner().dryrun_component("llamarl.llamarl", options, scheduler="local_cwd", cfg={})
+
+
+@pytest.mark.parametrize("raised, stderr", [
+    ("SignalException('Process 1 got signal: 2', sigval=signal.SIGINT)",
+     "torchx run: SIGINT received: every role of the app was stopped (its run directory keeps what it recorded)"),
+    ("RuntimeError('a bug')", "Traceback"),
+])
+def test_torchx_run_stopped_by_ctrl_c_ends_on_one_line(raised, stderr):
+    """Ctrl-C to `torchx run` (local_cwd): torchx's SignalException, which its CLI does not
+    catch, ends the process with one line, not its traceback; other errors keep theirs."""
+    code = ("import signal\nfrom components.local_scheduler import create_scheduler\n"
+            "from torchx.schedulers.local_scheduler import SignalException\n"
+            f"create_scheduler('test')\nraise {raised}\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 1
+    if stderr == "Traceback":
+        assert done.stderr.startswith("Traceback") and "RuntimeError: a bug" in done.stderr, done.stderr
+    else:
+        assert done.stderr.strip() == stderr, done.stderr
 
 
 def test_cli_dryrun_for_slurm_and_kubernetes(cli):

@@ -175,7 +175,7 @@ def test_a_killed_torchrun_agent_leaves_no_trainer_behind(tiny_policy, tmp_path)
     with launch(tiny_policy, tmp_path, steps=60, num_generators=1,
                 extra=[*SMALL, "--eval-every", "1000"]) as app:
         app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
-        kill(app, f"torch.distributed.run .*--app-id {app.app_id} ")
+        kill(app, f"app.torchrun .*--app-id {app.app_id} ")
         assert_fails_naming(app, "torchrun")
 
 

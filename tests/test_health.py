@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app import data, frames, health, membership, names, replica_lock, runtime, transport
+from app import cli, data, frames, health, membership, names, replica_lock, runtime, transport
 from role_processes import TEST_SECRET, control as control_as, loopback_store
 
 
@@ -75,8 +75,14 @@ def test_error_file_round_trip_in_torchelastic_format(tmp_path, monkeypatch):
     data = json.loads(path.read_text())
     assert data["message"]["message"] == "trainer failed: ConfigError: steps must be >= 1, got 0"
     assert data["message"]["errorCode"] == 1 and int(data["message"]["extraInfo"]["timestamp"]) > 0
+    assert data["message"]["extraInfo"]["py_callstack"] == "", "no 'NoneType: None' under the cause"
     assert health.read_error_file(str(path)) == data["message"]["message"]
     assert health.read_error_file(str(tmp_path / "none.json")) is None
+    try:
+        raise ValueError("no such reward")
+    except ValueError:
+        health.write_error_file("ValueError: no such reward")
+    assert "raise ValueError" in json.loads(path.read_text())["message"]["extraInfo"]["py_callstack"]
 
 
 def test_reported_writes_the_cause_of_a_roles_own_failure_only(tmp_path, monkeypatch):
@@ -91,6 +97,25 @@ def test_reported_writes_the_cause_of_a_roles_own_failure_only(tmp_path, monkeyp
     with pytest.raises(SystemExit), health.reported(stops=True):  # a trainer rank: the app's voice
         raise SystemExit("stopping: generator/0 failed: boom")
     assert health.read_error_file(str(path)) == "stopping: generator/0 failed: boom"
+
+
+@pytest.mark.parametrize("raised, last_line, traceback", [
+    ("cli.ConfigError('app.trainer: unrecognized arguments: --learning-rate 1e-4')",
+     "ConfigError: app.trainer: unrecognized arguments: --learning-rate 1e-4", False),
+    ("datafile.DataError('t.jsonl, line 2: not valid JSON')", "DataError: t.jsonl, line 2: not valid JSON", False),
+    ("RuntimeError('a bug')", "RuntimeError: a bug", True),
+])
+def test_a_refused_input_ends_a_role_on_one_line_and_a_bug_with_its_traceback(tmp_path, raised, last_line, traceback):
+    """What `torchx run` shows of a role: a refusal (``cli.ConfigError`` and its kinds) is
+    its one line, exit code 1, no traceback burying it; any other error keeps its
+    traceback. Both go to the scheduler's error file."""
+    code = f"from app import cli, datafile, health\nwith health.reported():\n    raise {raised}\n"
+    env = {**os.environ, health.ERROR_FILE_ENV: str(tmp_path / "error.json")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].endswith(last_line), done.stderr
+    assert ("Traceback" in done.stderr) == traceback, done.stderr
+    assert health.read_error_file(str(tmp_path / "error.json")) == last_line
 
 
 def test_a_crash_report_names_the_signal_and_the_function():
@@ -116,7 +141,8 @@ def test_store_port_is_fixed_or_derived_from_the_app_id():
     assert derived == names.store_port(0, "llamarl-abc123"), "every role computes the same port"
     assert names.STORE_PORT_BASE <= derived < names.STORE_PORT_BASE + names.STORE_PORT_SPAN
     assert names.store_port(0, "llamarl-abc124") != derived
-    with pytest.raises(ValueError, match="--app-id"):
+    # A role started by hand: a refusal (one line) that says how the roles are started.
+    with pytest.raises(cli.ConfigError, match="needs --app-id: the roles are started together by `torchx run`"):
         names.store_port(0, "")
 
 

@@ -4,11 +4,15 @@ pointed at replica 0's host for the control store; the cause of a rank a signal 
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
+import time
 
 import pytest
 
-from app import health, launch, names
+from app import health, launch, names, torchrun
 from app.launch import Nodes, torchrun_command
 
 TRAINER_ARGS = ["--store-port", "0", "--app-id", "llamarl-abc", "--steps", "3"]
@@ -16,14 +20,14 @@ TRAINER_ARGS = ["--store-port", "0", "--app-id", "llamarl-abc", "--steps", "3"]
 
 def test_one_node_is_a_standalone_torchrun():
     cmd = torchrun_command(2, TRAINER_ARGS)
-    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+    assert cmd == [sys.executable, "-m", "app.torchrun", "--nproc_per_node", "2", "--standalone",
                    "--nnodes", "1", "-m", "app.trainer", *TRAINER_ARGS]
 
 
 def test_several_nodes_meet_at_replica_0_and_reach_its_store():
     cmd = torchrun_command(2, TRAINER_ARGS, Nodes(nnodes=3, node_rank=1, rdzv_host="node0"))
     port = names.rendezvous_port(0, "llamarl-abc")
-    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "3",
+    assert cmd == [sys.executable, "-m", "app.torchrun", "--nproc_per_node", "2", "--nnodes", "3",
                    "--node_rank", "1", "--rdzv_backend", "static", "--rdzv_endpoint", f"node0:{port}",
                    "-m", "app.trainer", *TRAINER_ARGS, "--store-host", "node0"]
     with_port = torchrun_command(1, ["--store-port", "29700"], Nodes(nnodes=2, node_rank=0, rdzv_host="h"))
@@ -44,26 +48,52 @@ def test_a_node_rank_outside_the_nodes_is_refused(nnodes, node_rank):
         Nodes(nnodes=nnodes, node_rank=node_rank)
 
 
-def test_a_rank_killed_by_a_signal_is_named_from_torchruns_banner(tmp_path, monkeypatch, capfd):
-    """A real torchrun whose one rank SIGKILLs itself (as the out-of-memory killer would):
-    no error file, no faulthandler report; the launcher names the rank and the signal,
-    not "torchrun ended without a worker's cause"."""
+def test_a_rank_killed_by_a_signal_is_named_from_torchruns_last_line(tmp_path, monkeypatch, capfd):
+    """A real torchrun (``app.torchrun``) whose one rank SIGKILLs itself (as the
+    out-of-memory killer would): no error file, no faulthandler report; the launcher names
+    the rank and the signal, not "torchrun ended without a worker's cause"; the terminal
+    shows no traceback of torchrun's agent and no ``ChildFailedError`` banner above it."""
     monkeypatch.setenv(health.ERROR_FILE_ENV, str(tmp_path / "error.json"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+    command = [sys.executable, "-m", "app.torchrun", "--standalone", "--nproc_per_node", "1",
                "--no-python", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
     assert launch.supervise(command) == 1
     cause = ("trainer failed: trainer/0 was killed by SIGKILL with no Python error (killed by hand or by the "
              "out-of-memory killer, or its node was lost)")
     assert health.read_error_file(str(tmp_path / "error.json")) == cause
     err = capfd.readouterr().err
-    assert "Root Cause (first observed failure)" in err, "torchrun's own stderr still shows"
-    assert err.strip().splitlines()[-1] == cause
+    assert "Traceback" not in err and "ChildFailedError" not in err, err
+    assert err.strip().splitlines()[-2:] == [torchrun.FAILED_RANK_LINE.format(rank=0, exitcode=-9), cause]
 
 
-def test_torchruns_banner_without_a_signal_names_nothing():
-    banner = ("Root Cause (first observed failure):\n[0]:\n  time      : 2026-12-05_12:07:56\n  host      : h\n"
-              "  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 17988)\n  error_file: <N/A>\n")
-    assert launch.killed_rank_cause(banner) is None
-    assert launch.killed_rank_cause(banner.replace("exitcode  : 1 (pid: 17988)",
-                                                   "exitcode  : -6 (pid: 17988) (SIGABRT)")).startswith(
+def test_torchruns_last_line_without_a_signal_names_nothing():
+    assert launch.killed_rank_cause("x\n" + torchrun.FAILED_RANK_LINE.format(rank=1, exitcode=1) + "\n") is None
+    assert launch.killed_rank_cause(torchrun.FAILED_RANK_LINE.format(rank=1, exitcode=-6)).startswith(
         "trainer/1 was killed by SIGABRT with no Python error")
+
+
+def test_a_stop_signal_is_named_as_a_stop_not_as_torchruns_signal_exception(tmp_path, monkeypatch, capfd):
+    """SIGTERM to the launcher (what the local scheduler sends every role when `torchx run`
+    gets Ctrl-C, and what `torchx cancel` or SLURM sends): a real torchrun stops its rank;
+    the cause says the run was told to stop, not "trainer failed: SignalException: Process
+    N got signal: 15" (torchrun's own error file); the launcher's handlers are put back."""
+    monkeypatch.setenv(health.ERROR_FILE_ENV, str(tmp_path / "error.json"))
+    started = tmp_path / "started"
+    command = [sys.executable, "-m", "app.torchrun", "--standalone", "--nproc_per_node", "1",
+               "--no-python", sys.executable, "-c",
+               f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(600)"]
+
+    def stop_once_started() -> None:
+        deadline = time.monotonic() + 120.0  # torchrun's start on a loaded machine
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=stop_once_started, daemon=True).start()
+    assert launch.supervise(command) != 0
+    cause = health.read_error_file(str(tmp_path / "error.json"))
+    assert cause is not None and cause.startswith("trainer stopped: SIGTERM received (Ctrl-C to `torchx run`"), cause
+    err = capfd.readouterr().err
+    assert err.strip().splitlines()[-1] == cause
+    assert "Traceback" not in err, "no traceback of torchrun's agent around its SignalException"
+    assert signal.getsignal(signal.SIGTERM) is handler

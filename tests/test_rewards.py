@@ -11,6 +11,7 @@ import pytest
 
 import reward_fixtures as fixtures
 from app import metrics, tasks
+from app.cli import ConfigError
 from app.rewards import (
     BUILTINS,
     Component,
@@ -106,7 +107,7 @@ def test_parse_spec_names_weights_options():
     ("fmt format", "cannot parse"),
 ])
 def test_parse_spec_errors(spec, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):  # a refusal: one line, no traceback (health.reported)
         parse_spec(spec)
 
 
@@ -128,6 +129,14 @@ def test_unknown_reward_lists_builtins():
     for name in BUILTINS:
         assert name in str(err.value)
     assert "llamarl.rewards" in str(err.value)
+
+
+def test_a_misspelt_reward_is_refused_with_the_name_it_is_close_to():
+    with pytest.raises(ConfigError, match=r"unknown reward 'math_verifer' \(did you mean 'math_verifier'\?\): "):
+        build_reward("math_verifer")
+    with pytest.raises(ConfigError) as err:
+        build_reward("xyzzy")
+    assert "did you mean" not in str(err.value)
 
 
 def test_bad_options_are_value_errors(tmp_path):

@@ -152,6 +152,20 @@ def test_secret_from_env(monkeypatch):
         read_secret()
 
 
+def test_app_stop_with_a_misspelt_app_id_makes_no_secret_and_says_so_in_one_line(tmp_path, monkeypatch):
+    """A secret file that does not exist names no app that ran: ``app.stop`` ends at once
+    on one line, and leaves no fresh secret behind (the roles' ``read_secret`` makes one)."""
+    from app import stop
+
+    missing = tmp_path / "secrets" / "llamarl-nope"
+    with pytest.raises(SystemExit) as ended:
+        stop.main(["--store-addr", "localhost:0", "--app-id", "llamarl-nope", "--secret-file", str(missing)])
+    assert str(ended.value.code).startswith(f"app.stop: cannot stop llamarl-nope: --secret-file names {missing}, "
+                                            "which does not exist")
+    assert not missing.exists()
+    assert len(read_secret(str(missing))) == 32 and missing.exists(), "a role still makes it"
+
+
 # --------------------------------------------------------------------------- store
 
 

@@ -30,6 +30,7 @@ within a spec; ``total`` is reserved.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import math
@@ -38,6 +39,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from app.cli import ConfigError
 from app.rewards.builtins import LengthPenalty, format_reward
 from app.rewards.composite import CompositeReward
 from app.rewards.core import Component
@@ -97,12 +99,12 @@ def _split_top_level(text: str, spec: str) -> list[str]:
         elif ch == ")":
             depth -= 1
             if depth < 0:
-                raise ValueError(f"unbalanced ')' in reward spec {spec!r}")
+                raise ConfigError(f"unbalanced ')' in reward spec {spec!r}")
         elif ch == "," and depth == 0:
             parts.append(text[start:i])
             start = i + 1
     if depth != 0:
-        raise ValueError(f"unbalanced '(' in reward spec {spec!r}")
+        raise ConfigError(f"unbalanced '(' in reward spec {spec!r}")
     return parts + [text[start:]]
 
 
@@ -118,15 +120,15 @@ def _option_value(raw: str) -> Any:
 def parse_spec(spec: str) -> list[ComponentSpec]:
     """The components of ``spec`` in order; ValueError naming the bad part otherwise."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"reward spec must be a non-empty string like 'math_verifier,format=0.2', got {spec!r}")
+        raise ConfigError(f"reward spec must be a non-empty string like 'math_verifier,format=0.2', got {spec!r}")
     out = []
     for part in _split_top_level(spec, spec):
         part = part.strip()
         if not part:
-            raise ValueError(f"empty component in reward spec {spec!r} (stray comma?)")
+            raise ConfigError(f"empty component in reward spec {spec!r} (stray comma?)")
         m = _COMPONENT_RE.fullmatch(part)
         if m is None:
-            raise ValueError(f"cannot parse reward component {part!r} in spec {spec!r}; expected "
+            raise ConfigError(f"cannot parse reward component {part!r} in spec {spec!r}; expected "
                              f"name, name=weight or name(key=value,...)=weight")
         options: dict[str, Any] = {}
         if m["options"] is not None and m["options"].strip():
@@ -134,25 +136,25 @@ def parse_spec(spec: str) -> list[ComponentSpec]:
                 key, eq, value = item.partition("=")
                 key = key.strip()
                 if not eq or not key.isidentifier():
-                    raise ValueError(f"reward option {item.strip()!r} of {m['target']!r} must be "
+                    raise ConfigError(f"reward option {item.strip()!r} of {m['target']!r} must be "
                                      f"key=value with key a Python identifier (spec {spec!r})")
                 if key in options:
-                    raise ValueError(f"reward option {key!r} given twice for {m['target']!r}")
+                    raise ConfigError(f"reward option {key!r} given twice for {m['target']!r}")
                 options[key] = _option_value(value.strip())
         weight = 1.0
         if m["weight"] is not None:
             try:
                 weight = float(m["weight"])
             except ValueError:
-                raise ValueError(f"weight of reward {m['target']!r} must be a number, got "
+                raise ConfigError(f"weight of reward {m['target']!r} must be a number, got "
                                  f"{m['weight'].strip()!r} (spec {spec!r})") from None
             if not math.isfinite(weight):
-                raise ValueError(f"weight of reward {m['target']!r} must be finite, got {weight}")
+                raise ConfigError(f"weight of reward {m['target']!r} must be finite, got {weight}")
         out.append(ComponentSpec(m["target"], options, weight))
     names = [c.name for c in out]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise ValueError(f"reward component names must be unique in spec {spec!r}, repeated: {dupes}; "
+        raise ConfigError(f"reward component names must be unique in spec {spec!r}, repeated: {dupes}; "
                          f"to use one reward twice, wrap it in a function of another name")
     return out
 
@@ -170,17 +172,19 @@ def available() -> dict[str, list[str]]:
 def _import_attr(target: str) -> Any:
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"reward {target!r}: expected package.module:function")
+        raise ConfigError(f"reward {target!r}: expected package.module:function")
     try:
         obj = importlib.import_module(module_name)
     except ImportError as exc:
+        # Not a refusal (ConfigError): the module may be the user's, failing on its own
+        # bug, whose traceback shows where.
         raise ValueError(f"reward {target!r}: cannot import module {module_name!r} ({exc}); "
                          f"is its directory on PYTHONPATH?") from exc
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(f"reward {target!r}: module {module_name!r} has no attribute {attr!r}") from None
+            raise ConfigError(f"reward {target!r}: module {module_name!r} has no attribute {attr!r}") from None
     return obj
 
 
@@ -198,7 +202,9 @@ def resolve(c: ComponentSpec, device: str | None = None) -> Any:
             factory = _import_attr(c.target)
         else:
             found = available()
-            raise ValueError(f"unknown reward {c.target!r}: not a built-in {found['builtins']}, "
+            close = difflib.get_close_matches(c.target, found["builtins"] + found["plugins"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown reward {c.target!r}{hint}: not a built-in {found['builtins']}, "
                              f"not an installed plugin {found['plugins']} "
                              f"(entry point group {ENTRY_POINT_GROUP!r}), and not package.module:function")
         is_factory = isinstance(factory, type) or bool(c.options)
@@ -211,7 +217,7 @@ def resolve(c: ComponentSpec, device: str | None = None) -> Any:
     try:
         return factory(**options)
     except TypeError as exc:
-        raise ValueError(f"bad options {c.options} for reward {c.target!r}: {exc}") from exc
+        raise ConfigError(f"bad options {c.options} for reward {c.target!r}: {exc}") from exc
 
 
 def build_reward(spec: str, *, timeout_s: float = 30.0, start_timeout_s: float = 300.0,
