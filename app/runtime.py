@@ -153,6 +153,9 @@ class Runtime:
     _batches_sent: int = 0
     _heart: threading.Thread | None = None
     _stop_seen: tuple[float, bool] = (float("-inf"), False)  # (monotonic time, stopped)
+    failure_logged: bool = False
+    """Set by a role that logged its own failure before ending (the trainer, at once):
+    the exit then reports it without logging it a second time."""
 
     @classmethod
     def join(cls, role: str, replica: int, store: dist.TCPStore, secret: bytes) -> "Runtime":
@@ -234,7 +237,8 @@ class Runtime:
         store_gone = exc_type is not None and not self._store_alive()
         if exc_type is not None and not issubclass(exc_type, transport.Stopped) and not store_gone:
             error = "".join(traceback.format_exception_only(exc_type, exc)).strip()
-            log.error("failed: %s", error)
+            if not self.failure_logged:
+                log.error("failed: %s", error)
             try:
                 self.control.mark_failed(self.role, self.replica, error)
             except Exception:

@@ -646,6 +646,7 @@ def _train(rt: runtime.Runtime, argv: list[str], early: argparse.Namespace, rank
         # and a scheduler that kills the job when the first role exits non-zero (SLURM's
         # heterogeneous job) may end this process in that wait.
         log.error("failed: %s", reason)
+        rt.failure_logged = True
         if trainer is not None:
             trainer.close(reason, failed=True)
         elif rank == 0:

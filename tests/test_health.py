@@ -33,6 +33,19 @@ def test_check_health_names_a_failed_member_first(store):
         health.check_health(control)
 
 
+def test_a_failure_the_role_logged_itself_is_not_logged_again_at_exit(store, caplog):
+    """The trainer logs its failure at once (ending the app then waits for the others);
+    the runtime's exit still publishes it, without a second "failed:" line."""
+    for logged in (False, True):
+        caplog.clear()
+        with pytest.raises(cli.ConfigError), runtime.Runtime.join("reward", int(logged), store, TEST_SECRET) as rt:
+            rt.failure_logged = logged
+            raise cli.ConfigError("steps must be >= 1, got 0")
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("failed: ")]
+        assert said == ([] if logged else ["failed: app.cli.ConfigError: steps must be >= 1, got 0"])
+        assert "steps must be >= 1, got 0" in str(control_as(store, "trainer/0").failures()), "still published"
+
+
 def test_check_health_names_members_whose_heartbeat_stood_still(store):
     control = control_as(store)
     for replica in (0, 1):
