@@ -26,34 +26,32 @@ class ConfigError(ValueError):
     that one line, no traceback (``health.reported``)."""
 
 
+def explained(parser: argparse.ArgumentParser, message: str) -> str:
+    """``parser``'s error ``message``, an unknown flag answered with the closest known one
+    (and a snake_case one with the dashes flags are spelled with)."""
+    prefix = "unrecognized arguments: "
+    if not message.startswith(prefix):
+        return message
+    known = [o for o in parser._option_string_actions if o.startswith("--")]
+    close = list(dict.fromkeys(m[0] for flag in message.removeprefix(prefix).split() if flag.startswith("--")
+                               if (m := difflib.get_close_matches(flag.split("=", 1)[0], known, n=1))))
+    if "_" in message:
+        message += " (flags are spelled with dashes: --group-size, not --group_size)"
+    return message + (f" (did you mean {', '.join(close)}?)" if close else "")
+
+
 class SuggestingParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` that answers an unknown flag with the closest known one (and
-    a snake_case one with the dashes flags are spelled with)."""
+    """An ``ArgumentParser`` whose errors are ``explained`` (then it exits, as argparse does)."""
 
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
-        super().error(self.explained(message))
-
-    def explained(self, message: str) -> str:
-        prefix = "unrecognized arguments: "
-        if not message.startswith(prefix):
-            return message
-        close = self.closest(message.removeprefix(prefix).split())
-        if "_" in message:
-            message += " (flags are spelled with dashes: --group-size, not --group_size)"
-        return message + (f" (did you mean {', '.join(close)}?)" if close else "")
-
-    def closest(self, unknown: list[str]) -> list[str]:
-        """The closest known flag of each unknown one that has one, once each."""
-        known = [o for o in self._option_string_actions if o.startswith("--")]
-        return list(dict.fromkeys(m[0] for flag in unknown if flag.startswith("--")
-                                  if (m := difflib.get_close_matches(flag.split("=", 1)[0], known, n=1))))
+        super().error(explained(self, message))
 
 
-class RaisingParser(SuggestingParser):
-    """An ``ArgumentParser`` whose errors raise ``ConfigError`` instead of exiting."""
+class RaisingParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors, ``explained``, raise ``ConfigError`` instead of exiting."""
 
     def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
-        message = self.explained(message)
+        message = explained(self, message)
         if message.startswith("unrecognized arguments: ") and "did you mean" not in message:
             # Read in a role's log, far from the usage that argparse prints beside its error.
             message += f" (`python -m {self.prog} --help` lists every flag)"
