@@ -458,13 +458,11 @@ def compare_samplers(args: argparse.Namespace) -> dict:
 def _counting_skips(side: Callable[[int], int], skips: dict[str, int], name: str, seed: int) -> int:
     """``side(seed)``, adding to ``skips[name]`` how often inductor ran compiled code
     without its CUDA graphs meanwhile (torch's counter, which torch logs with reasons)."""
-    from torch._dynamo.utils import counters
-
-    before = counters["inductor"]["cudagraph_skips"]
+    before = static_decode.inductor_cudagraph_skips()
     try:
         return side(seed)
     finally:
-        skips[name] = skips.get(name, 0) + counters["inductor"]["cudagraph_skips"] - before
+        skips[name] = skips.get(name, 0) + static_decode.inductor_cudagraph_skips() - before
 
 
 def _release(device: torch.device) -> None:

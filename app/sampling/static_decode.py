@@ -507,9 +507,9 @@ class StaticDecoder:
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``sample`` through static steps: ``tokens_BT``, ``logprobs_BT``, ``lengths_B``."""
         with self._lock:
-            skips = _cudagraph_skips() if self.compiled else 0
+            skips = inductor_cudagraph_skips() if self.compiled else 0
             out = self._run(prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator)
-            if self.compiled and self.device.type == "cuda" and (new := _cudagraph_skips() - skips):
+            if self.compiled and self.device.type == "cuda" and (new := inductor_cudagraph_skips() - skips):
                 self.cudagraph_skips += new
                 log.warning("static decoder: inductor ran compiled decode steps without their CUDA graphs %d "
                             "times in this call (%d so far; torch logged why)", new, self.cudagraph_skips)
@@ -581,7 +581,7 @@ def _kernel_attributes(linears: FusedLinears) -> list:
     return [v for layer in [*linears.layers, (linears.head,)] for kernel in layer for v in vars(kernel).values()]
 
 
-def _cudagraph_skips() -> int:
+def inductor_cudagraph_skips() -> int:
     """How many compiled functions inductor has run without their CUDA graphs so far."""
     from torch._dynamo.utils import counters
 
