@@ -15,15 +15,10 @@ import inspect
 import textwrap
 import typing
 from typing import Any, Literal, Sequence, TypeVar
+from llamarl.app.errors import ConfigError
 
 T = TypeVar("T")
 
-
-class ConfigError(ValueError):
-    """A flag, a config value or an input (a dataset, a policy directory, a device) the run
-    refuses (raised instead of argparse's exit, so a role that hosts the control store can
-    tell the others why it stops). Its message is the whole story: a role ends on it with
-    that one line, no traceback (``health.reported``)."""
 
 
 def explained(parser: argparse.ArgumentParser, message: str) -> str:
@@ -121,13 +116,13 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:
-    """The control store's flags of the trainer role (``app.launch`` reads them too)."""
+    """The control store's flags of the trainer role (``llamarl.app.roles.launch`` reads them too)."""
     parser.add_argument("--store-port", type=int, default=0,
                         help="port of the control store on replica 0 (0: derived from --app-id)")
     parser.add_argument("--app-id", default="", help="the TorchX app id, published on the control store")
     parser.add_argument("--store-host", default="",
                         help="host of trainer replica 0, where trainer ranks > 0 reach the control store "
-                             "(app.launch sets it for a trainer of several nodes); empty or a loopback name: "
+                             "(llamarl.app.roles.launch sets it for a trainer of several nodes); empty or a loopback name: "
                              "where the store listens (--store-bind)")
     parser.add_argument("--store-bind", default="127.0.0.1",
                         help="where the control store listens: an address or host name of this host, the "
@@ -141,5 +136,5 @@ SECRET_FILE_FLAG_HELP = ("file holding the app's secret (hex; mode 600, checked)
 
 
 def add_secret_argument(parser: argparse.ArgumentParser) -> None:
-    """``--secret-file``, which every role takes (``app.frames.read_secret``)."""
+    """``--secret-file``, which every role takes (``llamarl.app.control.frames.read_secret``)."""
     parser.add_argument("--secret-file", default="", help=SECRET_FILE_FLAG_HELP)

@@ -1,5 +1,5 @@
 """Typed configs of the executors. Each executor owns one; the single-process loop
-(``app.local``) takes the trainer's and the generator's together.
+(``llamarl.app.roles.local``) takes the trainer's and the generator's together.
 
 Runtime objects (models, stores, process groups) never live here: they are built from
 these values when an executor starts.
@@ -11,17 +11,45 @@ import re
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from app.answers import AnswerFormat
-from app.devices import DeviceChoice, TrainPrecision
-from app.rl import StepConfig
-from app.sampling import GEN_PRECISIONS, Decoder, GenPrecision, SamplingParams
-from app.tasks import PROMPT_TEMPLATE
+from llamarl.app.tasks.answers import AnswerFormat
+from llamarl.app.devices import DeviceChoice, TrainPrecision
+from llamarl.app.sampling import GEN_PRECISIONS, Decoder, GenPrecision, SamplingParams
+from llamarl.app.tasks.arithmetic import PROMPT_TEMPLATE
+
+
+Normaliser = Literal["token", "sequence"]
+"""How a loss sums over tokens: per token of the batch, or per sequence then over sequences
+(``llamarl.app.rl.losses``)."""
 
 
 def parse_levels(levels: str) -> tuple[int, ...]:
     if not re.fullmatch(r"[123](,[123])*", levels):
         raise ValueError(f"levels must be a comma-separated list of 1, 2 and 3, got {levels!r}")
     return tuple(int(x) for x in levels.split(","))
+
+
+@dataclass(kw_only=True)
+class StepConfig:
+    """The knobs of one policy-gradient step (a slice of the trainer's config)."""
+
+    loss: Literal["aipo", "ppo"] = "aipo"
+    rho_max: float = 4.0
+    ratio_correction: bool = True
+    clip_eps: float = 0.2
+    normaliser: Normaliser = "token"
+    kl_coef: float = 0.0
+    # The generator's: log-probs are taken under the distribution it sampled from.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    micro_batch: int = 64
+    max_grad_norm: float = 1.0
+    trainer_pass: Literal["packed", "padded"] = "packed"
+    """How a micro-batch is fed: packed rows (``llamarl.app.rl.packing``) or padded batches
+    (``completion_logprobs``); the same log-probs up to float rounding."""
+
+    def __post_init__(self) -> None:
+        if self.trainer_pass not in ("packed", "padded"):
+            raise ValueError(f"trainer_pass must be 'packed' or 'padded', got {self.trainer_pass!r}")
 
 
 @dataclass(kw_only=True)
@@ -130,7 +158,7 @@ class TrainerConfig:
     """Save the policy to <run dir>/checkpoints/step-<N>/ (a Hugging Face directory, with
     the training state --resume needs in its train_state/) every N steps; the end of a
     successful run always saves one (0: only that one). The TorchX app only: the
-    single-process loop (app.local) saves none."""
+    single-process loop (llamarl.app.roles.local) saves none."""
     keep_last: int = 0
     """Keep only the newest K saved checkpoints, deleting older ones (0 keeps all)."""
     tensorboard: bool = False
@@ -144,7 +172,7 @@ class TrainerConfig:
     """Where each trainer rank computes: 'auto' is cuda:<LOCAL_RANK> when CUDA is
     available, else the CPU; 'cpu' forces the CPU; 'cuda' requires a GPU (an error names
     why there is none). The TorchX component passes 'cpu' when --trainer_gpu is 0.
-    (app.local: the device of its one process.)"""
+    (llamarl.app.roles.local: the device of its one process.)"""
     train_precision: TrainPrecision = "auto"
     """The trainer's compute precision: 'bf16' autocasts the forward and backward passes
     over fp32 weights (optimizer, gradients and the weights sent to generators stay fp32;
@@ -221,7 +249,7 @@ class GeneratorConfig:
     gen_batch_prompts: int = 8
     """Prompts per decode batch of a distributed generator (each sampled group_size times)."""
     gen_seed: int = 0
-    """Sampling seed, mixed with the first slot of each decode batch (``app.generator.batch_seed``):
+    """Sampling seed, mixed with the first slot of each decode batch (``llamarl.app.roles.generator.batch_seed``):
     a batch draws the same whichever generator samples it, resumed runs included."""
     gen_threads: int = 0
     """torch threads of each generator process (0 keeps torch's default)."""
@@ -233,7 +261,7 @@ class GeneratorConfig:
     run is refused at start-up, naming those it can (see README, Quantized generators)."""
     gen_decoder: Decoder = "auto"
     """How generators decode a Llama-architecture policy: ``auto`` (static steps captured
-    as CUDA graphs on CUDA, the eager loop on CPU: ``app.sampling.DEFAULT_DECODER``),
+    as CUDA graphs on CUDA, the eager loop on CPU: ``llamarl.app.sampling.DEFAULT_DECODER``),
     ``eager``, ``static`` or ``compiled`` (the static steps through ``torch.compile``,
     each batch bucket compiled at its first use; not with int8) (static and compiled are
     refused at the first batch for a policy the Llama fast path does not run). Other

@@ -11,7 +11,7 @@ One place decides, for every executor:
   without GPUs never lands on one that another role was given.
 - **the trainer's precision** (``train_dtype``): fp32, or bf16 autocast over fp32 master
   weights (the optimizer, the gradients and the weights the generators receive stay
-  fp32; log-probs are computed from logits upcast to fp32, ``app.sampling.logits``).
+  fp32; log-probs are computed from logits upcast to fp32, ``llamarl.app.sampling.logits``).
 - **the backends**: the trainer's torchrun group is ``cpu:gloo,cuda:nccl`` where NCCL
   exists (each collective goes by its tensors' device), gloo otherwise; the weight
   plane's group is chosen by ``weight_plane_backend`` from every member's device.
@@ -39,7 +39,8 @@ from typing import Literal, Sequence
 import torch
 import torch.distributed as dist
 
-from app import cli, names
+from llamarl.app import names
+from llamarl.app.errors import DeviceError
 
 log = logging.getLogger("llamarl")
 
@@ -56,9 +57,6 @@ BF16_DEVICES = ("the CPU", "NVIDIA GPUs of compute capability >= 8.0 (A100, A10,
 HOST = torch.device("cpu")
 """The CPU: where gloo's collectives run and where GPU weights are staged."""
 
-
-class DeviceError(cli.ConfigError):
-    """A role was asked for a device (or a precision on it) that it cannot have."""
 
 
 def local_rank() -> int:

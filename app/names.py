@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import zlib
 
-from app.cli import ConfigError
+from llamarl.app.errors import ConfigError
 
 # --------------------------------------------------------------------------- store keys
 
@@ -32,7 +32,7 @@ POLICY_KEY = _ROOT + "policy_path"
 RESERVED_KEY = _ROOT + "groups_reserved"
 """Staleness-slot counter: group slots generators have reserved (``count token``)."""
 SLOTS_DONE_KEY = _ROOT + "slots_done"
-"""The slot ledger the run starts from (JSON, ``app.train_state.SlotLedger``): empty for
+"""The slot ledger the run starts from (JSON, ``llamarl.app.state.train_state.SlotLedger``): empty for
 a fresh run; after a resume, generators fill the slots it lacks first."""
 RESUME_KEY = _ROOT + "resume"
 """Where trainer replica 0 resumes from (JSON ``{"step", "train_state"}``), for the other
@@ -46,7 +46,7 @@ every role checks it before registering, so two apps never mix."""
 
 GONE_KEY = _ROOT + "gone_list"
 """Append-only ``role/replica;`` list of executors the controller took out of the run
-(``app.membership``): their silence is a tolerated loss, not a failure."""
+(``llamarl.app.control.membership``): their silence is a tolerated loss, not a failure."""
 LOST_SLOTS = "lost_slots"
 """Queue of the slot ids (plain decimal) lost with an executor; generators regenerate them first."""
 
@@ -73,7 +73,7 @@ def store_port(port: int, app_id: str) -> int:
         # Mostly met by a role started by hand, outside the app.
         raise ConfigError("store port 0 (derive it from the app id) needs --app-id: the roles are started "
                           "together by `torchx run` (the llamarl.llamarl component gives them both); "
-                          "one process alone: `python -m app.local`")
+                          "one process alone: `python -m llamarl.app.roles.local`")
     return STORE_PORT_BASE + zlib.crc32(app_id.encode()) % STORE_PORT_SPAN
 
 
@@ -124,7 +124,7 @@ def exited_key(member_id: str) -> str:
 
 def incarnation_key(member_id: str, incarnation: int) -> str:
     """Generator ``member_id``'s signed record that its process ``incarnation`` belongs to
-    this run attempt (``app.incarnations``): the readers take groups from those only."""
+    this run attempt (``llamarl.app.control.incarnations``): the readers take groups from those only."""
     return f"{_ROOT}incarnation/{member_id}/{int(incarnation)}"
 
 
@@ -195,7 +195,7 @@ def weight_joins_key(replica: int) -> str:
 
 def weight_digest_key(version: int, rank: int) -> str:
     """Trainer rank ``rank``'s signed digest of its shard of weight version ``version``
-    (``app.weight_digest``)."""
+    (``llamarl.app.weights.digest``)."""
     return f"{_ROOT}weight_digest/{int(version)}/{int(rank)}"
 
 
@@ -249,7 +249,7 @@ AIPO_STATS = {"ratio_mean": AIPO_RATIO_MEAN, "ratio_max": AIPO_RATIO_MAX,
               "frac_truncated": AIPO_FRAC_TRUNCATED}
 """``train_step``'s ratio statistics -> their stored names."""
 
-# Train/inference mismatch (``app.mismatch``), split by lag.
+# Train/inference mismatch (``llamarl.app.rl.mismatch``), split by lag.
 MISMATCH_PREFIX = "mismatch/"
 MISMATCH_STATS = ("ratio_mean", "ratio_max", "frac_truncated", "kl")
 
@@ -301,7 +301,7 @@ def members_metric(role: str) -> str:
 # Every executor.
 IDLE_FRACTION = "idle_fraction"
 
-# Every executor on a GPU (``app.devices.device_metrics``; none on the CPU).
+# Every executor on a GPU (``llamarl.app.devices.device_metrics``; none on the CPU).
 DEVICE_PREFIX = "device/"
 DEVICE_UTILIZATION = DEVICE_PREFIX + "utilization"
 """Percent of the last NVML sample period with a kernel running on the role's GPU (the
@@ -324,9 +324,9 @@ QUARANTINED_TOTAL = QUARANTINED_PREFIX + "total"
 SECURITY_PREFIX = "security/"
 """Every counter of something refused for security (the dashboard's Security tab)."""
 REJECTED_PREFIX = SECURITY_PREFIX + "rejected_frames/"
-"""Messages dropped on receipt, counted by reason (see ``app.contract``)."""
+"""Messages dropped on receipt, counted by reason (see ``llamarl.app.rl.contract``)."""
 # Reasons a signed message is dropped for breaking its format (a rollout group's:
-# ``app.contract``; a metrics batch's: ``app.metrics.checked_events``).
+# ``llamarl.app.rl.contract``; a metrics batch's: ``llamarl.app.metrics.events.checked_events``).
 MISSING_FIELD, WRONG_TYPE, WRONG_LENGTH, BAD_VALUE = (
     "missing_field", "wrong_type", "wrong_length", "bad_value")
 
@@ -352,7 +352,7 @@ def rejected_metric(reason: str) -> str:
 
 
 WEIGHT_DIGEST_PREFIX = SECURITY_PREFIX + "weight_digest/"
-"""Weight versions a generator refused, by reason (``app.weight_digest``)."""
+"""Weight versions a generator refused, by reason (``llamarl.app.weights.digest``)."""
 WEIGHT_DIGEST_S = "weights/digest_s"
 """Seconds a trainer rank spent hashing its shard of one weight version (``replica`` is
 the rank; on a thread, while the shard is on the wire)."""
@@ -368,7 +368,7 @@ def weight_digest_metric(reason: str) -> str:
 REJECTED_WRITES_PREFIX = "security/rejected_writes/"
 """Control-store writes ignored on reading (not signed with the app's secret, meant for
 another key, by a writer that may not write there, or a replay), by key kind
-(``app.signed.key_kind``)."""
+(``llamarl.app.control.signed.key_kind``)."""
 
 
 def rejected_write_metric(kind: str) -> str:

@@ -36,7 +36,7 @@ from typing import Sequence
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
-from app import names
+from llamarl.app import names
 
 
 def free_port() -> int:
@@ -56,7 +56,7 @@ def launch(mode: str, max_staleness: int, args: argparse.Namespace, extra: Seque
     ]
     with get_runner() as runner:
         t0 = time.time()
-        handle = runner.run_component("llamarl.llamarl", component_args, scheduler="local_cwd",
+        handle = runner.run_component("llamarl.llamarl", component_args, scheduler="llamarl_local",
                                       cfg={"log_dir": f"{args.runs_dir}/torchx-logs"})
         app_id = handle.rsplit("/", 1)[-1]
         try:
@@ -120,7 +120,7 @@ def main() -> None:
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
     if args.policy == "warmstart":  # train it once up front, outside both timings
-        from app.warmstart import ensure_warmstart
+        from llamarl.app.rl.warmstart import ensure_warmstart
         args.policy = str(ensure_warmstart().resolve())
     pairs = [(summarise(launch("sync", 0, args)), summarise(launch("async", 1, args)))
              for _ in range(args.pairs)]

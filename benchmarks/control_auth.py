@@ -1,4 +1,4 @@
-"""Signed control-store reads and writes (``app.signed``) against plain ones.
+"""Signed control-store reads and writes (``llamarl.app.control.signed``) against plain ones.
 
     python benchmarks/control_auth.py                     # writes benchmarks/results/control_auth.json
     python benchmarks/control_auth.py --repeats 5000 --members 8
@@ -16,7 +16,7 @@ operation cost before (a bare ``set``/``get``/``check``/``add``) and what it cos
   nothing else now, the key being absent);
 - ``heartbeats``: the controller's look at ``--members`` heartbeats
   (``Control.last_heartbeats``), a ``multi_get`` of counters before, one record per member now;
-- ``announce``: one weight sync's announcement, sender and one receiver (``app.weight_sync``):
+- ``announce``: one weight sync's announcement, sender and one receiver (``llamarl.app.weights.sync``):
   ``set`` + ``check`` before; now a kept record (``put``), the one four syncs back
   forgotten, and the receiver's ``settled`` (``check``, ``multi_get``, HMAC) and ``forget``;
 - ``seal``/``open``: the CPU part alone, no store.
@@ -37,9 +37,10 @@ from typing import Callable
 
 import torch
 
-from app import frames, names
-from app.signed import SignedStore
-from app.transport import Control, host_store
+from llamarl.app.control import frames
+from llamarl.app import names
+from llamarl.app.control.signed import SignedStore
+from llamarl.app.control.transport import Control, host_store
 
 RESULTS = Path(__file__).resolve().parent / "results" / "control_auth.json"
 

@@ -5,7 +5,7 @@
     python benchmarks/faults.py --cases generator_lost_starting --json benchmarks/results/faults_starting.json
 
 ``generator_lost_starting`` (survivable too): two generators, 20 steps, generator 1 SIGKILLed
-as soon as it holds its ``app.replica_lock`` (its first line, before it can reach the
+as soon as it holds its ``llamarl.app.control.replica_lock`` (its first line, before it can reach the
 store); the run must finish every step with generator 0; reported: seconds from the kill
 to the trainer's line that takes it out.
 
@@ -54,7 +54,7 @@ from pathlib import Path
 from torchx.runner import get_runner
 from torchx.specs import AppState, is_terminal, parse_app_handle
 
-from app import replica_lock
+from llamarl.app.control import replica_lock
 
 SMALL = ["--eval-every", "1000", "--eval-size", "20", "--prompts-per-step", "4", "--group-size", "4",
          "--gen-batch-prompts", "2", "--max-new-tokens", "16"]
@@ -76,11 +76,11 @@ CASES = [
     Case("steps_0", "steps must be >= 1", ["--steps", "0", "--num_generators", "2", "--num_reward", "1"]),
     Case("unknown_reward", "unknown reward", ["--rewards", "math_verifer", "--num_generators", "1"]),
     Case("reward_sigkill", "reward/0", ["--num_generators", "1", "--num_reward", "1"],
-         kill="app.reward .*--app-id {app_id} --replica 0"),
+         kill="llamarl.app.roles.reward .*--app-id {app_id} --replica 0"),
     Case("only_generator_sigkill_sync", "generator/0", ["--num_generators", "1", "--max_staleness", "0"],
-         kill="app.generator .*--app-id {app_id} --replica 0"),
+         kill="llamarl.app.roles.generator .*--app-id {app_id} --replica 0"),
     Case("torchrun_agent_sigkill", "torchrun", ["--num_generators", "1"],
-         kill="app.torchrun .*--app-id {app_id} "),
+         kill="llamarl.app.roles.torchrun .*--app-id {app_id} "),
 ]
 
 
@@ -107,7 +107,7 @@ def start_app(runner, policy: str, work: Path, options: list[str]) -> tuple[str,
             "--threads", "1", *options,
             # Roles started by name find this interpreter's environment first.
             "--env", f"PATH={os.path.dirname(sys.executable)}", "--", *SMALL]
-    handle = runner.run_component("llamarl.llamarl", args, scheduler="local_cwd",
+    handle = runner.run_component("llamarl.llamarl", args, scheduler="llamarl_local",
                                   cfg={"log_dir": str(work / "torchx-logs")})
     return handle, parse_app_handle(handle).app_id
 
@@ -121,7 +121,7 @@ def wait_for_step(log_dir: Path, app_id: str, step: int, deadline: float, what: 
 
 
 def wait_for_lock(log_dir: Path, app_id: str, member: str, deadline: float, what: str) -> None:
-    """Until ``member``'s process holds its lock (``app.replica_lock``), the first thing
+    """Until ``member``'s process holds its lock (``llamarl.app.control.replica_lock``), the first thing
     it does: it is then importing torch, seconds from reaching the store."""
     while not list(log_dir.glob(f"*/{app_id}/{member}/{replica_lock.LOCK_NAME}")):
         if time.monotonic() > deadline:
@@ -193,7 +193,7 @@ def run_losing_generator_1(policy: str, work: Path, steps: int, wait_to_kill, wh
         try:
             wait_to_kill(log_dir, app_id, t0 + timeout_s)
             killed_at = time.time()
-            kill_one(f"app.generator .*--app-id {app_id} --replica 1", what)
+            kill_one(f"llamarl.app.roles.generator .*--app-id {app_id} --replica 1", what)
             status = wait_for_end(runner, handle, t0 + timeout_s, what)
         finally:
             runner.cancel(handle)
@@ -271,7 +271,7 @@ def run_generator_lost_starting(policy: str, work: Path, timeout_s: float) -> di
 
 def tiny_policy(out: Path) -> str:
     """A warm-started policy of a few steps: these runs time failures, not learning."""
-    from app.warmstart import WarmStartConfig, warm_start
+    from llamarl.app.rl.warmstart import WarmStartConfig, warm_start
 
     warm_start(WarmStartConfig(out=str(out), steps=4, batch_size=8, train_size=64, eval_size=2),
                log=lambda _: None)

@@ -11,7 +11,7 @@ false until the last), so a run killed at a time limit keeps what it finished.
 
 - ``environment``: torch and CUDA versions, the GPUs, bf16 support, NCCL and NVML;
 - ``generator``: the policy on ``cuda:0`` samples groups (tokens/s, finite log-probs);
-- ``static_decoder``: both static decoders (``app.sampling.static_decode``: captured CUDA
+- ``static_decoder``: both static decoders (``llamarl.app.sampling.static_decode``: captured CUDA
   graphs, and ``compiled``, torch.compile's reduce-overhead) against the eager loop on
   the policy: the same greedy tokens, log-probs within 1e-5, each side's tokens/s, the
   capture's and the compilations' seconds, and no compiled step run without its CUDA
@@ -25,7 +25,7 @@ false until the last), so a run killed at a time limit keeps what it finished.
   samples with them;
 - ``weight_plane_nccl``: the same with the generator on ``cuda:1``: NCCL (skipped, and
   said so, on a machine with one GPU);
-- ``fsdp2_step``: one training step of the trainer's FSDP2 path (``app.sharding``:
+- ``fsdp2_step``: one training step of the trainer's FSDP2 path (``llamarl.app.rl.sharding``:
   ``fully_shard`` per decoder layer, then the root) over ``min(2, GPUs)`` ranks with
   uneven shares of the batch, against one process's unsharded step on the whole batch
   (losses, and weights after an SGD step, compared);
@@ -104,13 +104,16 @@ sys.path.insert(0, str(ROOT))  # `python benchmarks/gpu_check.py` from anywhere 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from app import devices, rl, sharding, tasks  # noqa: E402
-from app.contract import GroupId, Rollout, RolloutGroup  # noqa: E402
-from app.policy import encode_prompts, load_policy  # noqa: E402
-from app.sampling import SamplingParams  # noqa: E402
-from app.signed import SignedStore  # noqa: E402
-from app.transport import connect_store, host_store  # noqa: E402
-from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group  # noqa: E402
+from llamarl.app import devices
+from llamarl.app.rl import step as rl
+from llamarl.app.rl import sharding
+from llamarl.app.tasks import arithmetic as tasks# noqa: E402
+from llamarl.app.rl.contract import GroupId, Rollout, RolloutGroup  # noqa: E402
+from llamarl.app.model.policy import encode_prompts, load_policy  # noqa: E402
+from llamarl.app.sampling import SamplingParams  # noqa: E402
+from llamarl.app.control.signed import SignedStore  # noqa: E402
+from llamarl.app.control.transport import connect_store, host_store  # noqa: E402
+from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group  # noqa: E402
 
 CHECKS = ("environment", "generator", "static_decoder", "trainer", "weight_plane_shared", "weight_plane_nccl",
           "fsdp2_step", "app_run", "gpu_tests", "sampler_benchmark", "check_every_benchmark")
@@ -287,7 +290,7 @@ def check_generator(t: Target) -> dict[str, Any]:
 
 
 def check_static_decoder(t: Target) -> dict[str, Any]:
-    from app.sampling import sample, static_decode
+    from llamarl.app.sampling import sample, static_decode
 
     device = devices.choose_device("cpu" if t.dry_run else "cuda")
     model, tokenizer = load_policy(t.policy, device=device)
@@ -425,7 +428,7 @@ def _fsdp_rollouts(vocab: int, pad_id: int, n: int = 13) -> list[Rollout]:
 
 
 def _fsdp_role(store, rank: int, world: int, policy: str, dry_run: bool) -> dict[str, Any]:
-    """The trainer's FSDP2 step (``app.sharding``, ``rl.train_step(ranks=...)``): rank r
+    """The trainer's FSDP2 step (``llamarl.app.rl.sharding``, ``rl.train_step(ranks=...)``): rank r
     trains on rollouts r, r + world, ... (uneven shares); the reference is one process
     on all of them, unsharded."""
     device = devices.choose_device("cpu" if dry_run else "cuda", rank=rank)
@@ -474,7 +477,7 @@ def check_app_run(t: Target) -> dict[str, Any]:
             "--", *SMALL_APP, *(["--train-precision", "bf16"] if t.dry_run else [])]
     t0 = time.monotonic()
     with get_runner() as runner:
-        handle = runner.run_component("llamarl.llamarl", args, scheduler="local_cwd",
+        handle = runner.run_component("llamarl.llamarl", args, scheduler="llamarl_local",
                                       cfg={"log_dir": str(logs), "auto_set_cuda_visible_devices": True})
         try:
             while (status := runner.status(handle)) is None or not status.is_terminal():
@@ -617,7 +620,7 @@ CHECK_FUNCTIONS: dict[str, Callable[[Target], dict[str, Any]]] = {
 def _tiny_policy(work: Path) -> Path:
     """A policy directory made here in seconds (a few warm-start steps): the checks test
     plumbing and numerics, not learning."""
-    from app.warmstart import WarmStartConfig, warm_start
+    from llamarl.app.rl.warmstart import WarmStartConfig, warm_start
 
     out = work / "policy"
     warm_start(WarmStartConfig(out=str(out), steps=4, batch_size=8, train_size=64, eval_size=2), log=lambda _: None)

@@ -7,7 +7,7 @@
 1. Warm start: supervised fine-tuning of the embedded default policy with the
    ``WarmStartConfig`` defaults, into a fresh directory (a cached checkpoint is used only
    with ``--reuse-warmstart``).
-2. RL: ``app.local.run`` (the single-process reference loop) from that checkpoint with
+2. RL: ``llamarl.app.roles.local.run`` (the single-process reference loop) from that checkpoint with
    the ``TrainerConfig`` / ``GeneratorConfig`` defaults except the number of steps and
    the evaluation interval.
 
@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
-from app import cli, data, local
-from app.config import GeneratorConfig, TrainerConfig
-from app.warmstart import WarmStartConfig, warm_start
+from llamarl.app import cli
+from llamarl.app.data import sources as data
+from llamarl.app.roles import local
+from llamarl.app.config import GeneratorConfig, TrainerConfig
+from llamarl.app.rl.warmstart import WarmStartConfig, warm_start
 
 TARGET_GAIN = 0.10
 TARGET_SECONDS = 600.0

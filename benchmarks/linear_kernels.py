@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from app.sampling.kernels import DenseKernel, Int8DynamicKernel, int8_per_channel
+from llamarl.app.sampling.kernels import DenseKernel, Int8DynamicKernel, int8_per_channel
 
 SHAPES = {  # name: (in, out)
     "default qkv": (128, 384), "default gate_up": (128, 768),

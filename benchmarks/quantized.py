@@ -15,7 +15,7 @@ same prompts, one trainer and one generator, one torch thread each, ``max_stalen
 Reported per run: held-out greedy accuracy before and after (``--eval-size`` problems;
 its standard error, sqrt(p (1 - p) / n), says what "within noise" means), median step
 time, the generators' median quantization time per version, and the train/inference
-mismatch by lag (``app.mismatch``): the mean over steps of the mean ratio, the largest
+mismatch by lag (``llamarl.app.rl.mismatch``): the mean over steps of the mean ratio, the largest
 ratio, the mean share truncated and the mean KL(mu || pi). At lag 0 the weights are the
 same version, so for fp32 the ratio is 1 to float noise and for int8 the gap is the
 precision's. ``--repeats`` rounds of the three runs (alternating, so load hits them
@@ -32,7 +32,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from app import names
+from llamarl.app import names
 from async_vs_sync import launch, summarise
 
 RUNS = {"fp32": ["--gen-precision", "fp32"], "int8": ["--gen-precision", "int8"],
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="rounds of the three runs")
     args = parser.parse_args()
     if args.policy == "warmstart":  # trained once up front, outside the runs
-        from app.warmstart import ensure_warmstart
+        from llamarl.app.rl.warmstart import ensure_warmstart
         args.policy = str(ensure_warmstart().resolve())
     results: dict[str, list[dict]] = {name: [] for name in RUNS}
     for _ in range(args.repeats):

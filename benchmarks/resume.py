@@ -32,7 +32,7 @@ from pathlib import Path
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
-from app import names
+from llamarl.app import names
 
 RECORDER = '''import os
 
@@ -61,7 +61,7 @@ def start(runner, args: argparse.Namespace, record: Path, *extra: str) -> str:
         "--prompts-per-step", str(args.prompts_per_step), "--save-every", str(args.save_every),
         "--seed", "0", *extra,
     ]
-    return runner.run_component("llamarl.llamarl", component_args, scheduler="local_cwd",
+    return runner.run_component("llamarl.llamarl", component_args, scheduler="llamarl_local",
                                 cfg={"log_dir": f"{args.runs_dir}/torchx-logs"})
 
 

@@ -12,7 +12,7 @@ Both sides score the same samples in batches of ``--batch`` (1024: one call for 
 one call per group of 8, the trainer's inline scoring shape), interleaved (inline,
 worker, inline, ...) so that noise from other processes hits both alike; medians of
 ``--repeats`` are reported. Start time: ``CompositeReward.load()`` of a fresh composite
-(spawn a Python, import ``app.rewards``, unpickle the component, answer ready), then
+(spawn a Python, import ``llamarl.app.rewards``, unpickle the component, answer ready), then
 ``close()``, repeated.
 
     python benchmarks/reward_workers.py --json out.json [--samples 1024] [--repeats 7]
@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ and app/ from this checkout
 
-from app import tasks  # noqa: E402
-from app.rewards import Component, CompositeReward, Sample  # noqa: E402
+from llamarl.app.tasks import arithmetic as tasks# noqa: E402
+from llamarl.app.rewards import Component, CompositeReward, Sample  # noqa: E402
 from examples.my_reward import brevity  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Sampler throughput: ``app.sampling.sample`` vs ``model.generate``, same model, same batch.
+"""Sampler throughput: ``llamarl.app.sampling.sample`` vs ``model.generate``, same model, same batch.
 
 The model is the warm-started default policy (it writes a worked solution and then EOS,
 after 10-35 tokens), loaded fp32. Both sides sample 32 distinct held-out prompts
@@ -21,7 +21,7 @@ given to the sampler as repeated prompts and to ``generate`` as
 
     python benchmarks/sampler.py --json out.json [--policy PATH] [--repeats 15]
 
-With ``--precision`` it compares generator precisions instead (``app.sampling.precision``):
+With ``--precision`` it compares generator precisions instead (``llamarl.app.sampling.precision``):
 the sampler's tokens/s at each precision, side by side (interleaved, same seeds), on the
 default policy (``config`` "default") and on a larger Llama built from a config
 (``LARGE_CONFIG``: hidden 512, 8 layers, ~30M parameters, random weights, where the
@@ -37,14 +37,14 @@ With ``--sampler`` it compares decoders (``compare_samplers``), side by side, in
 on each ``--config`` x ``--rows`` x ``--precision`` (or each ``--case CONFIG:ROWS:PRECISION``,
 ``CONFIG:ROWS:PRECISION:SIDE+SIDE`` for some of the sides only):
 
-- ``captured``: ``sample(decoder="static")`` (``app.sampling.static_decode``): captured CUDA
+- ``captured``: ``sample(decoder="static")`` (``llamarl.app.sampling.static_decode``): captured CUDA
   graphs on CUDA, the same static steps without capture on CPU;
 - ``compiled``: ``sample(decoder="compiled")``: the same static steps through
   ``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``, a bucket
   compiled at its first use (inductor's kernels, replayed as CUDA graphs on CUDA;
   inductor's C++ kernels on CPU); its ``warmup_s`` holds the compilations of the buckets
   the first call reaches (a bucket first reached later compiles inside a timed call);
-- ``eager``: ``sample(decoder="eager")``, the decode loop of ``app.sampling.decode``;
+- ``eager``: ``sample(decoder="eager")``, the decode loop of ``llamarl.app.sampling.decode``;
 - ``generate``: ``model.generate`` with per-token log-probs, as above;
 - ``generate_static``: the same with ``cache_implementation="static"`` (transformers then
   compiles the forward and replays it as CUDA graphs on CUDA; on CPU it does not compile).
@@ -93,9 +93,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from app import tasks
-from app.policy import encode_prompts, load_policy
-from app.sampling import GEN_PRECISIONS, SamplingParams, quantize_, sample, static_decode
+from llamarl.app.tasks import arithmetic as tasks
+from llamarl.app.model.policy import encode_prompts, load_policy
+from llamarl.app.sampling import GEN_PRECISIONS, SamplingParams, quantize_, sample, static_decode
 
 LARGE_CONFIG = dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=8, num_attention_heads=8,
                     num_key_value_heads=8, max_position_embeddings=512, rms_norm_eps=1e-5,
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         return compare_precisions(args)
 
     if args.policy is None:
-        from app.warmstart import ensure_warmstart
+        from llamarl.app.rl.warmstart import ensure_warmstart
         args.policy = str(ensure_warmstart())
     model, tokenizer = load_policy(args.policy, dtype=torch.float32)
     model.eval()
@@ -307,7 +307,7 @@ def large_model(vocab_size: int, *, pad_id: int, eos_id: int) -> PreTrainedModel
 def compare_precisions(args: argparse.Namespace) -> dict:
     """Tokens/s of the sampler at each of ``args.precision``, per config and row count."""
     if args.policy is None:
-        from app.warmstart import ensure_warmstart
+        from llamarl.app.rl.warmstart import ensure_warmstart
         args.policy = str(ensure_warmstart())
     default, tokenizer = load_policy(args.policy, dtype=torch.float32)
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -383,7 +383,7 @@ def compare_samplers(args: argparse.Namespace) -> dict:
             base.clear()  # one config's models on the device at a time
             if config == "default":
                 if args.policy is None:
-                    from app.warmstart import ensure_warmstart
+                    from llamarl.app.rl.warmstart import ensure_warmstart
                     args.policy = str(ensure_warmstart())
                 model, tokenizer = load_policy(args.policy, device=device, dtype=torch.float32)
                 ids = (tokenizer.eos_token_id, tokenizer.pad_token_id)

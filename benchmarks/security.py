@@ -35,13 +35,13 @@ import time
 
 import torch
 
-from app import weight_digest
-from app.contract import GroupId, Rejections, Rollout, RolloutGroup, from_message, to_message
-from app.frames import decode, encode
-from app.seen_groups import Admission
-from app.signed import SignedStore
-from app.transport import connect_store, host_store
-from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
+from llamarl.app.weights import digest as weight_digest
+from llamarl.app.rl.contract import GroupId, Rejections, Rollout, RolloutGroup, from_message, to_message
+from llamarl.app.control.frames import decode, encode
+from llamarl.app.control.seen_groups import Admission
+from llamarl.app.control.signed import SignedStore
+from llamarl.app.control.transport import connect_store, host_store
+from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
 from weight_sync import _Steps, llama_like_params
 
 SECRET = bytes(range(32))

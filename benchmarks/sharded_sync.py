@@ -5,7 +5,7 @@ processes hold a ~``--params`` fp32 Llama-like model the way FSDP2 holds it (DTe
 sharded on dim 0 over a gloo group of the N ranks, each rank's chunks allocations of
 their own) and ``--generators`` generator processes hold the full model, flattened as
 the generator does. Every trainer rank has a weight group of its own with every
-generator (what ``app.weight_plane`` builds). The methods, timed round-robin (one of each
+generator (what ``llamarl.app.weights.plane`` builds). The methods, timed round-robin (one of each
 per round, so load from other processes lands on all alike), median of ``--repeats``
 after a warm-up round, from the moment every process is ready until every generator
 holds the bytes (and every trainer rank is done):
@@ -22,7 +22,7 @@ holds the bytes (and every trainer rank is done):
   which every trainer rank sends its flat shard to each generator point to point (the
   bytes only, like ``raw``): what one group instead of a group per trainer rank costs.
 
-With ``--digest``, three more, the weight digest's cost (``app.weight_digest``) now and
+With ``--digest``, three more, the weight digest's cost (``llamarl.app.weights.digest``) now and
 in the two designs before it; the generators check every version of them (a refusal
 stops the benchmark):
 
@@ -52,10 +52,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from app.signed import SignedStore
-from app.transport import connect_store, host_store
-from app.weight_digest import DigestCheck, ShardDigest
-from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
+from llamarl.app.control.signed import SignedStore
+from llamarl.app.control.transport import connect_store, host_store
+from llamarl.app.weights.digest import DigestCheck, ShardDigest
+from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
 from benchmarks.weight_sync import llama_like_params
 
 METHODS = ("sharded", "gather", "raw", "p2p")
@@ -101,7 +101,7 @@ def _sharded_params(full: list[tuple[str, torch.Tensor]], rank: int, ranks: int)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from app.weight_shards import chunk_rows
+    from llamarl.app.weights.shards import chunk_rows
 
     mesh = init_device_mesh("cpu", (ranks,))
     out = []
@@ -267,7 +267,7 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
 
 def _publish_shard_bytes(store, ranks: int, args) -> None:
     """Each rank's shard byte count, for the generators' raw buffers (from the same rule)."""
-    from app.weight_shards import chunk_rows
+    from llamarl.app.weights.shards import chunk_rows
 
     torch.manual_seed(0)
     shapes = [tuple(t.shape) for _, t in llama_like_params(args.params)]

@@ -1,8 +1,8 @@
-"""How long the llamarl app takes under SLURM, from ``torchx run -s slurm`` to its first
+"""How long the llamarl app takes under SLURM, from ``torchx run -s llamarl_slurm`` to its first
 RL step and to SUCCEEDED, on the cluster that answers (deploy/slurm/local-cluster.sh).
 
     deploy/slurm/local-cluster.sh up
-    python -m app.warmstart --out /tmp/tiny-policy --steps 4 --batch-size 8 --train-size 64 --eval-size 2
+    python -m llamarl.app.rl.warmstart --out /tmp/tiny-policy --steps 4 --batch-size 8 --train-size 64 --eval-size 2
     python benchmarks/slurm_submit.py --policy /tmp/tiny-policy --json benchmarks/results/slurm_submit.json
 
 (A tiny warm start, as the tests use: this measures the deployment, not the learning.)
@@ -42,7 +42,7 @@ def free_port() -> int:
 
 
 def one_run(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "torchx.cli.main", "run", "-s", "slurm", "llamarl.llamarl",
+    cmd = [sys.executable, "-m", "torchx.cli.main", "run", "-s", "llamarl_slurm", "llamarl.llamarl",
            "--image", str(workdir), "--policy", args.policy, "--runs_dir", str(workdir / "runs"),
            "--store_port", str(free_port()), "--steps", str(args.steps), "--num_generators", str(args.generators),
            "--num_reward", "1", "--", "--eval-every", str(args.steps), "--eval-size", "20"]

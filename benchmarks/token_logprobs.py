@@ -6,7 +6,7 @@
 Forward and backward of the log-prob of given tokens under ``softmax(logits / T)``
 (``top_p`` 1 and < 1), side by side in one process: the plain formula
 (``log_softmax(...).gather``, the trainer's before, which ignored top-p) and
-``app.sampling.logits.token_logprobs`` at each ``--chunk`` size (elements per chunk;
+``llamarl.app.sampling.logits.token_logprobs`` at each ``--chunk`` size (elements per chunk;
 the module's default for the device when none is given). Reports the median seconds and,
 on CUDA, the peak memory of each, in units of one fp32 copy of the logits.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from app.sampling import logits as L
+from llamarl.app.sampling import logits as L
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

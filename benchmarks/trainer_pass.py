@@ -24,10 +24,13 @@ from pathlib import Path
 
 import torch
 
-from app import data, packing, rl, steps
-from app.config import GeneratorConfig, TrainerConfig
-from app.policy import load_policy
-from app.rewards import build_reward
+from llamarl.app.data import sources as data
+from llamarl.app.rl import packing
+from llamarl.app.rl import step as rl
+from llamarl.app.rl import steps
+from llamarl.app.config import GeneratorConfig, TrainerConfig
+from llamarl.app.model.policy import load_policy
+from llamarl.app.rewards import build_reward
 
 PASSES = ("padded", "packed")
 

@@ -53,9 +53,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.sharded_sync from this checkout
 
-from app.signed import SignedStore
-from app.transport import connect_store, host_store
-from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
+from llamarl.app.control.signed import SignedStore
+from llamarl.app.control.transport import connect_store, host_store
+from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
 
 HIDDEN, INTERMEDIATE, VOCAB = 768, 2048, 32000
 

@@ -1,20 +1,20 @@
-"""llamarl's ``kubernetes`` TorchX scheduler: torchx 0.7.0's, plus the app's secret from a
+"""``llamarl_kubernetes``: torchx 0.7.0's ``kubernetes`` scheduler, plus the app's secret from a
 Kubernetes Secret mounted into every pod, and the pod's IP for the control store to
 listen on.
 
 torchx names trainer replica 0's host ``localhost`` to that replica itself (the others
 get the pod's DNS name): a store bound there would be reachable from no other pod. Every
-pod gets ``$LLAMARL_STORE_BIND`` (``components.llamarl.STORE_BIND_ENV``) from the
+pod gets ``$LLAMARL_STORE_BIND`` (``llamarl.components.llamarl.STORE_BIND_ENV``) from the
 downward API, its own IP, which the component's trainer command prefers.
 
 torchx's role mounts are host paths, volumes (PVCs) and devices only; a Secret is what
 Kubernetes has for a value its users must not read in the job spec. With the component's
 ``--k8s_secret NAME``, every role carries the name in its metadata
-(``components.llamarl.K8S_SECRET_METADATA``) and reads ``$LLAMARL_SECRET_FILE`` under
+(``llamarl.components.llamarl.K8S_SECRET_METADATA``) and reads ``$LLAMARL_SECRET_FILE`` under
 ``K8S_SECRET_DIR``; this scheduler adds the Secret as a read-only volume (files of mode
 400) at that directory of every pod. The job spec then holds the Secret's name only.
 
-Create the Secret once per namespace (the value is hex, like ``app.frames.new_secret``)::
+Create the Secret once per namespace (the value is hex, like ``llamarl.app.control.frames.new_secret``)::
 
     kubectl create secret generic llamarl-run \\
         --from-literal=secret=$(python -c "import secrets; print(secrets.token_hex(32))")
@@ -26,7 +26,7 @@ from torchx.schedulers.api import AppDryRunInfo
 from torchx.schedulers.kubernetes_scheduler import KubernetesJob, KubernetesOpts, KubernetesScheduler
 from torchx.specs import AppDef
 
-from components.llamarl import K8S_SECRET_DIR, K8S_SECRET_METADATA, STORE_BIND_ENV
+from llamarl.components.llamarl import K8S_SECRET_DIR, K8S_SECRET_METADATA, STORE_BIND_ENV
 
 SECRET_VOLUME = "llamarl-secret"
 

@@ -1,12 +1,12 @@
 """TorchX component of llamarl: one app with a trainer, generators and reward executors.
 
-    torchx run -s local_cwd llamarl.llamarl --num_generators 2 --steps 30
-    torchx run -s slurm llamarl.llamarl --image /shared/llamarl ...
-    torchx run -s kubernetes llamarl.llamarl --image registry/llamarl:latest ...
+    torchx run -s llamarl_local llamarl.llamarl --num_generators 2 --steps 30
+    torchx run -s llamarl_slurm llamarl.llamarl --image /shared/llamarl ...
+    torchx run -s llamarl_kubernetes llamarl.llamarl --image registry/llamarl:latest ...
 
 ``roles[0]`` is the trainer: its replica 0 hosts the control store that every other
 role reaches at ``$<rank0_env>:<store_port>``, listening there only. Each role runs
-``python -m app.<role>`` (the trainer ``app.launch``: torchrun around ``app.trainer``);
+``python -m llamarl.app.roles.<role>`` (the trainer ``llamarl.app.roles.launch``: torchrun around ``llamarl.app.roles.trainer``);
 every role gets the app id and refuses a control store of another app. The app's secret
 is never in the AppDef (a dry run, a job spec and ``ps`` show it to others): the roles
 read it from a private file (README, Security).
@@ -19,7 +19,7 @@ from typing import Dict, Optional
 import torchx.specs as specs
 from torchx.specs.finder import ComponentValidationException
 
-SECRET_FILE_ENV = "LLAMARL_SECRET_FILE"  # app.frames.SECRET_FILE_ENV; components import nothing from app
+SECRET_FILE_ENV = "LLAMARL_SECRET_FILE"  # llamarl.app.control.frames.SECRET_FILE_ENV; components import nothing from app
 STORE_BIND_ENV = "LLAMARL_STORE_BIND"
 """Set by a scheduler that knows the trainer's own address better than its host name says."""
 K8S_SECRET_METADATA = "llamarl/k8s_secret"
@@ -78,7 +78,7 @@ def llamarl(
 
     Args:
         trainer_args: further trainer flags, e.g. ``--lr 1e-4 --group_size 8`` (see
-            ``python -m app.trainer --help``); generators and reward executors read the
+            ``python -m llamarl.app.roles.trainer --help``); generators and reward executors read the
             trainer's config from the control store, so every knob is set here.
         num_generators: generator replicas (each samples with the newest weights it has);
             the default of 1 suits two CPU cores: one core trains while the other generates
@@ -98,7 +98,7 @@ def llamarl(
             mapping, answer format and prompt format go after ``--`` (docs/data.md)
         runs_dir: where ``<runs_dir>/<app id>/`` (config, metrics.db) is written
         store_port: port of the control store on trainer replica 0; 0 derives it from the
-            app id (29600 + crc32(app id) % 2000), so that two apps on one machine do not
+            app id (29600 + crc32(app id) mod 2000), so that two apps on one machine do not
             collide; kubernetes needs a fixed port here (its service maps ports at launch).
             A trainer of several nodes also uses ``store_port + 1`` (its rendezvous)
         store_bind: where the control store listens; empty: ``$LLAMARL_STORE_BIND`` when the
@@ -117,7 +117,7 @@ def llamarl(
             ``secret_file``
         resume: continue a run from its newest checkpoint in its own run directory: a run
             id (the app id of the run), or ``auto`` for this app's own run (see
-            ``--resume`` of ``python -m app.trainer``); empty: a new run
+            ``--resume`` of ``python -m llamarl.app.roles.trainer``); empty: a new run
         max_retries: application restarts the scheduler may make after a failure
             (``RetryPolicy.APPLICATION`` on the trainer: the whole app restarts). With
             ``max_retries > 0`` and no ``resume``, the trainer runs with ``--resume
@@ -177,8 +177,8 @@ def llamarl(
         **(env or {}),
     }
     trainer_cmd = " ".join([
-        # app.launch runs torchrun (app.torchrun) and ends with the failure's cause.
-        f"python -m app.launch --nproc-per-node {nproc_per_node} --nnodes {trainer_nodes}",
+        # llamarl.app.roles.launch runs torchrun (llamarl.app.roles.torchrun) and ends with the failure's cause.
+        f"python -m llamarl.app.roles.launch --nproc-per-node {nproc_per_node} --nnodes {trainer_nodes}",
         f"--node-rank {specs.macros.replica_id} --rdzv-host {rank0_host}",
         f"--store-port {store_port} --store-bind {store_bind}",
         f"{app_id} --num-generators {num_generators} --num-reward {num_reward}",
@@ -195,13 +195,13 @@ def llamarl(
         _role("trainer", image, trainer_cmd, trainer_nodes, trainer_cpu, trainer_gpu, trainer_mem_mb, common_env,
               max_retries, port_map={"store": store_port, "c10d": store_port + 1} if store_port else None),
         _role("generator", image,
-              f"python -m app.generator --store-addr {store_addr} {app_id} "
+              f"python -m llamarl.app.roles.generator --store-addr {store_addr} {app_id} "
               f"--replica {specs.macros.replica_id} --num-generators {num_generators} "
               f"--device {_device(generator_gpu)}",
               num_generators, generator_cpu, generator_gpu, generator_mem_mb, common_env, executor_retries,
               retry_policy=specs.RetryPolicy.REPLICA),
         _role("reward", image,
-              f"python -m app.reward --store-addr {store_addr} {app_id} --replica {specs.macros.replica_id} "
+              f"python -m llamarl.app.roles.reward --store-addr {store_addr} {app_id} --replica {specs.macros.replica_id} "
               f"--device {_device(reward_gpu)}",
               max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env, executor_retries,
               retry_policy=specs.RetryPolicy.REPLICA),

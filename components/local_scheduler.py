@@ -1,15 +1,16 @@
-"""The ``local_cwd`` TorchX scheduler of llamarl: torchx 0.7.0's local scheduler, whose
-roles run with the Python that submitted them.
+"""``llamarl_local``: torchx 0.7.0's ``local_cwd`` scheduler, whose roles run with the
+Python that submitted them.
 
-Registered under the name ``local_cwd`` in the ``torchx.schedulers`` entry-point group
-(pyproject.toml), so ``torchx run`` (the README's default job), ``torchx status``, ``torchx
+Registered under its own name in the ``torchx.schedulers`` entry-point group
+(pyproject.toml; torchx's ``local_cwd`` stays as it is) and named by the repository's
+``.torchxconfig``, so ``torchx run`` (the README's default job), ``torchx status``, ``torchx
 log`` and the runner API go through it. The one change: the submitting interpreter's
 ``bin`` directory comes first on every role's ``PATH`` (torchx's own ``extra_paths``, which
 its local scheduler puts before the role's and the inherited ``PATH``). Why: the roles
-start as ``python -m app.<executor>`` by name, so ``.venv/bin/torchx run`` from a shell
+start as ``python -m llamarl.app.roles.<executor>`` by name, so ``.venv/bin/torchx run`` from a shell
 without the virtualenv activated (or a script run as ``.venv/bin/python``) gave every role
-the system interpreter, and the app failed on ``No module named 'torch'``. llamarl's
-``slurm`` scheduler does the same for its batch script.
+the system interpreter, and the app failed on ``No module named 'torch'``. ``llamarl_slurm``
+does the same for its batch script.
 """
 
 import os

@@ -1,8 +1,8 @@
-"""The ``slurm`` TorchX scheduler of llamarl: torchx 0.7.0's SlurmScheduler, with what a
+"""``llamarl_slurm``: torchx 0.7.0's SlurmScheduler, with what a
 user of the README's SLURM commands would otherwise trip over worked around.
 
-Registered under the name ``slurm`` in the ``torchx.schedulers`` entry-point group
-(pyproject.toml), so ``torchx run -s slurm``, ``torchx status``, ``torchx log`` and
+Registered under its own name in the ``torchx.schedulers`` entry-point group
+(pyproject.toml; torchx's ``slurm`` stays as it is), so ``torchx run -s llamarl_slurm``, ``torchx status``, ``torchx log`` and
 ``torchx cancel`` all go through it. Each change below says which torchx 0.7.0 behaviour
 it works around:
 
@@ -39,7 +39,7 @@ from torchx.schedulers.slurm_scheduler import SLURM_STATES, SlurmBatchRequest, S
 from torchx.specs import AppDef, AppState, ReplicaStatus, Role, RoleStatus
 from torchx.specs.finder import ComponentValidationException
 
-SECRET_ENV = "LLAMARL_SECRET"  # app.frames.SECRET_ENV; components import nothing from app
+SECRET_ENV = "LLAMARL_SECRET"  # llamarl.app.control.frames.SECRET_ENV; components import nothing from app
 SECRET_FILE_ENV = SECRET_ENV + "_FILE"
 SECRETS_DIR = os.path.join(".llamarl", "secrets")
 

@@ -4,7 +4,7 @@
 
 Pick one run to follow (a live run refreshes itself every few seconds, without a page
 reload) or several to compare side by side. The page only reads ``runs/<run-id>/``
-through ``dashboard.data``; it never talks to the running app. ``?run=<id>`` or
+through ``llamarl.dashboard.data``; it never talks to the running app. ``?run=<id>`` or
 ``?compare=<id>,<id>`` in the address preselects runs.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 # `streamlit run dashboard/app.py` puts dashboard/ first on sys.path, where this very file
-# would shadow the top-level `app` package that dashboard.data reads the schema from.
+# would shadow the top-level `app` package that llamarl.dashboard.data reads the schema from.
 # Put the repository root there instead (which also finds `dashboard` without an install).
 _DASHBOARD_DIR = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _DASHBOARD_DIR]
@@ -27,8 +27,8 @@ sys.path.insert(0, str(_DASHBOARD_DIR.parent))
 import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
-from app import names  # noqa: E402
-from dashboard import charts, data  # noqa: E402
+from llamarl.app import names# noqa: E402
+from llamarl.dashboard import charts, data  # noqa: E402
 
 log = logging.getLogger("llamarl.dashboard")
 
@@ -48,13 +48,21 @@ SHOWN = {*THROUGHPUT, *LEARNING, *AIPO, *COUNTS, *LOSSES, names.GEN_SEQS_PER_S, 
 DROP_PREFIXES = (names.QUARANTINED_PREFIX,)
 
 
+def parser() -> argparse.ArgumentParser:
+    """The dashboard's flags, after ``--`` on the streamlit command line."""
+    p = argparse.ArgumentParser(prog="streamlit run dashboard/app.py --", allow_abbrev=False,
+                                description="The llamarl dashboard: live charts of the runs in a runs directory.")
+    p.add_argument("--runs", help=f"the runs directory to show (default: ${RUNS_ENV}, else runs/)")
+    return p
+
+
 def runs_dir_from_args(argv: list[str]) -> Path:
-    """``--runs DIR`` after ``--`` on the streamlit command line, else $LLAMARL_RUNS_DIR, else runs/."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--runs")
+    """``--runs DIR`` after ``--`` on the streamlit command line, else $LLAMARL_RUNS_DIR, else runs/.
+    ``--help`` prints the flags in the terminal that started streamlit; the page opens with
+    the default."""
     try:
-        args, _ = parser.parse_known_args(argv)
-    except SystemExit:  # a malformed command line must not kill the page
+        args, _ = parser().parse_known_args(argv)
+    except SystemExit:  # --help, or a malformed command line: it must not kill the page
         args = argparse.Namespace(runs=None)
     return Path(args.runs or os.environ.get(RUNS_ENV) or "runs")
 
@@ -380,7 +388,7 @@ def main() -> None:
         show_error(err)
         return
     if not infos:
-        st.info(f"No runs in {str(root)!r} yet. Start one (for example `python -m app.local`) "
+        st.info(f"No runs in {str(root)!r} yet. Start one (for example `python -m llamarl.app.roles.local`) "
                 "and it appears here.")
         return
     mode, chosen, refresh = sidebar(infos)
@@ -404,4 +412,5 @@ def main() -> None:
     live_view()
 
 
-main()
+if __name__ == "__main__":  # streamlit runs the page as __main__; importing it runs nothing
+    main()

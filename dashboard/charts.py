@@ -1,4 +1,4 @@
-"""Plotly figure builders over the DataFrames of ``dashboard.data``.
+"""Plotly figure builders over the DataFrames of ``llamarl.dashboard.data``.
 
 Each builder takes frames as ``Run`` returns them and gives back a ``go.Figure``; none
 reads a database or knows about Streamlit, so a notebook can call them as well.

@@ -1,7 +1,7 @@
 """Read-only access to run directories for the dashboard and notebooks.
 
 A run directory (``runs/<run-id>/``) holds ``config.json``, ``metrics.db`` (schema in
-``app.metrics``) and ``logs/``. This module only reads it: the database is opened
+``llamarl.app.metrics.events``) and ``logs/``. This module only reads it: the database is opened
 through a ``mode=ro`` URI, so a dashboard can never disturb a run that is still being
 written (the writer uses WAL, so readers see committed steps as they land).
 
@@ -13,13 +13,13 @@ up when compared side by side.
 Failures are typed: everything that can go wrong with a run directory raises a
 ``RunError`` subclass whose message can be shown to a person as is::
 
-    from dashboard.data import list_runs, open_run
+    from llamarl.dashboard.data import list_runs, open_run
     for info in list_runs("runs"):
         print(info.run_id, info.status, info.message)
     with open_run("runs/my-run") as run:
         df = run.scalar_series(["gen/tokens_per_s", "train/tokens_per_s"])
 
-Why one module of ~600 lines: it is the one reader of one schema (``app.metrics``), and
+Why one module of ~600 lines: it is the one reader of one schema (``llamarl.app.metrics.events``), and
 every query beside the others means a schema change is read and changed in one place;
 the run listing, the typed errors and the ``Run`` queries share its connection handling.
 """
@@ -36,8 +36,8 @@ from typing import Any, Literal, Sequence
 
 import pandas as pd
 
-from app import names
-from app.metrics import COLUMNS, DB_NAME, LAST_CHECKPOINT, RESUMED, SCHEMA_VERSION, TABLES
+from llamarl.app import names
+from llamarl.app.metrics.events import COLUMNS, DB_NAME, LAST_CHECKPOINT, RESUMED, SCHEMA_VERSION, TABLES
 
 CONFIG_NAME = "config.json"
 # A run whose database changed this recently is shown as live and refreshed.

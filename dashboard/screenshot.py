@@ -1,6 +1,6 @@
 """Serve the dashboard on loopback and photograph it in headless Chromium.
 
-    python -m dashboard.screenshot --runs runs/ --out docs/dashboard.png [--run ID] [--tab Executors]
+    python -m llamarl.dashboard.screenshot --runs runs/ --out docs/dashboard.png [--run ID] [--tab Executors]
 
 Starts ``streamlit run dashboard/app.py`` on a free 127.0.0.1 port, loads the page in
 headless Chromium (selenium + chromedriver), waits until the plotly charts are drawn,

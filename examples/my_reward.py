@@ -1,6 +1,6 @@
 """A user reward: short answers that are also right."""
 
-from app.tasks import is_correct
+from llamarl.app.tasks.arithmetic import is_correct
 
 
 def brevity(prompt: str, completion: str, meta: dict) -> float:

@@ -42,10 +42,10 @@ from typing import Any, Callable
 
 from torchdata.nodes import BaseNode, Batcher, Mapper, Prefetcher
 
-from app import rl
-from app.contract import Admit, Rejections, RolloutGroup
-from app.rewards import CompositeReward
-from app.transport import StoreQueue, Stopped
+from llamarl.app.rl import step as rl
+from llamarl.app.rl.contract import Admit, Rejections, RolloutGroup
+from llamarl.app.rewards import CompositeReward
+from llamarl.app.control.transport import StoreQueue, Stopped
 
 HEALTH_CHECK_S = 0.5
 """How often the source calls ``health()`` while no rollout arrives."""
@@ -116,7 +116,7 @@ class QueueSource(BaseNode[RolloutGroup]):
     waiting (groups from several generators arrive out of order; taking the oldest
     first keeps them inside the staleness bound). A frame that does not decode, a
     message that breaks the rollout contract, or a group ``admit`` refuses (a replay, a
-    version from the future: ``app.seen_groups.Admission``) is dropped and counted in
+    version from the future: ``llamarl.app.control.seen_groups.Admission``) is dropped and counted in
     ``rejections``: it takes no place in a batch and frees no slot.
     With a ``holding``, it takes no more than that has room for (a full holding waits for the
     consumer, not for the producers: the silence deadline starts again after it).
@@ -242,7 +242,7 @@ class RolloutStream:
     its own. Call ``close()`` before the process exits (see the module docstring).
     ``rejections`` counts the messages dropped on receipt; ``admit`` refuses replays and
     versions from the future (``QueueSource``); ``checks`` bound what a message may hold
-    (``vocab_size``, ``group_size``: see ``app.contract.from_message``)."""
+    (``vocab_size``, ``group_size``: see ``llamarl.app.rl.contract.from_message``)."""
 
     def __init__(self, queue: StoreQueue, *, reward: CompositeReward | None, reward_timeout_s: float | None,
                  groups_per_batch: int, max_staleness: int, current_version: Callable[[], int],

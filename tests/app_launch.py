@@ -34,7 +34,7 @@ PORTS = range(20000, 29600)
 """Where tests pick store ports: below Linux's ephemeral range (32768 and up, where any
 process's outgoing connection may take a port at any moment; a multi-node trainer's
 rendezvous listens at the store port + 1, which a port the kernel picked for us does not
-keep free) and below the ports llamarl derives from app ids (``app.names``)."""
+keep free) and below the ports llamarl derives from app ids (``llamarl.app.names``)."""
 
 
 def free_port(span: int = 2) -> int:
@@ -136,7 +136,7 @@ def launch(policy: Path, tmp_path: Path, *, steps: int = STEPS, num_generators: 
             "--rewards", rewards, "--nproc_per_node", str(nproc), *options,
             *component_env(env), "--", *extra]
     with get_runner() as runner:
-        handle = runner.run_component("llamarl.llamarl", args, scheduler="local_cwd",
+        handle = runner.run_component("llamarl.llamarl", args, scheduler="llamarl_local",
                                       cfg={"log_dir": str(log_dir)})
         try:
             yield App(runner, handle, port, runs_dir, log_dir, secret_file)

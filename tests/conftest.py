@@ -34,7 +34,7 @@ def _one_torch_thread():
 def tiny_policy(tmp_path_factory) -> Path:
     """A warm-started policy directory for app launches (a few steps: the tests that use
     it check plumbing, not learning); made once per session, whichever module asks."""
-    from app.warmstart import WarmStartConfig, warm_start
+    from llamarl.app.rl.warmstart import WarmStartConfig, warm_start
 
     out = tmp_path_factory.mktemp("policy") / "warmstart"
     warm_start(WarmStartConfig(out=str(out), steps=4, batch_size=8, train_size=64, eval_size=2),

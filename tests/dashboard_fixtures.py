@@ -1,8 +1,8 @@
 """Run directories for the dashboard tests, written by the project's own metrics code.
 
-Every event goes through ``app.metrics`` (``MetricsWriter``, ``Timeline`` and the event
+Every event goes through ``llamarl.app.metrics.events`` (``MetricsWriter``, ``Timeline`` and the event
 constructors), so the dashboard is tested against exactly what the app writes. Until
-the single-process loop (``python -m app.local``) exists, ``make_run`` simulates the
+the single-process loop (``python -m llamarl.app.roles.local``) exists, ``make_run`` simulates the
 executors of a sync or async run; switching the fixtures to real short runs means
 replacing the body of ``make_run`` only.
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from app import metrics as m
+from llamarl.app.metrics import events as m
 
 Mode = Literal["sync", "async"]
 T_START = 1_700_000_000.0  # a fixed clock so fixture runs are identical every time
@@ -30,7 +30,7 @@ REWARD_COMPONENTS = ("correctness", "format")
 
 def make_run(run_dir: str | Path, *, mode: Mode = "async", steps: int = 40, n_generators: int = 2,
              seed: int = 0, checkpoint_step: int | None = None) -> Path:
-    """A finished run in ``run_dir``: the one function to swap for ``python -m app.local``;
+    """A finished run in ``run_dir``: the one function to swap for ``python -m llamarl.app.roles.local``;
     ``checkpoint_step`` names a saved checkpoint the way the trainer does."""
     run_dir = Path(run_dir)
     config = run_config(mode, n_generators=n_generators)
@@ -285,7 +285,7 @@ def simulate(mode: Mode, *, steps: int, n_generators: int, t_start: float, seed:
                                    role="generator", replica=g.replica, step=step, t=end))
             events.append(m.scalar("idle_fraction", idle, role="generator", replica=g.replica,
                                    step=step, t=end))
-            if mode == "async":  # the async run's executors are on GPUs (app.devices.device_metrics)
+            if mode == "async":  # the async run's executors are on GPUs (llamarl.app.devices.device_metrics)
                 events += [m.scalar("device/utilization", 100 * (1 - idle) * (0.8 + 0.2 * rng.random()),
                                     role="generator", replica=g.replica, step=step, t=end),
                            m.scalar("device/max_memory_gb", 6.0 + 0.01 * step, role="generator",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from app.datafile import FieldMap
+from llamarl.app.data.datafile import FieldMap
 
 GSM8K = ("question", "answer")
 """GSM8K's field names (and llamarl's defaults)."""

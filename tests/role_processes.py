@@ -4,15 +4,15 @@ import multiprocessing as mp
 import time
 import traceback
 
-from app.signed import CONTROLLER, SignedStore
-from app.transport import Control, connect_store, host_store
+from llamarl.app.control.signed import CONTROLLER, SignedStore
+from llamarl.app.control.transport import Control, connect_store, host_store
 
 TEST_SECRET = bytes(range(32))
 """The app secret of tests that run roles by hand."""
 
 
 def signed(store, writer: str = CONTROLLER, secret: bytes = TEST_SECRET) -> SignedStore:
-    """Signed control-store access as member ``writer`` (``app.signed``)."""
+    """Signed control-store access as member ``writer`` (``llamarl.app.control.signed``)."""
     return SignedStore(store, secret, writer)
 
 
@@ -32,7 +32,7 @@ def forkserver_context():
     fraction of a second instead of importing torch again (2 cores). One preload list for
     every test file, since the first file to start the forkserver fixes it for the session."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "app.transport", "app.weight_sync"])
+    ctx.set_forkserver_preload(["torch", "llamarl.app.control.transport", "llamarl.app.weights.sync"])
     return ctx
 
 

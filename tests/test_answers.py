@@ -1,4 +1,4 @@
-"""Answer extraction and equality (app/answers.py) and the verifier rewards built on them:
+"""Answer extraction and equality (app/tasks/answers.py) and the verifier rewards built on them:
 every answer format, the equality table of docs/data.md row by row, and no exception on
 whatever a policy writes."""
 
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from app import answers, tasks
-from app.rewards import Sample, build_reward
-from app.rewards.verifiers import boxed_verifier, gsm8k_verifier, math_verifier
+from llamarl.app.tasks import answers
+from llamarl.app.tasks import arithmetic as tasks
+from llamarl.app.rewards import Sample, build_reward
+from llamarl.app.rewards.verifiers import boxed_verifier, gsm8k_verifier, math_verifier
 from data_files import MATH_ROWS, gsm8k_rows
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "data.md"

@@ -13,10 +13,11 @@ import torch
 from torchx.specs import AppState
 from transformers import AutoModelForCausalLM
 
-from app import names, train_state
-from app.policy import load_policy
-from app.contract import GroupId, Rollout, RolloutGroup, to_message
-from app.transport import StoreQueue, connect_store
+from llamarl.app import names
+from llamarl.app.state import train_state
+from llamarl.app.model.policy import load_policy
+from llamarl.app.rl.contract import GroupId, Rollout, RolloutGroup, to_message
+from llamarl.app.control.transport import StoreQueue, connect_store
 from app_launch import APP_TIMEOUT_S, GROUP_SIZE, PROMPTS_PER_STEP, SMALL, STEPS, App, launch, rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -109,7 +110,7 @@ def dashboard_draws_run(runs_dir: Path, run_id: str) -> None:
 def test_two_sharded_trainer_ranks(tiny_policy, tmp_path, max_staleness):
     """nproc_per_node=2: the policy is sharded (FSDP2) and each rank trains on half of
     every batch. Synchronous too, where the generator makes exactly one step's groups and
-    each rank must leave the other its half (``pipelines.rollouts.Holding``). Replica 0
+    each rank must leave the other its half (``llamarl.pipelines.rollouts.Holding``). Replica 0
     evaluates and exports the whole policy, gathered from the shards: the checkpoint's
     Hugging Face weights are the sharded training state's. A resume continues on 2 ranks."""
     with launch(tiny_policy, tmp_path, steps=2, num_generators=1, nproc=2,

@@ -15,13 +15,16 @@ import time
 import pytest
 from torchx.specs import AppState
 
-from app import frames, incarnations, metrics, names
-from app.contract import FLOOD_FRAMES, GroupId, Rollout, RolloutGroup, to_message
-from app.rewards import RewardResult
-from app.seen_groups import first_seq
-from app.signed import CONTROLLER, SignedStore
-from app.transport import StoreQueue, connect_store
-from app.weight_digest import TEST_CORRUPT_ENV
+from llamarl.app.control import frames
+from llamarl.app.control import incarnations
+from llamarl.app.metrics import events as metrics
+from llamarl.app import names
+from llamarl.app.rl.contract import FLOOD_FRAMES, GroupId, Rollout, RolloutGroup, to_message
+from llamarl.app.rewards import RewardResult
+from llamarl.app.control.seen_groups import first_seq
+from llamarl.app.control.signed import CONTROLLER, SignedStore
+from llamarl.app.control.transport import StoreQueue, connect_store
+from llamarl.app.weights.digest import TEST_CORRUPT_ENV
 from app_launch import APP_TIMEOUT_S, GROUP_SIZE, PROMPTS_PER_STEP, launch, rows
 from test_failfast import assert_fails_naming
 

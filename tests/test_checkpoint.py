@@ -1,4 +1,4 @@
-"""Checkpoints (app/checkpoint.py): a saved directory is the trainer's policy exactly,
+"""Checkpoints (app/state/checkpoint.py): a saved directory is the trainer's policy exactly,
 as from_pretrained loads it; saves are atomic; pruning keeps the newest; bad input fails
 clearly."""
 
@@ -11,9 +11,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from app import checkpoint, policy
-from app.metrics import LAST_CHECKPOINT
-from app.weight_layout import flatten_parameters_
+from llamarl.app.state import checkpoint
+from llamarl.app.model import policy
+from llamarl.app.metrics.events import LAST_CHECKPOINT
+from llamarl.app.weights.layout import flatten_parameters_
 
 
 @pytest.fixture(scope="module")

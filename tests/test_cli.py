@@ -12,9 +12,10 @@ from typing import Literal
 
 import pytest
 
-from app import cli
-from app.config import GeneratorConfig, TrainerConfig, parse_levels
-from app.warmstart import WarmStartConfig
+from llamarl.app import errors
+from llamarl.app import cli
+from llamarl.app.config import GeneratorConfig, TrainerConfig, parse_levels
+from llamarl.app.rl.warmstart import WarmStartConfig
 
 
 @dataclass(kw_only=True)
@@ -199,33 +200,33 @@ def test_configs_keyword_only():
 
 
 def test_raising_parser_raises_config_error_and_says_flags_use_dashes():
-    parser = cli.RaisingParser(prog="app.trainer")
+    parser = cli.RaisingParser(prog="llamarl.app.roles.trainer")
     cli.add_config_args(parser, TrainerConfig)
-    with pytest.raises(cli.ConfigError, match=r"app.trainer: unrecognized arguments: --group_size 4 "
+    with pytest.raises(errors.ConfigError, match=r"llamarl.app.roles.trainer: unrecognized arguments: --group_size 4 "
                                               r"\(flags are spelled with dashes"):
         parser.parse_args(["--group_size", "4"])
-    with pytest.raises(cli.ConfigError, match="invalid int value"):
+    with pytest.raises(errors.ConfigError, match="invalid int value"):
         parser.parse_args(["--steps", "many"])
 
 
 def test_an_unknown_flag_is_answered_with_the_closest_known_one_or_where_they_are_listed():
-    parser = cli.RaisingParser(prog="app.trainer")
+    parser = cli.RaisingParser(prog="llamarl.app.roles.trainer")
     cli.add_config_args(parser, TrainerConfig)
-    with pytest.raises(cli.ConfigError) as err:
+    with pytest.raises(errors.ConfigError) as err:
         parser.parse_args(["--kl-coeff", "0.1", "--group_size=4"])
     assert str(err.value).endswith("(did you mean --kl-coef, --group-size?)"), err.value
-    with pytest.raises(cli.ConfigError) as err:
+    with pytest.raises(errors.ConfigError) as err:
         parser.parse_args(["--learning-rate", "1e-4"])
-    assert str(err.value) == ("app.trainer: unrecognized arguments: --learning-rate 1e-4 "
-                              "(`python -m app.trainer --help` lists every flag)")
+    assert str(err.value) == ("llamarl.app.roles.trainer: unrecognized arguments: --learning-rate 1e-4 "
+                              "(`python -m llamarl.app.roles.trainer --help` lists every flag)")
 
 
 def test_the_commands_parser_suggests_too_and_exits_2_under_its_module_name(capsys):
     with pytest.raises(SystemExit) as ended:
-        cli.parse(["--stepz", "3"], TrainerConfig, prog="python -m app.local")
+        cli.parse(["--stepz", "3"], TrainerConfig, prog="python -m llamarl.app.roles.local")
     assert ended.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "python -m app.local: error: unrecognized arguments: --stepz 3 (did you mean --steps?)")
+        "python -m llamarl.app.roles.local: error: unrecognized arguments: --stepz 3 (did you mean --steps?)")
 
 
 def test_every_readme_section_a_flag_points_to_exists():

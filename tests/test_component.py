@@ -17,8 +17,8 @@ from torchx.specs.finder import ComponentValidationException
 from torchx.runner import get_runner
 from torchx.specs.file_linter import validate
 
-import components.llamarl as component_module
-from components.llamarl import llamarl
+import llamarl.components.llamarl as component_module
+from llamarl.components.llamarl import llamarl
 
 REPO = Path(__file__).resolve().parents[1]
 PORT = 31234
@@ -29,9 +29,9 @@ PORT = 31234
 CLI_CALLS = {
     "builtins": ["builtins"],
     "default": ["run", "--dryrun"],  # everything from .torchxconfig
-    "slurm": ["run", "--dryrun", "-s", "slurm", "llamarl.llamarl", "--num_reward", "1", "--num_generators", "2",
+    "slurm": ["run", "--dryrun", "-s", "llamarl_slurm", "llamarl.llamarl", "--num_reward", "1", "--num_generators", "2",
               "--store_port", str(PORT)],
-    "kubernetes": ["run", "--dryrun", "--workspace", "", "-s", "kubernetes", "llamarl.llamarl",
+    "kubernetes": ["run", "--dryrun", "--workspace", "", "-s", "llamarl_kubernetes", "llamarl.llamarl",
                    "--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT),
                    "--k8s_secret", "llamarl-run"],
 }
@@ -63,15 +63,15 @@ def test_appdef_has_trainer_first_then_generators_and_reward():
     trainer, generator, reward = app.roles
     assert trainer.num_replicas == 1 and generator.num_replicas == 3 and reward.num_replicas == 2
     cmd = trainer.args[-1]
-    assert "-m app.launch --nproc-per-node 2" in cmd, "app.launch runs torchrun and names a failure's cause"
+    assert "-m llamarl.app.roles.launch --nproc-per-node 2" in cmd, "llamarl.app.roles.launch runs torchrun and names a failure's cause"
     for flag in ("--num-generators 3", "--num-reward 2", "--steps 7", "--max-staleness 0",
                  f"--store-port {PORT}", f"--run-id {specs.macros.app_id}", f"--app-id {specs.macros.app_id}"):
         assert flag in cmd
     assert cmd.endswith("--lr 3e-4"), "trainer_args are passed through last"
     assert trainer.port_map == {"store": PORT, "c10d": PORT + 1}, "the store, and a multi-node trainer's rendezvous"
-    assert "-m app.generator" in generator.args[-1] and "--num-generators 3" in generator.args[-1]
+    assert "-m llamarl.app.roles.generator" in generator.args[-1] and "--num-generators 3" in generator.args[-1]
     assert f"--replica {specs.macros.replica_id}" in generator.args[-1]
-    assert "-m app.reward" in reward.args[-1]
+    assert "-m llamarl.app.roles.reward" in reward.args[-1]
     for role in (generator, reward):
         assert f"--app-id {specs.macros.app_id}" in role.args[-1], "every role checks its store's app"
 
@@ -156,7 +156,7 @@ def test_component_file_is_a_valid_torchx_component():
 
 def test_slurm_dryrun_is_one_het_job_with_every_role():
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="slurm", cfg={})
+        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="llamarl_slurm", cfg={})
     req = info.request
     assert list(req.replicas) == ["trainer-0", "generator-0", "generator-1", "reward-0"]
     script = req.materialize()
@@ -165,12 +165,12 @@ def test_slurm_dryrun_is_one_het_job_with_every_role():
     assert f"--store-addr ${{SLURM_JOB_NODELIST_HET_GROUP_0}}:{PORT}" in gen.args[-1]
     assert "--replica 1" in gen.args[-1]
     assert "--nproc-per-node 1" in req.replicas["trainer-0"].args[-1]
-    assert "-m app.reward" in req.replicas["reward-0"].args[-1]
+    assert "-m llamarl.app.roles.reward" in req.replicas["reward-0"].args[-1]
 
 
 def test_kubernetes_dryrun_is_one_volcano_job_with_every_role():
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="kubernetes",
+        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="llamarl_kubernetes",
         cfg={"queue": "default"})
     job = info.request.resource
     assert job["kind"] == "Job" and job["apiVersion"].startswith("batch.volcano.sh")
@@ -187,7 +187,7 @@ def test_kubernetes_dryrun_is_one_volcano_job_with_every_role():
 def test_kubernetes_dryrun_mounts_the_named_secret_in_every_pod():
     info = get_runner().dryrun_component(
         "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT),
-                            "--k8s_secret", "llamarl-run"], scheduler="kubernetes", cfg={"queue": "default"})
+                            "--k8s_secret", "llamarl-run"], scheduler="llamarl_kubernetes", cfg={"queue": "default"})
     pods = [t["template"] for t in info.request.resource["spec"]["tasks"]]
     assert len(pods) == 4
     for pod in pods:
@@ -204,7 +204,7 @@ def test_kubernetes_trainer_listens_on_its_pod_ip_not_on_localhost():
     """torchx names trainer-0's own host ``localhost`` to trainer-0: the store would listen
     on loopback; llamarl's scheduler gives every pod its IP, which the trainer prefers."""
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--num_generators", "1", "--store_port", str(PORT)], scheduler="kubernetes",
+        "llamarl.llamarl", ["--num_generators", "1", "--store_port", str(PORT)], scheduler="llamarl_kubernetes",
         cfg={"queue": "default"})
     (trainer, *_) = [t["template"].spec.containers[0] for t in info.request.resource["spec"]["tasks"]]
     (pod_ip,) = [e for e in trainer.env if e.name == "LLAMARL_STORE_BIND"]
@@ -216,14 +216,14 @@ def test_a_trainer_of_two_nodes_meets_at_replica_0_on_slurm_and_kubernetes():
     """trainer_nodes=2: two trainer replicas, replica k with node rank k of 2, both
     pointed at replica 0's host (the torchrun rendezvous and the control store)."""
     args = ["--trainer_nodes", "2", "--nproc_per_node", "2", "--store_port", str(PORT)]
-    slurm = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="slurm", cfg={}).request
+    slurm = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="llamarl_slurm", cfg={}).request
     assert list(slurm.replicas) == ["trainer-0", "trainer-1", "generator-0"]
     assert slurm.materialize().count("#SBATCH hetjob") == 2, "a node per trainer replica"
     for k in (0, 1):
         cmd = slurm.replicas[f"trainer-{k}"].args[-1]
-        assert (f"-m app.launch --nproc-per-node 2 --nnodes 2 --node-rank {k} "
+        assert (f"-m llamarl.app.roles.launch --nproc-per-node 2 --nnodes 2 --node-rank {k} "
                 "--rdzv-host ${SLURM_JOB_NODELIST_HET_GROUP_0:=localhost}") in cmd, cmd
-    k8s = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="kubernetes",
+    k8s = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="llamarl_kubernetes",
                                         cfg={"queue": "default"}).request.resource
     tasks = {t["name"]: t["template"].spec.containers[0] for t in k8s["spec"]["tasks"]}
     assert list(tasks) == ["trainer-0", "trainer-1", "generator-0"]
@@ -237,7 +237,7 @@ def test_a_trainer_of_two_nodes_meets_at_replica_0_on_slurm_and_kubernetes():
 
 def test_local_dryrun_resolves_the_rank0_host():
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="local_cwd",
+        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="llamarl_local",
         cfg={})
     params = info.request.role_params
     assert sorted(params) == ["generator", "reward", "trainer"] and len(params["generator"]) == 2
@@ -252,7 +252,7 @@ def test_on_local_cwd_every_role_runs_with_the_submitting_python_first_on_path()
     apps with nothing else on PATH: tests/app_launch.py)."""
     info = get_runner().dryrun_component(
         "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)],
-        scheduler="local_cwd", cfg={})
+        scheduler="llamarl_local", cfg={})
     replicas = [p for params in info.request.role_params.values() for p in params]
     assert len(replicas) == 4
     for p in replicas:
@@ -267,7 +267,7 @@ def test_counts_the_app_cannot_run_with_are_refused_while_the_job_is_built(optio
     """torchx's own check of a role of 0 replicas is a ValueError, which `torchx run`
     prints as a traceback; a ComponentValidationException it prints as one error."""
     with pytest.raises(ComponentValidationException, match=re.escape(error)):
-        get_runner().dryrun_component("llamarl.llamarl", options, scheduler="local_cwd", cfg={})
+        get_runner().dryrun_component("llamarl.llamarl", options, scheduler="llamarl_local", cfg={})
 
 
 @pytest.mark.parametrize("raised, stderr", [
@@ -278,7 +278,7 @@ def test_counts_the_app_cannot_run_with_are_refused_while_the_job_is_built(optio
 def test_torchx_run_stopped_by_ctrl_c_ends_on_one_line(raised, stderr):
     """Ctrl-C to `torchx run` (local_cwd): torchx's SignalException, which its CLI does not
     catch, ends the process with one line, not its traceback; other errors keep theirs."""
-    code = ("import signal\nfrom components.local_scheduler import create_scheduler\n"
+    code = ("import signal\nfrom llamarl.components.local_scheduler import create_scheduler\n"
             "from torchx.schedulers.local_scheduler import SignalException\n"
             f"create_scheduler('test')\nraise {raised}\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -324,8 +324,8 @@ def test_plain_dryrun_uses_the_repo_torchxconfig(cli):
     proc = cli["default"]
     out = proc.stdout + proc.stderr
     assert "loaded configs from" in out and ".torchxconfig" in out
-    assert "local_cwd://" in out, "scheduler local_cwd from [cli:run]"
-    assert "'name': 'llamarl'" in out and "-m app.launch" in out, "component llamarl.llamarl"
+    assert "llamarl_local://" in out, "scheduler local_cwd from [cli:run]"
+    assert "'name': 'llamarl'" in out and "-m llamarl.app.roles.launch" in out, "component llamarl.llamarl"
     assert "runs/torchx-logs" in out, "log_dir from [local_cwd]"
 
 
@@ -346,7 +346,7 @@ def test_resume_and_application_retries_reach_the_trainer_and_every_role():
 
 def test_slurm_requeues_a_retried_app():
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--max_retries", "2", "--store_port", str(PORT)], scheduler="slurm", cfg={})
+        "llamarl.llamarl", ["--max_retries", "2", "--store_port", str(PORT)], scheduler="llamarl_slurm", cfg={})
     script = info.request.materialize()
     assert "TORCHX_MAX_RETRIES=2" in script and "scontrol requeue" in script
     assert "--resume auto" in info.request.replicas["trainer-0"].args[-1]

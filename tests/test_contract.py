@@ -1,4 +1,4 @@
-"""The rollout contract (``app.contract``): one wire format, checked field by field."""
+"""The rollout contract (``llamarl.app.rl.contract``): one wire format, checked field by field."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import logging
 import pytest
 import torch
 
-from app.contract import (GroupId, MalformedMessage, Rejections, Rollout, RolloutGroup, from_message,
+from llamarl.app.rl.contract import (GroupId, MalformedMessage, Rejections, Rollout, RolloutGroup, from_message,
                           to_message)
-from app.rewards import RewardResult
-from app.frames import decode, encode
+from llamarl.app.rewards import RewardResult
+from llamarl.app.control.frames import decode, encode
 
 SECRET = bytes(range(32))
 

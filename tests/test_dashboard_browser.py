@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboard import screenshot
+from llamarl.dashboard import screenshot
 from dashboard_fixtures import make_runs_root
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"

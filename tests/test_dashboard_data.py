@@ -1,4 +1,4 @@
-"""dashboard.data against run directories written by app.metrics (tests/dashboard_fixtures.py)."""
+"""llamarl.dashboard.data against run directories written by llamarl.app.metrics.events (tests/dashboard_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sqlite3
 import pandas as pd
 import pytest
 
-from app import metrics as m
-from dashboard import charts, data
+from llamarl.app.metrics import events as m
+from llamarl.dashboard import charts, data
 from dashboard_fixtures import LiveRun, make_run, make_runs_root
 
 
@@ -18,7 +18,7 @@ def runs_root(tmp_path_factory):
 
 
 def raw(run_dir, sql: str) -> pd.DataFrame:
-    """The table as written, read without dashboard.data, to check its aggregates against."""
+    """The table as written, read without llamarl.dashboard.data, to check its aggregates against."""
     with sqlite3.connect(run_dir / m.DB_NAME) as db:
         return pd.read_sql_query(sql, db)
 

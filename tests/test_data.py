@@ -1,4 +1,4 @@
-"""The run's prompts (app/data.py): held-out splits, prompt formatting and the length
+"""The run's prompts (app/data/sources.py): held-out splits, prompt formatting and the length
 filter, bad rows counted, the order over epochs and its state, and the fingerprint check
 between roles over a real control store. Reading files: tests/test_datafile.py."""
 
@@ -8,10 +8,14 @@ import json
 
 import pytest
 
-from app import data, names, runtime, tasks, transport
-from app.config import TrainerConfig
-from app.datafile import DataError
-from app.policy import build_tokenizer, encode_prompts
+from llamarl.app.data import sources as data
+from llamarl.app import names
+from llamarl.app.control import runtime
+from llamarl.app.tasks import arithmetic as tasks
+from llamarl.app.control import transport
+from llamarl.app.config import TrainerConfig
+from llamarl.app.errors import DataError
+from llamarl.app.model.policy import build_tokenizer, encode_prompts
 from data_files import GSM8K, MATH, MATH_ROWS, gsm8k_rows, write_jsonl, write_parquet
 from role_processes import TEST_SECRET
 
@@ -282,7 +286,7 @@ def test_a_generator_with_other_data_fails_naming_both(tmp_path, tokenizer, stor
                 f"problems)") in message
         assert "same path (SLURM: a shared file system; Kubernetes: the image or a shared volume)" in message
         # The failed generator stopped the run: the trainer's wait ends with its reason.
-        with pytest.raises(transport.Stopped, match="generator/0 failed: app.data.DataMismatch: generator/0 "
+        with pytest.raises(transport.Stopped, match="generator/0 failed: llamarl.app.data.sources.DataMismatch: generator/0 "
                                                     "read other prompts than the trainer; every role"):
             data.wait_for_checks(trainer, ["generator/0"], timeout_s=10)
 

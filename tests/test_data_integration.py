@@ -13,10 +13,11 @@ import torch
 from torchx.specs import AppState
 from transformers import AutoModelForCausalLM
 
-from app import data, names
-from app.config import TrainerConfig
-from app.metrics import LAST_CHECKPOINT
-from app.policy import load_tokenizer
+from llamarl.app.data import sources as data
+from llamarl.app import names
+from llamarl.app.config import TrainerConfig
+from llamarl.app.metrics.events import LAST_CHECKPOINT
+from llamarl.app.model.policy import load_tokenizer
 from app_launch import GROUP_SIZE, PROMPTS_PER_STEP, SMALL, launch, rows
 from data_files import gsm8k_rows, write_jsonl
 

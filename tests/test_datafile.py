@@ -1,4 +1,4 @@
-"""Reading dataset files (app/datafile.py): JSONL, JSON arrays, Parquet and datasets
+"""Reading dataset files (app/data/datafile.py): JSONL, JSON arrays, Parquet and datasets
 directories in GSM8K, MATH and plain formats, and every bad input named by file and row."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.datafile import DataError, FieldMap, read_problems
+from llamarl.app.data.datafile import FieldMap, read_problems
+from llamarl.app.errors import DataError
 from data_files import GSM8K, MATH, MATH_FIELDS, MATH_ROWS, gsm8k_rows, write_jsonl, write_parquet
 
 

@@ -9,10 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from app import devices, metrics, rl
-from app.devices import DeviceError, WeightPlanePath, weight_plane_backend
-from app.sampling import token_logprobs
-from app.weight_sync import WeightReceiver, WeightSender, init_weight_group
+from llamarl.app import devices
+from llamarl.app.metrics import events as metrics
+from llamarl.app.rl import step as rl
+from llamarl.app.devices import WeightPlanePath, weight_plane_backend
+from llamarl.app.errors import DeviceError
+from llamarl.app.sampling import token_logprobs
+from llamarl.app.weights.sync import WeightReceiver, WeightSender, init_weight_group
 from role_processes import loopback_store, run_roles, weight_member
 from test_rl import PAD, _ragged_rollouts, tiny_model  # noqa: F401 - tiny_model is a fixture
 from test_weight_sync import BUCKET_MB, flattened, model_params
@@ -231,7 +234,7 @@ def test_cpu_roles_report_no_device_metrics():
 
 @pytest.mark.gpu
 def test_a_gpu_role_reports_its_memory_and_utilisation():
-    from app import names
+    from llamarl.app import names
 
     gpu = devices.choose_device("cuda")
     x = torch.randn(1024, 1024, device=gpu)
@@ -244,7 +247,7 @@ def test_a_gpu_role_reports_its_memory_and_utilisation():
 
 
 def test_reward_models_run_on_the_executors_device_unless_the_spec_names_one():
-    from app.rewards import build_reward
+    from llamarl.app.rewards import build_reward
 
     def devices_of(reward):
         return {c.name: getattr(c.fn, "device", None) for c in reward.components}

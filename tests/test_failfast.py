@@ -122,7 +122,7 @@ def test_a_store_port_held_by_another_program_ends_every_role_in_seconds(tiny_po
 def test_a_trainer_node_that_cannot_rendezvous_ends_the_other_node_in_seconds(tiny_policy, tmp_path):
     """trainer_nodes=2 with trainer replica 0's rendezvous port (the store port + 1) held
     by another program: replica 0's torchrun fails before any rank exists, so no rank of
-    the app can tell replica 1, whose torchrun waits in the rendezvous; its ``app.launch``
+    the app can tell replica 1, whose torchrun waits in the rendezvous; its ``llamarl.app.roles.launch``
     finds replica 0's error file, stops it and names that cause, instead of torchrun
     waiting out its rendezvous timeout (600 s) with the app alive."""
     port = free_port()
@@ -149,7 +149,7 @@ def test_a_dead_reward_executor_ends_the_app_while_the_trainer_waits(tiny_policy
     with launch(tiny_policy, tmp_path, steps=60, num_generators=1, num_reward=1,
                 extra=[*SMALL, "--eval-every", "1000"]) as app:
         app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
-        kill(app, f"app.reward .*--app-id {app.app_id} --replica 0")
+        kill(app, f"llamarl.app.roles.reward .*--app-id {app.app_id} --replica 0")
         assert_fails_naming(app, "reward/0")
 
 
@@ -157,7 +157,7 @@ def test_the_dead_last_generator_ends_a_synchronous_run(tiny_policy, tmp_path):
     with launch(tiny_policy, tmp_path, steps=60, num_generators=1, max_staleness=0,
                 extra=[*SMALL, "--eval-every", "1000"]) as app:
         app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
-        kill(app, f"app.generator .*--app-id {app.app_id} --replica 0")
+        kill(app, f"llamarl.app.roles.generator .*--app-id {app.app_id} --replica 0")
         assert_fails_naming(app, "generator/0", stopped=())
 
 
@@ -167,7 +167,7 @@ def test_a_crashed_generator_is_named_with_the_function_it_crashed_in(tiny_polic
     with launch(tiny_policy, tmp_path, steps=60, num_generators=1,
                 extra=[*SMALL, "--eval-every", "1000"]) as app:
         app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
-        kill(app, f"app.generator .*--app-id {app.app_id} --replica 0", signal.SIGSEGV)
+        kill(app, f"llamarl.app.roles.generator .*--app-id {app.app_id} --replica 0", signal.SIGSEGV)
         assert_fails_naming(app, "generator/0 failed: crashed (Segmentation fault) in ", stopped=())
 
 
@@ -175,7 +175,7 @@ def test_a_killed_torchrun_agent_leaves_no_trainer_behind(tiny_policy, tmp_path)
     with launch(tiny_policy, tmp_path, steps=60, num_generators=1,
                 extra=[*SMALL, "--eval-every", "1000"]) as app:
         app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
-        kill(app, f"app.torchrun .*--app-id {app.app_id} ")
+        kill(app, f"llamarl.app.roles.torchrun .*--app-id {app.app_id} ")
         assert_fails_naming(app, "torchrun")
 
 
@@ -185,7 +185,7 @@ def test_a_crashed_trainer_is_named_with_the_function_it_crashed_in(tiny_policy,
     with launch(tiny_policy, tmp_path, steps=60, num_generators=1,
                 extra=[*SMALL, "--eval-every", "1000"]) as app:
         app.wait_for_log("trainer", "step 1/60", timeout_s=APP_TIMEOUT_S)
-        kill(app, f"python -u -m app.trainer .*--app-id {app.app_id} ", signal.SIGSEGV)
+        kill(app, f"python -u -m llamarl.app.roles.trainer .*--app-id {app.app_id} ", signal.SIGSEGV)
         assert_fails_naming(app, "trainer/0 crashed (Segmentation fault) in ", stopped=())
         # The generator lost the store with its host, and says so rather than "Connection reset".
         assert "stopping: the control store is gone" in last_lines(app.log("generator"), 1)

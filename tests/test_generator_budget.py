@@ -1,4 +1,4 @@
-"""The generators' staleness budget (``app.generator.SlotBudget``) over a real TCPStore.
+"""The generators' staleness budget (``llamarl.app.roles.generator.SlotBudget``) over a real TCPStore.
 
 Slot n (0-based) trains at step n // B + 1, so a generator holding weights of version v
 may fill slots below (v + 1 + max_staleness) * B (+ the groups the trainer dropped) and
@@ -13,10 +13,11 @@ import threading
 import pytest
 import torch
 
-from app import names, train_state
-from app.generator import SlotBudget, batch_seed
-from app.train_state import SlotLedger
-from app.transport import connect_store, host_store
+from llamarl.app import names
+from llamarl.app.state import train_state
+from llamarl.app.roles.generator import SlotBudget, batch_seed
+from llamarl.app.state.train_state import SlotLedger
+from llamarl.app.control.transport import connect_store, host_store
 from role_processes import control, signed
 
 B = 4  # groups per step
@@ -201,7 +202,7 @@ def test_after_a_resume_the_slots_lost_in_flight_come_first(store):
 def test_slots_lost_with_an_executor_come_back_outside_the_counter(store):
     """A synchronous step whose generator died holding two of its slots: the counter is at
     its cap, yet the survivor gets those two slots back to regenerate, once each."""
-    from app import membership
+    from llamarl.app.control import membership
 
     budget = SlotBudget(generator(store), groups_per_step=B, max_staleness=0)
     assert budget.reserve(100, version=0) == range(0, 4)

@@ -1,4 +1,4 @@
-"""``app.health`` and the app-id check of ``app.runtime`` against a real store on loopback."""
+"""``llamarl.app.control.health`` and the app-id check of ``llamarl.app.control.runtime`` against a real store on loopback."""
 
 from __future__ import annotations
 
@@ -15,7 +15,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from app import cli, data, frames, health, membership, names, replica_lock, runtime, transport
+from llamarl.app import errors
+from llamarl.app.data import sources as data
+from llamarl.app.control import frames
+from llamarl.app.control import health
+from llamarl.app.control import membership
+from llamarl.app import names
+from llamarl.app.control import replica_lock
+from llamarl.app.control import runtime
+from llamarl.app.control import transport
 from role_processes import TEST_SECRET, control as control_as, loopback_store
 
 
@@ -38,11 +46,11 @@ def test_a_failure_the_role_logged_itself_is_not_logged_again_at_exit(store, cap
     the runtime's exit still publishes it, without a second "failed:" line."""
     for logged in (False, True):
         caplog.clear()
-        with pytest.raises(cli.ConfigError), runtime.Runtime.join("reward", int(logged), store, TEST_SECRET) as rt:
+        with pytest.raises(errors.ConfigError), runtime.Runtime.join("reward", int(logged), store, TEST_SECRET) as rt:
             rt.failure_logged = logged
-            raise cli.ConfigError("steps must be >= 1, got 0")
+            raise errors.ConfigError("steps must be >= 1, got 0")
         said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("failed: ")]
-        assert said == ([] if logged else ["failed: app.cli.ConfigError: steps must be >= 1, got 0"])
+        assert said == ([] if logged else ["failed: llamarl.app.errors.ConfigError: steps must be >= 1, got 0"])
         assert "steps must be >= 1, got 0" in str(control_as(store, "trainer/0").failures()), "still published"
 
 
@@ -113,16 +121,16 @@ def test_reported_writes_the_cause_of_a_roles_own_failure_only(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("raised, last_line, traceback", [
-    ("cli.ConfigError('app.trainer: unrecognized arguments: --learning-rate 1e-4')",
-     "ConfigError: app.trainer: unrecognized arguments: --learning-rate 1e-4", False),
-    ("datafile.DataError('t.jsonl, line 2: not valid JSON')", "DataError: t.jsonl, line 2: not valid JSON", False),
+    ("errors.ConfigError('llamarl.app.roles.trainer: unrecognized arguments: --learning-rate 1e-4')",
+     "ConfigError: llamarl.app.roles.trainer: unrecognized arguments: --learning-rate 1e-4", False),
+    ("errors.DataError('t.jsonl, line 2: not valid JSON')", "DataError: t.jsonl, line 2: not valid JSON", False),
     ("RuntimeError('a bug')", "RuntimeError: a bug", True),
 ])
 def test_a_refused_input_ends_a_role_on_one_line_and_a_bug_with_its_traceback(tmp_path, raised, last_line, traceback):
-    """What `torchx run` shows of a role: a refusal (``cli.ConfigError`` and its kinds) is
+    """What `torchx run` shows of a role: a refusal (``errors.ConfigError`` and its kinds) is
     its one line, exit code 1, no traceback burying it; any other error keeps its
     traceback. Both go to the scheduler's error file."""
-    code = f"from app import cli, datafile, health\nwith health.reported():\n    raise {raised}\n"
+    code = f"from llamarl.app import errors\nfrom llamarl.app.control import health\nwith health.reported():\n    raise {raised}\n"
     env = {**os.environ, health.ERROR_FILE_ENV: str(tmp_path / "error.json")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
@@ -155,7 +163,7 @@ def test_store_port_is_fixed_or_derived_from_the_app_id():
     assert names.STORE_PORT_BASE <= derived < names.STORE_PORT_BASE + names.STORE_PORT_SPAN
     assert names.store_port(0, "llamarl-abc124") != derived
     # A role started by hand: a refusal (one line) that says how the roles are started.
-    with pytest.raises(cli.ConfigError, match="needs --app-id: the roles are started together by `torchx run`"):
+    with pytest.raises(errors.ConfigError, match="needs --app-id: the roles are started together by `torchx run`"):
         names.store_port(0, "")
 
 
@@ -210,7 +218,7 @@ def test_a_sibling_that_failed_before_reaching_the_store_is_named(tmp_path, monk
     monkeypatch.setenv(health.REPLICA_ERROR_FILE_ENV, str(dirs["trainer/0"] / "error.json"))
     monkeypatch.setenv(health.ERROR_FILE_ENV, "/tmp/torchrun-of-the-trainer/error.json")
     assert health.sibling_failure() == "reward/0 failed: ValueError: unknown reward 'x'", \
-        "a trainer rank finds its replica's directory through app.launch's variable"
+        "a trainer rank finds its replica's directory through llamarl.app.roles.launch's variable"
     assert health.sibling_failure("trainer") is None, "only trainer replicas' failures when asked so"
     assert health.sibling_failure("reward") == "reward/0 failed: ValueError: unknown reward 'x'"
 
@@ -256,7 +264,7 @@ def hold_lock_and_exit(replica_dir: Path) -> None:
     and ends: the lock is free again."""
     env = {**os.environ, health.ERROR_FILE_ENV: str(replica_dir / "error.json")}
     env.pop(health.REPLICA_ERROR_FILE_ENV, None)
-    subprocess.run([sys.executable, "-c", "from app import replica_lock; assert replica_lock.hold()"],
+    subprocess.run([sys.executable, "-c", "from llamarl.app.control import replica_lock; assert replica_lock.hold()"],
                    env=env, check=True, timeout=60)
 
 
@@ -276,7 +284,7 @@ def test_a_member_killed_before_it_registers_is_taken_out_at_once(tmp_path, monk
         env = {**os.environ, health.ERROR_FILE_ENV: str(dirs["generator/1"] / "error.json"),
                frames.SECRET_ENV: TEST_SECRET.hex()}
         env.pop(health.REPLICA_ERROR_FILE_ENV, None)
-        proc = subprocess.Popen([sys.executable, "-m", "app.generator", "--replica", "1", "--num-generators", "2",
+        proc = subprocess.Popen([sys.executable, "-m", "llamarl.app.roles.generator", "--replica", "1", "--num-generators", "2",
                                  "--store-addr", f"127.0.0.1:{unused.getsockname()[1]}"],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -299,12 +307,12 @@ def test_a_member_killed_before_it_registers_is_taken_out_at_once(tmp_path, monk
         health.check_health, control)) == ["generator/0"], "generator/1 is not waited for"
     health.check_health(control)  # a tolerated loss is no failure
 
-    (dirs["reward/0"] / "stderr.log").write_text("app.reward: error: unrecognized arguments: --x\n\n")
+    (dirs["reward/0"] / "stderr.log").write_text("llamarl.app.roles.reward: error: unrecognized arguments: --x\n\n")
     hold_lock_and_exit(dirs["reward/0"])
     assert members.poll() == []
     with pytest.raises(health.AppFailed, match=r"^reward/0 failed: gone: ended before it registered with the "
                                                r"trainer \(killed, out of memory, or its node was lost; the last "
-                                               r"line of its stderr: 'app.reward: error: unrecognized arguments: "
+                                               r"line of its stderr: 'llamarl.app.roles.reward: error: unrecognized arguments: "
                                                r"--x'\), and it was the last reward executor"):
         health.check_health(control)
     assert health.vanished_before_registering({"generator/1", "reward/0"}) == [], "registered: heartbeats speak"

@@ -1,14 +1,14 @@
-"""Generator incarnations (``app.incarnations``) against a real store on loopback: drawn,
+"""Generator incarnations (``llamarl.app.control.incarnations``) against a real store on loopback: drawn,
 registered under the run attempt in a signed record; a forged or another attempt's record
 is not believed, and a group captured before a resume is refused as a replay."""
 
 from __future__ import annotations
 
-from app import names
-from app.contract import Rejections, to_message
-from app.incarnations import INCARNATIONS, Incarnations, admission, register
-from app.seen_groups import REPLAY, first_seq, incarnation_of
-from app.signed import SignedStore
+from llamarl.app import names
+from llamarl.app.rl.contract import Rejections, to_message
+from llamarl.app.control.incarnations import INCARNATIONS, Incarnations, admission, register
+from llamarl.app.control.seen_groups import REPLAY, first_seq, incarnation_of
+from llamarl.app.control.signed import SignedStore
 from role_processes import TEST_SECRET, loopback_store, signed
 from test_seen_groups import group
 
@@ -73,7 +73,7 @@ def test_a_group_captured_before_a_resume_is_refused_and_does_not_hold_up_the_ne
     assert [g.group_id.seq - first_seq(new) for g in taken] == [0, 1, 2]
     assert rejections.metrics() == {names.rejected_metric(REPLAY): 4.0}
     # Without the attempt check (the seen-id sets alone) the captured groups would be trained.
-    from app.seen_groups import Admission
+    from llamarl.app.control.seen_groups import Admission
 
     assert [g.group_id.seq for g in Rejections("trainer/0").decode(captured, Admission(current_version=lambda: 1))] \
         == [first_seq(old), first_seq(old) + 9000]

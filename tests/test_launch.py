@@ -1,4 +1,4 @@
-"""app.launch's torchrun command: standalone on one node; on several, a static
+"""llamarl.app.roles.launch's torchrun command: standalone on one node; on several, a static
 rendezvous at trainer replica 0 whose node rank is the replica index, and every rank
 pointed at replica 0's host for the control store; the cause of a rank a signal killed."""
 
@@ -12,24 +12,27 @@ import time
 
 import pytest
 
-from app import health, launch, names, torchrun
-from app.launch import Nodes, torchrun_command
+from llamarl.app.control import health
+from llamarl.app.roles import launch
+from llamarl.app import names
+from llamarl.app.roles import torchrun
+from llamarl.app.roles.launch import Nodes, torchrun_command
 
 TRAINER_ARGS = ["--store-port", "0", "--app-id", "llamarl-abc", "--steps", "3"]
 
 
 def test_one_node_is_a_standalone_torchrun():
     cmd = torchrun_command(2, TRAINER_ARGS)
-    assert cmd == [sys.executable, "-m", "app.torchrun", "--nproc_per_node", "2", "--standalone",
-                   "--nnodes", "1", "-m", "app.trainer", *TRAINER_ARGS]
+    assert cmd == [sys.executable, "-m", "llamarl.app.roles.torchrun", "--nproc_per_node", "2", "--standalone",
+                   "--nnodes", "1", "-m", "llamarl.app.roles.trainer", *TRAINER_ARGS]
 
 
 def test_several_nodes_meet_at_replica_0_and_reach_its_store():
     cmd = torchrun_command(2, TRAINER_ARGS, Nodes(nnodes=3, node_rank=1, rdzv_host="node0"))
     port = names.rendezvous_port(0, "llamarl-abc")
-    assert cmd == [sys.executable, "-m", "app.torchrun", "--nproc_per_node", "2", "--nnodes", "3",
+    assert cmd == [sys.executable, "-m", "llamarl.app.roles.torchrun", "--nproc_per_node", "2", "--nnodes", "3",
                    "--node_rank", "1", "--rdzv_backend", "static", "--rdzv_endpoint", f"node0:{port}",
-                   "-m", "app.trainer", *TRAINER_ARGS, "--store-host", "node0"]
+                   "-m", "llamarl.app.roles.trainer", *TRAINER_ARGS, "--store-host", "node0"]
     with_port = torchrun_command(1, ["--store-port", "29700"], Nodes(nnodes=2, node_rank=0, rdzv_host="h"))
     assert "h:29701" in with_port, "a fixed store port: the rendezvous is the next one (map both)"
 
@@ -49,12 +52,12 @@ def test_a_node_rank_outside_the_nodes_is_refused(nnodes, node_rank):
 
 
 def test_a_rank_killed_by_a_signal_is_named_from_torchruns_last_line(tmp_path, monkeypatch, capfd):
-    """A real torchrun (``app.torchrun``) whose one rank SIGKILLs itself (as the
+    """A real torchrun (``llamarl.app.roles.torchrun``) whose one rank SIGKILLs itself (as the
     out-of-memory killer would): no error file, no faulthandler report; the launcher names
     the rank and the signal, not "torchrun ended without a worker's cause"; the terminal
     shows no traceback of torchrun's agent and no ``ChildFailedError`` banner above it."""
     monkeypatch.setenv(health.ERROR_FILE_ENV, str(tmp_path / "error.json"))
-    command = [sys.executable, "-m", "app.torchrun", "--standalone", "--nproc_per_node", "1",
+    command = [sys.executable, "-m", "llamarl.app.roles.torchrun", "--standalone", "--nproc_per_node", "1",
                "--no-python", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
     assert launch.supervise(command) == 1
     cause = ("trainer failed: trainer/0 was killed by SIGKILL with no Python error (killed by hand or by the "
@@ -78,7 +81,7 @@ def test_a_stop_signal_is_named_as_a_stop_not_as_torchruns_signal_exception(tmp_
     N got signal: 15" (torchrun's own error file); the launcher's handlers are put back."""
     monkeypatch.setenv(health.ERROR_FILE_ENV, str(tmp_path / "error.json"))
     started = tmp_path / "started"
-    command = [sys.executable, "-m", "app.torchrun", "--standalone", "--nproc_per_node", "1",
+    command = [sys.executable, "-m", "llamarl.app.roles.torchrun", "--standalone", "--nproc_per_node", "1",
                "--no-python", sys.executable, "-c",
                f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(600)"]
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import local
-from app.config import GeneratorConfig, TrainerConfig
-from app.policy import load_policy
-from app.warmstart import WarmStartConfig, warm_start
+from llamarl.app.roles import local
+from llamarl.app.config import GeneratorConfig, TrainerConfig
+from llamarl.app.model.policy import load_policy
+from llamarl.app.rl.warmstart import WarmStartConfig, warm_start
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,7 +133,7 @@ def test_a_step_whose_rollouts_are_all_quarantined_is_skipped(tiny_warmstart, tm
 
 @pytest.mark.integration
 def test_local_help_lists_the_flags():
-    out = subprocess.run([sys.executable, "-m", "app.local", "--help"], cwd=REPO_ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "llamarl.app.roles.local", "--help"], cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for flag in ("--policy", "--steps", "--rho-max", "--normaliser", "--max-staleness", "--rewards",

@@ -1,4 +1,4 @@
-"""Numerics of app.losses against values derived by hand on tiny tensors.
+"""Numerics of llamarl.app.rl.losses against values derived by hand on tiny tensors.
 
 Every expected number below is worked out in the comment next to it, so a failing
 assertion points at the term of the formula that broke.
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from app import losses
+from llamarl.app.rl import losses
 
 # ---- group_advantages ----------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""``app.membership`` against a real store on loopback: which executors are gone, what
+"""``llamarl.app.control.membership`` against a real store on loopback: which executors are gone, what
 their loss returns for regeneration, and when a loss is fatal."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from app import health, membership, names
+from llamarl.app.control import health
+from llamarl.app.control import membership
+from llamarl.app import names
 from role_processes import control, loopback_store, signed
 
 GONE_S = 0.3

@@ -1,12 +1,12 @@
 """A metrics batch from the queue is checked before it reaches SQLite
-(``app.metrics.checked_batch``): a signed batch that breaks the format is dropped and
+(``llamarl.app.metrics.events.checked_batch``): a signed batch that breaks the format is dropped and
 counted by the trainer, never written and never fatal."""
 
 from __future__ import annotations
 
 import pytest
 
-from app import metrics
+from llamarl.app.metrics import events as metrics
 
 
 def every_kind() -> list[dict]:

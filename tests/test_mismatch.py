@@ -10,8 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from app import mismatch, names, rl
-from app.contract import GroupId
+from llamarl.app.rl import mismatch
+from llamarl.app import names
+from llamarl.app.rl import step as rl
+from llamarl.app.rl.contract import GroupId
 
 # Ratios r = pi / mu of 2, 1 and 0.5: log pi - log mu = log r.
 LOG_RATIO = [math.log(2.0), 0.0, math.log(0.5)]

@@ -1,4 +1,4 @@
-"""The packed trainer pass (app.packing): the layout of a small micro-batch derived by
+"""The packed trainer pass (llamarl.app.rl.packing): the layout of a small micro-batch derived by
 hand, and the same log-probs, gradients and training step as the padded pass.
 
 Tolerance: both passes compute every token's log-prob from the same keys and values;
@@ -15,8 +15,9 @@ import dataclasses
 import pytest
 import torch
 
-from app import packing, rl
-from app.contract import GroupId
+from llamarl.app.rl import packing
+from llamarl.app.rl import step as rl
+from llamarl.app.rl.contract import GroupId
 from tiny_models import PAD, VOCAB, tiny_llama
 
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""The trainer's rollout stream (``pipelines.rollouts``) over a real TCPStore, in-process."""
+"""The trainer's rollout stream (``llamarl.pipelines.rollouts``) over a real TCPStore, in-process."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import time
 import pytest
 from torchdata.nodes import IterableWrapper
 
-from app.contract import GroupId, Rejections, Rollout, RolloutGroup, to_message
-from app.rewards import build_reward
-from app.seen_groups import Admission
-from app.transport import Stopped, StoreQueue, host_store
-from pipelines.rollouts import Gate, Holding, QueueSource, RolloutStream, StalenessFilter
+from llamarl.app.rl.contract import GroupId, Rejections, Rollout, RolloutGroup, to_message
+from llamarl.app.rewards import build_reward
+from llamarl.app.control.seen_groups import Admission
+from llamarl.app.control.transport import Stopped, StoreQueue, host_store
+from llamarl.pipelines.rollouts import Gate, Holding, QueueSource, RolloutStream, StalenessFilter
 
 SECRET = bytes(range(32))
 G = 4  # completions per group

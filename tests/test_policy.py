@@ -7,9 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from app import policy, rl, tasks
-from app.rewards import RewardResult, build_reward
-from app.sampling import SamplingParams
+from llamarl.app.model import policy
+from llamarl.app.rl import step as rl
+from llamarl.app.tasks import arithmetic as tasks
+from llamarl.app.rewards import RewardResult, build_reward
+from llamarl.app.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,7 @@ def test_save_load_round_trip_is_an_ordinary_hf_directory(default_policy, tmp_pa
     assert loaded_tok.pad_token_id == tok.pad_token_id
     assert policy.encode_prompts(loaded_tok, ["Q: 12 apples"]) == policy.encode_prompts(tok, ["Q: 12 apples"])
 
-    # plain transformers, without app.policy, reads it too
+    # plain transformers, without llamarl.app.model.policy, reads it too
     plain = AutoModelForCausalLM.from_pretrained(path)
     torch.testing.assert_close(_logits(plain, ids), expected, rtol=0, atol=0)
     plain_tok = AutoTokenizer.from_pretrained(path)
@@ -172,7 +174,7 @@ def test_tiny_gpt2_is_a_policy_for_generation_and_training(tokenizer, tmp_path):
 def test_a_policy_directory_must_hold_a_causal_lm(tmp_path, tiny_policy):
     from transformers import BertConfig, LlamaConfig
 
-    from app.policy import check_causal_lm
+    from llamarl.app.model.policy import check_causal_lm
 
     check_causal_lm(tiny_policy)  # the warm-started default: a LlamaForCausalLM
     with pytest.raises(ValueError, match="no config.json"):

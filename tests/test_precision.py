@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from app import rl
-from app.config import GeneratorConfig
-from app.contract import Rollout
-from app.sampling import LlamaFastPath, SamplingParams, new_cache, precision, sample
-from app.sampling.kernels import DenseKernel, Int8DynamicKernel, int8_engine, int8_per_channel
+from llamarl.app.rl import step as rl
+from llamarl.app.config import GeneratorConfig
+from llamarl.app.rl.contract import Rollout
+from llamarl.app.sampling import LlamaFastPath, SamplingParams, new_cache, precision, sample
+from llamarl.app.sampling.kernels import DenseKernel, Int8DynamicKernel, int8_engine, int8_per_channel
 
 PAD = 0
 needs_int8 = pytest.mark.skipif(int8_engine() is None, reason="this torch build has no quantized engine")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from app.sampling import SamplingParams, precision, sample
-from app.sampling.kernels import FP8_MIN_CAPABILITY, DenseKernel, Fp8Kernel
+from llamarl.app.sampling import SamplingParams, precision, sample
+from llamarl.app.sampling.kernels import FP8_MIN_CAPABILITY, DenseKernel, Fp8Kernel
 from test_precision import PAD, PROMPTS, prefill_logits
 
 pytestmark = pytest.mark.gpu

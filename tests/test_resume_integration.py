@@ -14,10 +14,11 @@ import time
 import pytest
 from torchx.specs import AppState
 
-from app import data, names
-from app.config import TrainerConfig
-from app.metrics import RESUMED
-from app.policy import load_tokenizer
+from llamarl.app.data import sources as data
+from llamarl.app import names
+from llamarl.app.config import TrainerConfig
+from llamarl.app.metrics.events import RESUMED
+from llamarl.app.model.policy import load_tokenizer
 from app_launch import GROUP_SIZE, PROMPTS_PER_STEP, SMALL, launch, rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

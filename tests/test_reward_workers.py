@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import reward_fixtures as fixtures
-from app.rewards import Component, CompositeReward, RewardWorkerError, Sample, build_reward
+from llamarl.app.rewards import Component, CompositeReward, RewardWorkerError, Sample, build_reward
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -180,7 +180,7 @@ def test_a_module_gone_from_the_worker_path_is_a_clear_error(tmp_path, monkeypat
 def test_a_call_interrupted_in_the_parent_leaves_no_stale_results(monkeypatch):
     """Ctrl-C while waiting: the worker may still answer the old request; those lines must
     not be taken for the next request's."""
-    from app.rewards.worker import WorkerProcess
+    from llamarl.app.rewards.worker import WorkerProcess
 
     with composite(fixtures.level) as reward:
         reward.load()
@@ -226,7 +226,7 @@ def test_workers_die_when_their_parent_is_killed(tmp_path):
     script = _script(tmp_path, """
         import sys
         import reward_fixtures
-        from app.rewards import Component, CompositeReward, Sample
+        from llamarl.app.rewards import Component, CompositeReward, Sample
 
         reward = CompositeReward([Component(name="hang", fn=reward_fixtures.hangs_on_long)], timeout_s=3600)
         reward.score([Sample("p", " long", {"pid_dir": sys.argv[1]})])
@@ -256,7 +256,7 @@ def test_a_process_whose_reward_hung_in_torch_ends_normally(tmp_path):
         import sys
         import torch
         import reward_fixtures
-        from app.rewards import Component, CompositeReward, Sample
+        from llamarl.app.rewards import Component, CompositeReward, Sample
 
         atexit.register(lambda: print("atexit ran", flush=True))
         reward = CompositeReward([Component(name="spin", fn=reward_fixtures.SpinsInTorch()),

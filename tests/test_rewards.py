@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 import reward_fixtures as fixtures
-from app import metrics, tasks
-from app.cli import ConfigError
-from app.rewards import (
+from llamarl.app.metrics import events as metrics
+from llamarl.app.tasks import arithmetic as tasks
+from llamarl.app.errors import ConfigError
+from llamarl.app.rewards import (
     BUILTINS,
     Component,
     CompositeReward,
@@ -201,7 +202,7 @@ def test_entry_point_plugin_from_installed_dist(tmp_path, monkeypatch):
         "constant = llamarl_plugin_fixture:Constant\n")
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    from app.rewards import available
+    from llamarl.app.rewards import available
     assert {"shouting", "constant"} <= set(available()["plugins"])
     reward = build_reward("shouting=2,constant(value=0.5)")
     assert reward.names == ["shouting", "constant"]

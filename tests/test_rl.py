@@ -8,11 +8,12 @@ import copy
 import pytest
 import torch
 
-from app import rl, tasks
-from app.policy import create_default_policy
-from app.contract import GroupId, RolloutGroup
-from app.rewards import RewardResult, build_reward
-from app.sampling import Samples
+from llamarl.app.rl import step as rl
+from llamarl.app.tasks import arithmetic as tasks
+from llamarl.app.model.policy import create_default_policy
+from llamarl.app.rl.contract import GroupId, RolloutGroup
+from llamarl.app.rewards import RewardResult, build_reward
+from llamarl.app.sampling import Samples
 from tiny_models import PAD, VOCAB, tiny_llama
 
 

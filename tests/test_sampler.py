@@ -8,9 +8,10 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, PreTrainedModel)
 
-from app import rl, tasks
-from app.policy import build_tokenizer, encode_prompts
-from app.sampling import (KVBufferLayer, LlamaFastPath, SamplingParams, Samples, decode, draw,
+from llamarl.app.rl import step as rl
+from llamarl.app.tasks import arithmetic as tasks
+from llamarl.app.model.policy import build_tokenizer, encode_prompts
+from llamarl.app.sampling import (KVBufferLayer, LlamaFastPath, SamplingParams, Samples, decode, draw,
                           generic, kv_cache, llama_fast, logits, new_cache, prefill_groups,
                           process_logits, sample, token_logprobs)
 

@@ -13,9 +13,9 @@ import sys
 
 from torchx.specs import AppState
 
-from app import names
-from app.signed import SignedStore
-from app.transport import connect_store
+from llamarl.app import names
+from llamarl.app.control.signed import SignedStore
+from llamarl.app.control.transport import connect_store
 from app_launch import APP_TIMEOUT_S, App, launch, rows
 from test_signed_control import non_loopback_address, reachable
 
@@ -106,7 +106,7 @@ def test_a_user_stop_ends_the_run_early_and_not_as_finished(tiny_policy, tmp_pat
     with launch(tiny_policy, tmp_path, steps=10_000, num_generators=1) as app:
         app.wait_for_log("trainer", "step 1/10000", timeout_s=APP_TIMEOUT_S)
         stop = subprocess.run(
-            [sys.executable, "-m", "app.stop", "--store-addr", f"localhost:{app.store_port}",
+            [sys.executable, "-m", "llamarl.app.roles.stop", "--store-addr", f"localhost:{app.store_port}",
              "--app-id", app.app_id, "--reason", "enough", "--secret-file", str(app.secret_file)],
             capture_output=True, text=True, timeout=120)
         assert stop.returncode == 0, stop.stderr

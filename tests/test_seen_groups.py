@@ -1,5 +1,5 @@
-"""Replays and versions from the future (``app.seen_groups``), and the flood guard of
-``app.contract.Rejections``: pure, in-process."""
+"""Replays and versions from the future (``llamarl.app.control.seen_groups``), and the flood guard of
+``llamarl.app.rl.contract.Rejections``: pure, in-process."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from app.contract import FrameFlood, GroupId, Rejections, Rollout, RolloutGroup, to_message
-from app.seen_groups import (FUTURE_VERSION, INCARNATION_SHIFT, REPLAY, TOO_OLD, Admission, SeenIds, first_seq,
+from llamarl.app.rl.contract import FrameFlood, GroupId, Rejections, Rollout, RolloutGroup, to_message
+from llamarl.app.control.seen_groups import (FUTURE_VERSION, INCARNATION_SHIFT, REPLAY, TOO_OLD, Admission, SeenIds, first_seq,
                               taken_by_other_ranks)
 
 
@@ -132,7 +132,7 @@ def test_a_regenerated_lost_slot_is_not_a_replay_and_a_replay_never_reaches_the_
     regenerated the slot: a new group (new id) for the same slot. Admission takes both; the
     slot ledger keeps the first and calls the second a duplicate. A replayed copy of the
     first is refused by admission, so the ledger never counts it."""
-    from app.train_state import SlotLedger
+    from llamarl.app.state.train_state import SlotLedger
 
     original, regenerated = group(0, 5), group(1, 30)
     original.slot = regenerated.slot = 17

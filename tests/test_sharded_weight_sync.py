@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from app.transport import connect_store
-from app.weight_plane import ElasticReceiver, elastic_sender
-from app.weight_shards import SHARD_ALONE_BYTES
-from app.weight_sync import WeightLayoutError, WeightSyncError, flatten_parameters_
+from llamarl.app.control.transport import connect_store
+from llamarl.app.weights.plane import ElasticReceiver, elastic_sender
+from llamarl.app.weights.shards import SHARD_ALONE_BYTES
+from llamarl.app.weights.sync import WeightLayoutError, WeightSyncError, flatten_parameters_
 from role_processes import forkserver_context, loopback_store, signed
 
 pytestmark = pytest.mark.integration
@@ -66,7 +66,7 @@ def _wait(condition, what: str, timeout_s: float = 120.0) -> None:
 
 
 def _trainer_model(store, rank: int, ranks: int) -> nn.Module:
-    """The trainer's model: flattened for one rank (as app.trainer), FSDP2 for several."""
+    """The trainer's model: flattened for one rank (as llamarl.app.roles.trainer), FSDP2 for several."""
     model = ShardedModel(seed=0)
     if ranks == 1:
         flatten_parameters_(model)
@@ -106,7 +106,7 @@ def _trainer(store, rank: int, ranks: int, generators: int, versions: int, lose_
         big = dict(model.named_parameters())["layers.0.wide.weight"].to_local()
         assert big.numel() * big.element_size() >= SHARD_ALONE_BYTES  # the in-place path is tested
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    # app.membership's part, played by the test: gone from its death until its restart.
+    # llamarl.app.control.membership's part, played by the test: gone from its death until its restart.
     gone = lambda: {"generator/1"} if store.check([DIED]) and not store.check([RESTARTED]) else set()  # noqa: E731
     sender = elastic_sender(signed(store, f"trainer/{rank}"), list(model.named_parameters()), rank=rank, ranks=ranks,
                             num_generators=generators, timeout_s=30.0, gone=gone if rank == 0 else None,

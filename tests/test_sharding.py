@@ -1,4 +1,4 @@
-"""The FSDP2 trainer (app.sharding) in real gloo processes on loopback: a step on 2 ranks
+"""The FSDP2 trainer (llamarl.app.rl.sharding) in real gloo processes on loopback: a step on 2 ranks
 is the step one process takes on the same rollouts, whatever each rank's share; the
 training state saves sharded and resumes.
 
@@ -21,8 +21,10 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from app import rl, sharding, train_state
-from app.contract import GroupId
+from llamarl.app.rl import step as rl
+from llamarl.app.rl import sharding
+from llamarl.app.state import train_state
+from llamarl.app.rl.contract import GroupId
 from tiny_models import PAD, VOCAB, tiny_llama
 from role_processes import loopback_store, run_roles
 

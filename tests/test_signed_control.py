@@ -1,4 +1,4 @@
-"""Signed control keys (``app.signed``) against a real store on loopback: a write that is
+"""Signed control keys (``llamarl.app.control.signed``) against a real store on loopback: a write that is
 not this app's, is meant for another key or is a replay is ignored and counted; the
 store listens on the interface it is told to, not on every one."""
 
@@ -9,10 +9,11 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from app import membership, names
-from app.generator import SlotBudget
-from app.signed import USER, SignedStore, key_kind
-from app.transport import Control, EVERY_INTERFACE, connect_store, host_store
+from llamarl.app.control import membership
+from llamarl.app import names
+from llamarl.app.roles.generator import SlotBudget
+from llamarl.app.control.signed import USER, SignedStore, key_kind
+from llamarl.app.control.transport import Control, EVERY_INTERFACE, connect_store, host_store
 from role_processes import control, loopback_store, signed
 
 OTHER_SECRET = bytes(32)

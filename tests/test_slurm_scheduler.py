@@ -14,21 +14,31 @@ from torchx.schedulers import get_scheduler_factories
 from torchx.specs import AppState
 from torchx.specs.finder import ComponentValidationException
 
-from components.slurm_scheduler import (SECRET_FILE_ENV, SbatchError, LlamarlSlurmScheduler, describe_from_sacct)
+from llamarl.components.slurm_scheduler import (SECRET_FILE_ENV, SbatchError, LlamarlSlurmScheduler, describe_from_sacct)
 
 ARGS = ["--num_reward", "1", "--num_generators", "2", "--store_port", "31234"]
 
 
 def dryrun(*extra: str, cfg: dict | None = None):
-    return get_runner().dryrun_component("llamarl.llamarl", [*ARGS, *extra], scheduler="slurm",
+    return get_runner().dryrun_component("llamarl.llamarl", [*ARGS, *extra], scheduler="llamarl_slurm",
                                          cfg={"partition": "debug", **(cfg or {})})
 
 
-def test_torchx_slurm_is_llamarls_scheduler_beside_torchx_own():
+def test_llamarls_schedulers_have_names_of_their_own_and_torchx_keeps_its_own():
+    """Installing llamarl adds ``llamarl_local``, ``llamarl_slurm`` and
+    ``llamarl_kubernetes``; torchx's ``local_cwd``, ``slurm``, ``kubernetes``, ... stay
+    torchx's for every other project in the environment."""
+    from torchx.schedulers.local_scheduler import LocalScheduler
+    from torchx.schedulers.slurm_scheduler import SlurmScheduler
+    from torchx.schedulers import DEFAULT_SCHEDULER_MODULES
+
     factories = get_scheduler_factories()
-    assert isinstance(factories["slurm"]("test"), LlamarlSlurmScheduler)
-    for name in ("local_cwd", "local_docker", "kubernetes"):
-        assert name in factories, f"registering slurm must keep torchx's {name}"
+    assert isinstance(factories["llamarl_slurm"]("test"), LlamarlSlurmScheduler)
+    assert type(factories["slurm"]("test")) is SlurmScheduler
+    local = factories["local_cwd"]("test")
+    assert type(local) is LocalScheduler
+    local.close()
+    assert set(DEFAULT_SCHEDULER_MODULES) <= set(factories), "every scheduler of torchx's own list stays"
 
 
 SECRET = "ab" * 32
@@ -75,7 +85,7 @@ def test_an_image_path_that_is_no_directory_is_refused(tmp_path):
 
 def test_torchx_own_components_keep_running_where_submitted():
     """utils.echo's image is a container name (ghcr.io/...): no directory, no refusal."""
-    info = get_runner().dryrun_component("utils.echo", ["--msg", "hi"], scheduler="slurm", cfg={})
+    info = get_runner().dryrun_component("utils.echo", ["--msg", "hi"], scheduler="llamarl_slurm", cfg={})
     assert not any(a.startswith("--chdir") for a in info.request.cmd)
     assert info.request.secret_files == {}
 

@@ -1,4 +1,4 @@
-"""The static-shape decoder (``app.sampling.static_decode``) on CPU, where it runs without
+"""The static-shape decoder (``llamarl.app.sampling.static_decode``) on CPU, where it runs without
 capture: the same tokens as the eager loop when greedy, log-probs equal to a recompute by
 the model's own forward, buckets, compaction, masks and weights updated in place. Its
 CUDA capture is in ``test_static_decode_gpu.py``."""
@@ -10,9 +10,9 @@ import copy
 import pytest
 import torch
 
-from app.sampling import SamplingParams, precision, sample, static_decode
-from app.sampling.kernels import Int8DynamicKernel, int8_engine
-from app.sampling.static_decode import StaticDecoder, bucket_for, bucket_sizes, capacity_for
+from llamarl.app.sampling import SamplingParams, precision, sample, static_decode
+from llamarl.app.sampling.kernels import Int8DynamicKernel, int8_engine
+from llamarl.app.sampling.static_decode import StaticDecoder, bucket_for, bucket_sizes, capacity_for
 from test_sampler import PAD, check_stopping, make_model, prompts, tokenizer, trainer_logprobs  # noqa: F401
 
 
@@ -241,8 +241,9 @@ def test_int8_runs_through_the_same_static_step(tokenizer, batch):
 
 def test_generators_decode_as_gen_decoder_says(tokenizer):  # noqa: F811
     """``--gen-decoder`` reaches ``sample`` through ``rl.generate_groups``."""
-    from app import rl, tasks
-    from app.config import GeneratorConfig
+    from llamarl.app.rl import step as rl
+    from llamarl.app.tasks import arithmetic as tasks
+    from llamarl.app.config import GeneratorConfig
 
     problems = tasks.make_split("eval", 2, seed=0)
     for decoder in ("eager", "static"):

@@ -1,4 +1,4 @@
-"""The static decoder on CUDA, captured as CUDA graphs (``app.sampling.static_decode``):
+"""The static decoder on CUDA, captured as CUDA graphs (``llamarl.app.sampling.static_decode``):
 equal results to the eager loop, no host sync inside the steps, and a weight swap that
 reaches the captured graphs without recapture; the compiled variant's CUDA graphs too.
 For the GPU check to run when a GPU machine is lent (skipped without one); the shared
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.sampling import SamplingParams, precision, sample, static_decode
+from llamarl.app.sampling import SamplingParams, precision, sample, static_decode
 from test_sampler import PAD, check_stopping, make_model, prompts, tokenizer, trainer_logprobs  # noqa: F401
 from test_static_decode import distinct_eos
 

@@ -1,12 +1,13 @@
-"""One step's bookkeeping (``app.steps``), shared by the local loop and the trainer."""
+"""One step's bookkeeping (``llamarl.app.rl.steps``), shared by the local loop and the trainer."""
 
 from __future__ import annotations
 
 import pytest
 
-from app import names, steps
-from app.contract import GroupId, Rollout, RolloutGroup
-from app.rewards import RewardResult
+from llamarl.app import names
+from llamarl.app.rl import steps
+from llamarl.app.rl.contract import GroupId, Rollout, RolloutGroup
+from llamarl.app.rewards import RewardResult
 
 
 def group(seq: int, rewards: list[float | None], *, version: int = 0) -> RolloutGroup:

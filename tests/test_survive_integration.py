@@ -10,7 +10,7 @@ import re
 import pytest
 from torchx.specs import AppState
 
-from app import names
+from llamarl.app import names
 from app_launch import APP_TIMEOUT_S, GROUP_SIZE, PROMPTS_PER_STEP, SMALL, launch, rows
 from test_failfast import app_processes, kill
 
@@ -35,7 +35,7 @@ def test_a_killed_generator_is_survived_and_its_groups_regenerated(tiny_policy, 
     with launch(tiny_policy, tmp_path, steps=STEPS, num_generators=2,
                 extra=[*SMALL, "--eval-every", "1000"]) as app:
         app.wait_for_log("trainer", f"step 4/{STEPS}", timeout_s=APP_TIMEOUT_S)
-        kill(app, f"app.generator .*--app-id {app.app_id} --replica 1")
+        kill(app, f"llamarl.app.roles.generator .*--app-id {app.app_id} --replica 1")
         state = app.wait()
         trainer_log = app.log("trainer")
         # local_cwd has no replica retry, and the killed replica exited non-zero: TorchX
@@ -64,7 +64,7 @@ def test_a_killed_reward_executor_is_survived(tiny_policy, tmp_path):
     with launch(tiny_policy, tmp_path, steps=10_000, num_generators=1, num_reward=2,
                 extra=[*SMALL, "--eval-every", "100000"]) as app:
         app.wait_for_log("trainer", "step 4/", timeout_s=APP_TIMEOUT_S)
-        kill(app, f"app.reward .*--app-id {app.app_id} --replica 1")
+        kill(app, f"llamarl.app.roles.reward .*--app-id {app.app_id} --replica 1")
         app.wait_for_log("trainer", "reward/1 is gone", timeout_s=APP_TIMEOUT_S)
         taken_out_at = max(int(n) for n in re.findall(r"step (\d+)/", app.log("trainer")))
         app.wait_for_log("trainer", f"step {taken_out_at + 10}/", timeout_s=APP_TIMEOUT_S)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from app import tasks
+from llamarl.app.tasks import arithmetic as tasks
 
 _LINE_RE = re.compile(r"(-?\d+)([+\-*])(\d+)=(-?\d+)")
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}

@@ -1,4 +1,4 @@
-"""--tensorboard (app/tensorboard_mirror.py): the scalars written to metrics.db come back
+"""--tensorboard (app/metrics/tensorboard.py): the scalars written to metrics.db come back
 from TensorBoard's own event reader, tag by tag; a missing package is a clear error."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import builtins
 
 import pytest
 
-from app import metrics
-from app.tensorboard_mirror import TensorBoardMirror, summary_writer_class, tag
+from llamarl.app.metrics import events as metrics
+from llamarl.app.metrics.tensorboard import TensorBoardMirror, summary_writer_class, tag
 
 
 def read_scalars(path) -> dict[str, list[tuple[int, float, float]]]:

@@ -1,4 +1,4 @@
-"""The trainer's training state (app/train_state.py): a saved state loads back exactly
+"""The trainer's training state (app/state/train_state.py): a saved state loads back exactly
 (model, optimizer, RNG), inside the atomic checkpoint; the slot ledger gives every slot
 once; every resume that cannot work is refused before anything is written."""
 
@@ -10,10 +10,12 @@ import random
 import pytest
 import torch
 
-from app import checkpoint, policy, train_state
-from app.metrics import DB_NAME
-from app.train_state import Resume, ResumeError, SlotLedger, find_resume
-from app.weight_layout import flatten_parameters_
+from llamarl.app.state import checkpoint
+from llamarl.app.model import policy
+from llamarl.app.state import train_state
+from llamarl.app.metrics.events import DB_NAME
+from llamarl.app.state.train_state import Resume, ResumeError, SlotLedger, find_resume
+from llamarl.app.weights.layout import flatten_parameters_
 from role_processes import loopback_store, run_roles
 
 
@@ -215,9 +217,9 @@ def _whole_state(model, optimizer) -> dict:
 
 
 def _tiny_trainer(ranks: int, seed: int = 0):
-    """What app.trainer holds, for a tiny Llama: one rank's model flattened, several
-    ranks' sharded by FSDP2 (``app.sharding``); AdamW."""
-    from app import sharding
+    """What llamarl.app.roles.trainer holds, for a tiny Llama: one rank's model flattened, several
+    ranks' sharded by FSDP2 (``llamarl.app.rl.sharding``); AdamW."""
+    from llamarl.app.rl import sharding
     from tiny_models import tiny_llama
 
     model = tiny_llama()
@@ -266,7 +268,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
 @pytest.mark.integration
 def test_one_ranks_state_resumes_on_two_sharded_ranks_and_back(tmp_path):
     """``trainer_ranks`` may change at a resume (``RESUMABLE``): DCP reshards as it loads.
-    1 -> 2: a one-process trainer's state (flattened model, as app.trainer keeps it)
+    1 -> 2: a one-process trainer's state (flattened model, as llamarl.app.roles.trainer keeps it)
     loaded by 2 FSDP2 ranks is, whole, the state saved. 2 -> 1: the state those ranks
     saved after a step of their own, loaded by one process, is, whole, what they held."""
     store = loopback_store(timeout_s=60)

@@ -14,7 +14,7 @@ import transformers
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from app.sampling import kv_cache
+from llamarl.app.sampling import kv_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def test_versions_outside_the_tested_range_are_refused(version):
 def test_importing_the_sampler_checks_the_installed_version():
     """The check runs when the package is imported, on the installed version string."""
     code = ("import transformers; transformers.__version__ = '5.26.0'\n"
-            "try:\n    import app.sampling\nexcept ImportError as e:\n    print(e)\n")
+            "try:\n    import llamarl.app.sampling\nexcept ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from app.frames import (MAX_FRAME_BYTES, SECRET_ENV, SECRET_FILE_ENV, AuthenticationError, decode, encode,
+from llamarl.app.control.frames import (MAX_FRAME_BYTES, SECRET_ENV, SECRET_FILE_ENV, AuthenticationError, decode, encode,
                         new_secret, read_secret)
-from app.transport import Stopped, StoreQueue, connect_store
+from llamarl.app.control.transport import Stopped, StoreQueue, connect_store
 from role_processes import control, forkserver_context, loopback_store
 
 SECRET = bytes(range(32))
@@ -153,14 +153,14 @@ def test_secret_from_env(monkeypatch):
 
 
 def test_app_stop_with_a_misspelt_app_id_makes_no_secret_and_says_so_in_one_line(tmp_path, monkeypatch):
-    """A secret file that does not exist names no app that ran: ``app.stop`` ends at once
+    """A secret file that does not exist names no app that ran: ``llamarl.app.roles.stop`` ends at once
     on one line, and leaves no fresh secret behind (the roles' ``read_secret`` makes one)."""
-    from app import stop
+    from llamarl.app.roles import stop
 
     missing = tmp_path / "secrets" / "llamarl-nope"
     with pytest.raises(SystemExit) as ended:
         stop.main(["--store-addr", "localhost:0", "--app-id", "llamarl-nope", "--secret-file", str(missing)])
-    assert str(ended.value.code).startswith(f"app.stop: cannot stop llamarl-nope: --secret-file names {missing}, "
+    assert str(ended.value.code).startswith(f"llamarl.app.roles.stop: cannot stop llamarl-nope: --secret-file names {missing}, "
                                             "which does not exist")
     assert not missing.exists()
     assert len(read_secret(str(missing))) == 32 and missing.exists(), "a role still makes it"
@@ -327,7 +327,7 @@ def test_control_members_heartbeats_and_failures(store):
 def test_runtime_should_stop_sees_a_stop_and_spares_the_store(store, monkeypatch):
     """Every poll loop of every thread asks should_stop: the answer comes from the store
     at most every STOP_CHECK_S, and a stop is seen within that time and then for good."""
-    from app import runtime
+    from llamarl.app.control import runtime
 
     rt = runtime.Runtime(role="generator", replica=0, store=store, control=control(store, "generator/0"),
                          secret=SECRET)

@@ -1,4 +1,4 @@
-"""The signed weight digest (``app.weight_digest``), one per trainer rank: the same digest
+"""The signed weight digest (``llamarl.app.weights.digest``), one per trainer rank: the same digest
 whatever memory the bytes sit in (a sender's separate parameters, a flat buffer, a
 generator's staging), a changed byte changes it, and a generator refuses a version whose
 bytes from any trainer rank do not match that rank's signed record, keeping the one it
@@ -17,10 +17,11 @@ import time
 import pytest
 import torch
 
-from app import names, weight_digest
-from app.weight_digest import Digest, DigestCheck, ShardDigest, digest, run_pieces
-from app.weight_layout import Layout
-from app.weight_sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
+from llamarl.app import names
+from llamarl.app.weights import digest as weight_digest
+from llamarl.app.weights.digest import Digest, DigestCheck, ShardDigest, digest, run_pieces
+from llamarl.app.weights.layout import Layout
+from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
 from role_processes import loopback_store, run_roles, signed, weight_member
 from test_weight_sync import BUCKET_MB, _assert_same, flattened, model_params
 

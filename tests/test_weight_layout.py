@@ -1,10 +1,10 @@
-"""app.weight_layout: runs, buckets, packing and the flat-buffer views the sync sends whole."""
+"""llamarl.app.weights.layout: runs, buckets, packing and the flat-buffer views the sync sends whole."""
 
 from __future__ import annotations
 
 import torch
 
-from app.weight_layout import Layout, flatten_parameters_, pack, span_view
+from llamarl.app.weights.layout import Layout, flatten_parameters_, pack, span_view
 
 CPU = torch.device("cpu")
 

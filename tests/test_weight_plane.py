@@ -11,10 +11,10 @@ import traceback
 import pytest
 import torch
 
-from app import names
-from app.transport import connect_store
-from app.weight_plane import ElasticReceiver, ElasticSender, NoGeneratorsLeft
-from app.weight_sync import flatten_parameters_
+from llamarl.app import names
+from llamarl.app.control.transport import connect_store
+from llamarl.app.weights.plane import ElasticReceiver, ElasticSender, NoGeneratorsLeft
+from llamarl.app.weights.sync import flatten_parameters_
 from role_processes import forkserver_context, loopback_store, signed
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,7 @@ def _wait(condition, what: str, timeout_s: float = 60.0) -> None:
 
 
 def _trainer(store) -> str:
-    # What app.membership decides, played by the test: generator 1 is gone from when it
+    # What llamarl.app.control.membership decides, played by the test: generator 1 is gone from when it
     # died until its restarted process is up.
     gone = lambda: {"generator/1"} if store.check([DIED]) and not store.check([RESTARTED]) else set()  # noqa: E731
     live = params_at(0)

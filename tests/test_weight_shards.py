@@ -1,12 +1,12 @@
-"""app.weight_shards: FSDP2's dim-0 chunks, and where each sender's bytes land on a generator."""
+"""llamarl.app.weights.shards: FSDP2's dim-0 chunks, and where each sender's bytes land on a generator."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from app.weight_layout import Layout
-from app.weight_shards import Landing, Shards, check_tiling, chunk_rows, local_parts, meta_params
+from llamarl.app.weights.layout import Layout
+from llamarl.app.weights.shards import Landing, Shards, check_tiling, chunk_rows, local_parts, meta_params
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 7, 10])

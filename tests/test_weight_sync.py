@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from app.weight_sync import (
+from llamarl.app.weights.sync import (
     WeightGroup,
     WeightLayoutError,
     WeightReceiver,

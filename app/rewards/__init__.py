@@ -6,9 +6,9 @@ samples whose reward raised, timed out, crashed its worker process or was not a 
 number; ``reward_events`` turns results into metrics events. See ``docs/rewards.md``.
 """
 
-from app.rewards.builtins import LengthPenalty, format_reward
-from app.rewards.composite import CompositeReward
-from app.rewards.core import (
+from llamarl.app.rewards.builtins import LengthPenalty, format_reward
+from llamarl.app.rewards.composite import CompositeReward
+from llamarl.app.rewards.core import (
     BatchedReward,
     Component,
     RewardFn,
@@ -18,8 +18,8 @@ from app.rewards.core import (
     quarantine_counts,
     reward_events,
 )
-from app.rewards.models import HFClassifier, SemanticSimilarity
-from app.rewards.spec import (
+from llamarl.app.rewards.models import HFClassifier, SemanticSimilarity
+from llamarl.app.rewards.spec import (
     BUILTINS,
     ENTRY_POINT_GROUP,
     INLINE_BUILTINS,
@@ -29,8 +29,8 @@ from app.rewards.spec import (
     installed_plugins,
     parse_spec,
 )
-from app.rewards.verifiers import boxed_verifier, gsm8k_verifier, math_verifier
-from app.rewards.worker import RewardWorkerError
+from llamarl.app.rewards.verifiers import boxed_verifier, gsm8k_verifier, math_verifier
+from llamarl.app.rewards.worker import RewardWorkerError
 
 __all__ = [
     "BUILTINS", "ENTRY_POINT_GROUP", "INLINE_BUILTINS", "BatchedReward", "Component", "ComponentSpec",

@@ -1,15 +1,15 @@
 """Rule-based built-in rewards: a format reward and a length penalty (the answer
-verifiers are in ``app.rewards.verifiers``).
+verifiers are in ``llamarl.app.rewards.verifiers``).
 
 Each is a plain reward function ``fn(prompt, completion, meta) -> float``. The model-based
-built-ins live in ``app.rewards.models``.
+built-ins live in ``llamarl.app.rewards.models``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.tasks import extract_answer, has_format
+from llamarl.app.tasks.arithmetic import extract_answer, has_format
 
 
 def format_reward(prompt: str, completion: str, meta: dict) -> float:

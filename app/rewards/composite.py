@@ -2,7 +2,7 @@
 
 ``CompositeReward.score`` scores a batch with every component, sums ``weight * score``
 into each sample's total and quarantines a sample that any component failed on (see
-``app.rewards.core`` for the reasons). It never raises for a failing component; only a
+``llamarl.app.rewards.core`` for the reasons). It never raises for a failing component; only a
 component whose worker cannot start at all raises (``RewardWorkerError``: configuration).
 
 Where a component runs:
@@ -11,7 +11,7 @@ Where a component runs:
   ``length_penalty``): in the calling thread. Pure Python that cannot hang or crash, so
   it needs neither a process nor a timeout.
 - every other component (model-based built-ins, plugins, user code): in its own worker
-  process (``app.rewards.worker``), so a call that runs past ``timeout_s`` is killed with
+  process (``llamarl.app.rewards.worker``), so a call that runs past ``timeout_s`` is killed with
   its process and a crash (segfault, ``os.abort()``) takes down only the worker. Either
   way that sample (a function) or that batch (a batched component) is quarantined as
   ``timeout`` or ``crashed``, a fresh worker starts, and the remaining samples are scored.
@@ -32,8 +32,8 @@ import threading
 import types
 from typing import Any, Sequence
 
-from app.rewards.core import TOTAL, Component, RewardResult, Sample, Score, call_batched, call_function
-from app.rewards.worker import WorkerProcess, start_workers
+from llamarl.app.rewards.core import TOTAL, Component, RewardResult, Sample, Score, call_batched, call_function
+from llamarl.app.rewards.worker import WorkerProcess, start_workers
 
 log = logging.getLogger(__name__)
 

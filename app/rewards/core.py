@@ -10,7 +10,7 @@ A reward *component* is either
 A call's outcome is a finite score or the *reason* it failed (``check_score``,
 ``call_function``, ``call_batched``: the same rules inline and in a worker process).
 A sample with a failure is *quarantined*: its total is ``None`` and the caller must not
-train on it. ``CompositeReward`` (``app.rewards.composite``) sums the weighted scores and
+train on it. ``CompositeReward`` (``llamarl.app.rewards.composite``) sums the weighted scores and
 runs the components; ``quarantine_counts`` and ``reward_events`` turn results into
 counts and metrics events.
 
@@ -26,7 +26,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from app import metrics, names
+from llamarl.app.metrics import events as metrics
+from llamarl.app import names
 
 # Reasons a sample is quarantined; ``raised:<ExceptionType>`` is the seventh kind.
 TIMEOUT, NAN, INF, NOT_A_NUMBER, WRONG_LENGTH = "timeout", "nan", "inf", "not_a_number", "wrong_length"
@@ -94,7 +95,7 @@ class Component:
     """Call it in the scoring thread, with no worker process and no timeout. Only for code
     that can neither hang nor crash the process: ``build_reward`` sets it for the
     rule-based built-ins (``spec.INLINE_BUILTINS``). Any other component runs in its own
-    worker process (``app.rewards.worker``), so it must be picklable."""
+    worker process (``llamarl.app.rewards.worker``), so it must be picklable."""
 
     @property
     def batched(self) -> bool:

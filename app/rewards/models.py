@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from app.rewards.core import Sample
+from llamarl.app.rewards.core import Sample
 
 _MODELS: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 _MODELS_LOCK = threading.Lock()
@@ -31,7 +31,7 @@ def load_local(kind: Literal["encoder", "classifier"], path: str | Path, device:
             os.environ["HF_HUB_OFFLINE"] = "1"
             from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-            from app.policy import no_progress_bars
+            from llamarl.app.model.policy import no_progress_bars
 
             model_cls = AutoModel if kind == "encoder" else AutoModelForSequenceClassification
             tokenizer = AutoTokenizer.from_pretrained(key[1], local_files_only=True)

@@ -39,12 +39,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from app.cli import ConfigError
-from app.rewards.builtins import LengthPenalty, format_reward
-from app.rewards.composite import CompositeReward
-from app.rewards.core import Component
-from app.rewards.models import HFClassifier, SemanticSimilarity
-from app.rewards.verifiers import boxed_verifier, gsm8k_verifier, math_verifier
+from llamarl.app.errors import ConfigError
+from llamarl.app.rewards.builtins import LengthPenalty, format_reward
+from llamarl.app.rewards.composite import CompositeReward
+from llamarl.app.rewards.core import Component
+from llamarl.app.rewards.models import HFClassifier, SemanticSimilarity
+from llamarl.app.rewards.verifiers import boxed_verifier, gsm8k_verifier, math_verifier
 
 ENTRY_POINT_GROUP = "llamarl.rewards"
 

@@ -1,7 +1,7 @@
 """Answer verifiers: 1.0 when the completion's final answer equals the sample's reference
 ``meta["answer"]``, else 0.0.
 
-They read answers with ``app.answers``, the extraction that read the reference out of the
+They read answers with ``llamarl.app.tasks.answers``, the extraction that read the reference out of the
 dataset, and compare them under its normalisation (docs/data.md). They differ only in
 which marker the completion's final answer may use:
 
@@ -18,7 +18,7 @@ KeyError, so it is quarantined rather than silently scored 0.
 
 from __future__ import annotations
 
-from app import answers
+from llamarl.app.tasks import answers
 
 
 def math_verifier(prompt: str, completion: str, meta: dict) -> float:

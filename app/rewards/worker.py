@@ -41,7 +41,7 @@ import time
 import traceback
 from typing import Any, BinaryIO, Callable
 
-from app.rewards.core import CRASHED, TIMEOUT, Sample, Score, call_batched, call_function
+from llamarl.app.rewards.core import CRASHED, TIMEOUT, Sample, Score, call_batched, call_function
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,8 @@ CLOSE_GRACE_S = 2.0
 REAP_TIMEOUT_S = 10.0
 """How long to wait for a killed worker to be reaped (a process in the D state can take a while)."""
 _PARENT_ENV = "LLAMARL_REWARD_WORKER_PARENT"
-CHILD_MAIN = "import sys; from app.rewards.worker import serve; sys.exit(serve())"
-"""The child's program. Not ``-m app.rewards.worker``: the package imports this module
+CHILD_MAIN = "import sys; from llamarl.app.rewards.worker import serve; sys.exit(serve())"
+"""The child's program. Not ``-m llamarl.app.rewards.worker``: the package imports this module
 before ``-m`` would run it, and runpy warns about that on every start."""
 
 

@@ -48,13 +48,13 @@ import torch
 from transformers import PreTrainedModel
 
 # kv_cache first: importing it checks the transformers version before anything uses it.
-from app.sampling import kv_cache
-from app.sampling import decode, precision, static_decode
-from app.sampling.generic import cache_kwarg, prefill_groups
-from app.sampling.kv_cache import TESTED_TRANSFORMERS, KVBufferLayer, ReusedStorage, new_cache
-from app.sampling.llama_fast import LlamaFastPath
-from app.sampling.logits import draw, process_logits, token_logprobs
-from app.sampling.precision import GEN_PRECISIONS, GenPrecision, GenWeights, quantize_
+from llamarl.app.sampling import kv_cache
+from llamarl.app.sampling import decode, precision, static_decode
+from llamarl.app.sampling.generic import cache_kwarg, prefill_groups
+from llamarl.app.sampling.kv_cache import TESTED_TRANSFORMERS, KVBufferLayer, ReusedStorage, new_cache
+from llamarl.app.sampling.llama_fast import LlamaFastPath
+from llamarl.app.sampling.logits import draw, process_logits, token_logprobs
+from llamarl.app.sampling.precision import GEN_PRECISIONS, GenPrecision, GenWeights, quantize_
 
 __all__ = ["SamplingParams", "Samples", "sample", "process_logits", "token_logprobs", "draw",
            "cache_kwarg", "prefill_groups", "KVBufferLayer", "ReusedStorage", "new_cache",

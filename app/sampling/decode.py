@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from app.sampling import generic
-from app.sampling.llama_fast import LlamaFastPath
-from app.sampling.logits import draw, process_logits, token_logprobs
+from llamarl.app.sampling import generic
+from llamarl.app.sampling.llama_fast import LlamaFastPath
+from llamarl.app.sampling.logits import draw, process_logits, token_logprobs
 
 if TYPE_CHECKING:
-    from app.sampling import SamplingParams
+    from llamarl.app.sampling import SamplingParams
 
 # Drop finished rows from the batch once this share of them is done (see module docstring).
 COMPACT_WHEN_DONE = 0.25

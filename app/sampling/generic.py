@@ -17,7 +17,7 @@ import inspect
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from app.sampling.kv_cache import new_cache
+from llamarl.app.sampling.kv_cache import new_cache
 
 # What one more prefill forward costs, in padded prompt tokens (a few ms of fixed cost):
 # prompts are prefilled in length groups when that saves more padding than this.

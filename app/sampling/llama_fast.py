@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from app.sampling.kernels import DenseKernel, LinearKernel
+from llamarl.app.sampling.kernels import DenseKernel, LinearKernel
 
 # The fast path prefills prompts in chunks of about this many tokens: its
 # temporaries (the MLP's is 8 x tokens x intermediate bytes in fp32) then stay small

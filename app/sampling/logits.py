@@ -93,7 +93,7 @@ def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, temperature:
     """
     if sampled_from_NV is not None:
         return sampled_from_NV.gather(-1, tokens_N.unsqueeze(-1)).squeeze(-1)
-    # In fp32 whatever the model computed in (bf16 autocast, app.devices): a log-prob's
+    # In fp32 whatever the model computed in (bf16 autocast, llamarl.app.devices): a log-prob's
     # error must stay well below the policy changes the importance ratio measures.
     logits_NV = logits_NV.to(torch.promote_types(logits_NV.dtype, torch.float32))
     V = logits_NV.shape[-1]

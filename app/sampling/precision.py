@@ -33,9 +33,9 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
-from app.sampling.kernels import (FP8_MIN_CAPABILITY, DenseKernel, Fp8Kernel, Int8DynamicKernel, LinearKernel,
+from llamarl.app.sampling.kernels import (FP8_MIN_CAPABILITY, DenseKernel, Fp8Kernel, Int8DynamicKernel, LinearKernel,
                                   int8_engine)
-from app.sampling.llama_fast import FusedLinears, LlamaFastPath, fused_linears
+from llamarl.app.sampling.llama_fast import FusedLinears, LlamaFastPath, fused_linears
 
 GenPrecision = Literal["fp32", "bf16", "int8", "fp8"]
 GEN_PRECISIONS: tuple[str, ...] = get_args(GenPrecision)

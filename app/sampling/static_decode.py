@@ -108,14 +108,14 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from transformers import PreTrainedModel
 
-from app.sampling import decode, precision
-from app.sampling.kernels import Int8DynamicKernel
-from app.sampling.kv_cache import new_cache
-from app.sampling.llama_fast import FusedLinears, FusedWeights, LlamaFastPath, fused_linears, fused_weights
-from app.sampling.logits import inverse_cdf, process_logits, token_logprobs
+from llamarl.app.sampling import decode, precision
+from llamarl.app.sampling.kernels import Int8DynamicKernel
+from llamarl.app.sampling.kv_cache import new_cache
+from llamarl.app.sampling.llama_fast import FusedLinears, FusedWeights, LlamaFastPath, fused_linears, fused_weights
+from llamarl.app.sampling.logits import inverse_cdf, process_logits, token_logprobs
 
 if TYPE_CHECKING:
-    from app.sampling import SamplingParams
+    from llamarl.app.sampling import SamplingParams
 
 log = logging.getLogger("llamarl")
 

@@ -1,0 +1,135 @@
+"""One RL step's bookkeeping, the same for the single-process loop and the trainer.
+
+``llamarl.app.roles.local`` and ``llamarl.app.roles.trainer`` differ in where rollout groups come from; what a step
+does with a batch of them, what it logs and when it gives up are decided here once:
+
+- ``usable`` rollouts are those with a reward (quarantined ones are never trained on);
+- a batch without a single usable rollout is *skipped*: no optimizer update, counted in
+  ``train/skipped_steps``, its quarantine reasons logged. The step still counts (the
+  policy version still advances, so the staleness budget's arithmetic holds).
+  ``MAX_SKIPPED_IN_A_ROW`` such batches in a row end the run: the reward setup is broken;
+- ``step_values`` / ``step_events``: every scalar of a step under its ``llamarl.app.names`` name,
+  the staleness row of every trained rollout and the reward events of every rollout;
+- ``evaluate``: held-out accuracy, greedy and sampled, under ``eval/...`` names.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from llamarl.app import devices
+from llamarl.app.metrics import events as metrics
+from llamarl.app import names
+from llamarl.app.rl import step as rl
+from llamarl.app.tasks import arithmetic as tasks
+from llamarl.app.config import GeneratorConfig
+from llamarl.app.rl.contract import Rollout, RolloutGroup
+from llamarl.app.rewards import reward_events
+
+MAX_SKIPPED_IN_A_ROW = 3
+
+
+def usable(groups: list[RolloutGroup]) -> list[Rollout]:
+    """The rollouts of ``groups`` that have a reward."""
+    return [r for g in groups for r in g.rollouts if r.reward is not None]
+
+
+@dataclass
+class SkipGuard:
+    """Counts skipped batches (no usable rollout) and raises after too many in a row."""
+
+    skipped: int = 0
+    in_a_row: int = 0
+    reasons: Counter = field(default_factory=Counter)
+
+    def should_skip(self, groups: list[RolloutGroup], step: int) -> bool:
+        if usable(groups):
+            self.in_a_row = 0
+            return False
+        self.skipped += 1
+        self.in_a_row += 1
+        self.reasons.update(str(r.result.quarantined if r.result else "unscored")
+                            for g in groups for r in g.rollouts)
+        if self.in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise RuntimeError(
+                f"step {step}: every rollout of the last {self.in_a_row} batches was quarantined "
+                f"by the rewards ({', '.join(f'{k}: {n}' for k, n in self.reasons.most_common())}); "
+                "check --rewards")
+        return True
+
+
+def staleness(trained: list[Rollout], consumed_version: int, step: int) -> tuple[list[dict], dict]:
+    """One staleness row per trained rollout, and the step's mean and max lag."""
+    lags = [consumed_version - r.version for r in trained]
+    rows = [metrics.staleness(step, r.version, lag, True) for r, lag in zip(trained, lags)]
+    if not lags:
+        return rows, {}
+    return rows, {names.STALENESS_MEAN: sum(lags) / len(lags), names.STALENESS_MAX: max(lags)}
+
+
+def frac_zero_var(groups: list[RolloutGroup]) -> float:
+    """Share of groups whose usable rollouts all got the same reward (no signal)."""
+    flat = [len({r.reward for r in g.rollouts if r.reward is not None}) <= 1 for g in groups]
+    return sum(flat) / max(1, len(flat))
+
+
+def step_values(*, groups: list[RolloutGroup], train: dict[str, float] | None, t_train: float,
+                step_s: float, consumed_version: int, skipped: int, dropped: int,
+                idle_fraction: float) -> dict[str, float]:
+    """Every scalar of one step; ``train`` is ``rl.train_step``'s metrics (None: skipped)."""
+    trained = usable(groups)
+    values: dict[str, float] = {}
+    if train is not None:
+        values.update({names.AIPO_STATS.get(k, k): v for k, v in train.items()})
+        tokens = sum(len(r.completion_ids) for r in trained)
+        values.update({names.TRAIN_TOKENS_PER_S: tokens / t_train,
+                       names.TRAIN_SAMPLES_PER_S: len(trained) / t_train})
+    values.update({names.TRAIN_STEP_S: step_s, names.TRAIN_STEPS_PER_MIN: 60.0 / step_s,
+                   names.TRAIN_VERSION: consumed_version + 1, names.TRAIN_SKIPPED_STEPS: skipped,
+                   names.DROPPED_STALE: dropped, names.IDLE_FRACTION: idle_fraction,
+                   names.FRAC_ZERO_VAR: frac_zero_var(groups)})
+    return values
+
+
+def step_events(step: int, groups: list[RolloutGroup], values: dict[str, float], *,
+                consumed_version: int, reward_names: list[str], role: str,
+                replica: int = 0) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """The step's metric events (``values`` gets the staleness mean and max added)."""
+    rows, lag_values = staleness(usable(groups), consumed_version, step)
+    values.update(lag_values)
+    events = rows + metrics.scalars(values, role=role, replica=replica, step=step)
+    events += reward_events([r.result for g in groups for r in g.rollouts if r.result is not None],
+                            reward_names, step, role=role, replica=replica)
+    return events, values
+
+
+def summary(step: int, steps: int, groups: list[RolloutGroup], values: dict[str, float]) -> str:
+    """The step's log line."""
+    trained = usable(groups)
+    if not trained:
+        return f"step {step}/{steps} skipped: no rollout of the batch has a usable reward"
+    reward = sum(r.reward for r in trained) / len(trained)  # type: ignore[misc]
+    return (f"step {step}/{steps} reward {reward:.3f} loss {values[names.LOSS]:+.4f} "
+            f"len {values[names.RESPONSE_LEN]:.1f} staleness mean "
+            f"{values.get(names.STALENESS_MEAN, 0.0):.2f} max {values.get(names.STALENESS_MAX, 0)} "
+            f"dropped {values[names.DROPPED_STALE]:g} {values[names.TRAIN_STEP_S]:.2f}s")
+
+
+def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+             problems: Sequence[tasks.Problem], gen: GeneratorConfig, step: int,
+             format_prompt: Callable[[str], str] = tasks.format_prompt) -> dict[str, float]:
+    """Held-out accuracy, greedy and sampled (one sample per problem at the generators'
+    temperature, seeded by ``step``), per level and the share of well-formed answers."""
+    m = rl.evaluate(model, tokenizer, problems, max_new_tokens=gen.max_new_tokens, format_prompt=format_prompt)
+    sampled = rl.evaluate(model, tokenizer, problems, max_new_tokens=gen.max_new_tokens,
+                          temperature=gen.temperature, generator=devices.seeded_generator(next(model.parameters()).device, step),
+                          format_prompt=format_prompt)
+    return {**m, "sampled_accuracy": sampled["accuracy"]}
+
+
+def eval_events(values: dict[str, float], *, step: int, role: str) -> list[dict[str, Any]]:
+    return metrics.scalars({names.eval_metric(k): v for k, v in values.items()}, role=role, step=step)

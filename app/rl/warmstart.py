@@ -1,0 +1,121 @@
+"""Warm start: supervised fine-tuning of the default policy on worked solutions.
+
+The analogue of starting RL from an instruct model: after it, the policy writes the
+GSM8K answer format and gets some problems right, so RL has a signal to amplify.
+Deterministic from the seed. ``python -m llamarl.app.roles.warmstart --out checkpoints/warmstart``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llamarl.app import cli
+from llamarl.app.rl import step as rl
+from llamarl.app.tasks import arithmetic as tasks
+from llamarl.app.model.policy import create_default_policy, encode_prompts, save_policy
+
+
+@dataclass(kw_only=True)
+class WarmStartConfig:
+    """Supervised warm start of the embedded default policy."""
+
+    out: str = "checkpoints/warmstart"
+    """Directory the warm-started policy is saved to (a Hugging Face model directory)."""
+    steps: int = 600
+    """Optimizer steps."""
+    batch_size: int = 64
+    """Worked solutions per step."""
+    lr: float = 4e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay)."""
+    train_size: int = 20000
+    """Distinct training problems drawn from the train split."""
+    eval_size: int = 200
+    """Held-out problems for the accuracy printed at the end."""
+    shortcut_rate: float = 0.5
+    """Share of multi-step demonstrations that stop after their first step and give its
+    result as the answer. Real instruct models start RL with bad habits that a verifier
+    reward can remove; this is ours, so RL has something general to fix (an arithmetic
+    fact learnt for one problem does not carry over to the next, a habit does)."""
+    seed: int = 0
+    """Seed for the model's initialisation, the data and the order."""
+    threads: int = 0
+    """torch threads (0 keeps torch's default)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "train_size", "eval_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.shortcut_rate <= 1:
+            raise ValueError(f"shortcut_rate must be in [0, 1], got {self.shortcut_rate}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+def _lr_at(step: int, cfg: WarmStartConfig) -> float:
+    warmup = max(1, cfg.steps // 20)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    return cfg.lr * 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item())
+
+
+def warm_start(cfg: WarmStartConfig, *, log=print) -> dict[str, float]:
+    """Train, evaluate and save; returns the held-out metrics."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t0 = time.time()
+    model, tokenizer = create_default_policy(cfg.seed)
+    problems = tasks.make_split("train", cfg.train_size, seed=cfg.seed)
+    prompts = encode_prompts(tokenizer, [tasks.format_prompt(p.question) for p in problems])
+    rng = random.Random(cfg.seed)
+    texts = [tasks.format_shortcut_completion(p) if p.level > 1 and rng.random() < cfg.shortcut_rate
+             else tasks.format_completion(p) for p in problems]
+    completions = [ids + [tokenizer.eos_token_id]
+                   for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    data = [rl.Rollout(prompt_ids=p, completion_ids=c, behaviour_logprobs=[], version=0)
+            for p, c in zip(prompts, completions)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    model.train()
+    order: list[int] = []
+    for step in range(cfg.steps):
+        if len(order) < cfg.batch_size:
+            order += rng.sample(range(len(data)), len(data))
+        batch, order = [data[i] for i in order[: cfg.batch_size]], order[cfg.batch_size:]
+        for g in optimizer.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        logp_BT, mask_BT = rl.completion_logprobs(model, batch, pad_id=tokenizer.pad_token_id)
+        loss = -(logp_BT * mask_BT).sum() / mask_BT.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 50 == 0 or step == cfg.steps - 1:
+            log(f"warmstart step {step:4d}/{cfg.steps}  loss {loss.item():.4f}  {time.time() - t0:.0f}s")
+    metrics = rl.evaluate(model, tokenizer, tasks.make_split("eval", cfg.eval_size, seed=cfg.seed),
+                          max_new_tokens=48)
+    save_policy(model, tokenizer, cfg.out)
+    (Path(cfg.out) / "warmstart.txt").write_text(f"{cli.to_dict(cfg)}\n{metrics}\n")
+    log(f"warmstart done in {time.time() - t0:.0f}s: held-out {metrics}; saved to {cfg.out}")
+    return metrics
+
+
+def ensure_warmstart(path: str | Path = "checkpoints/warmstart", *, log=print) -> Path:
+    """The warm-started default policy at ``path``, trained there first if it is missing.
+
+    A file lock makes concurrent callers (several roles of one app) train it only once.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            log(f"no warm-started policy at {path}: training it now "
+                "(once; 3 to 6 minutes on 2 CPU cores)")
+            warm_start(WarmStartConfig(out=str(path)), log=log)
+    return path

@@ -1,0 +1,264 @@
+"""Generator executor: samples groups of completions with the newest weights it has.
+
+    python -m llamarl.app.roles.generator --store-addr HOST:PORT --app-id APP --replica I [--device auto|cpu|cuda]
+
+Everything else (policy, sampling, group size, staleness bound) comes from the trainer
+through the control store, so all roles agree by construction. Weights arrive on the
+weight plane in a background thread and are swapped in between decode batches.
+
+Staleness bound: before sampling, a generator reserves group slots from a global
+counter (a signed record, replaced by compare-and-set: ``llamarl.app.control.signed``) (which a resumed run restarts at the number of slots its checkpoint consumed; the
+slots it lacks are filled first: ``llamarl.app.state.train_state.SlotLedger``). Slot n (1-based) trains at step ceil(n / B) (B groups per step), so weights of
+version v may fill slots up to (v + 1 + max_staleness) * B (plus the groups the trainer
+dropped). Past that the generator waits for newer weights: it never runs more than
+``max_staleness`` versions ahead, and ``max_staleness = 0`` is the synchronous baseline.
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__":
+    # First, before torch is imported (seconds): from here on the trainer sees this
+    # generator die even before it reaches the store (llamarl.app.control.replica_lock).
+    from llamarl.app.control import replica_lock
+
+    replica_lock.hold()
+
+import functools
+import logging
+import sys
+import time
+
+import torch
+
+from llamarl.app.data import sources as data
+from llamarl.app import devices
+from llamarl.app.control import health
+from llamarl.app.control import incarnations
+from llamarl.app.control import membership
+from llamarl.app.metrics import events as metrics
+from llamarl.app import names
+from llamarl.app.rl import step as rl
+from llamarl.app.control import runtime
+from llamarl.app.control import transport
+from llamarl.app.weights import digest as weight_digest
+from llamarl.app.config import GeneratorConfig, TrainerConfig
+from llamarl.app.rl.contract import to_message
+from llamarl.app.model.policy import load_policy
+from llamarl.app.sampling import GenWeights, quantize_
+from llamarl.app.control.seen_groups import first_seq
+from llamarl.app.control.signed import CONTROLLER, SignedStore
+from llamarl.app.control.transport import Control
+from llamarl.app.state.train_state import SlotLedger
+from llamarl.app.weights.plane import ElasticReceiver
+from llamarl.app.weights.sync import WeightSyncError, flatten_parameters_
+
+log = logging.getLogger("llamarl")
+
+
+def _may_reserve(writer: str) -> bool:
+    """The slot counter is written by the controller (its start) and by generators."""
+    return writer == CONTROLLER or writer.startswith("generator/")
+
+
+class SlotBudget:
+    """Reserves group slots so no rollout can be more than ``max_staleness`` stale.
+
+    The counter is a signed record ``{"count": n}`` (``names.RESERVED_KEY``), replaced by
+    compare-and-set of its exact bytes, so reservations stay atomic across generators. A
+    value that is not authentic is ignored (the last authentic count stands) and replaced
+    by the next reservation; a count below one this generator saw is a replay, and the
+    highest seen stands. The trainer's dropped groups are one signed counter per trainer
+    rank (``names.dropped_key``), added up here.
+    """
+
+    def __init__(self, signed: SignedStore, *, groups_per_step: int, max_staleness: int,
+                 ledger: SlotLedger | None = None) -> None:
+        self.signed, self.B, self.K = signed, groups_per_step, max_staleness
+        self.ledger = ledger or SlotLedger()
+        self.control = Control(signed)
+        self._highest = 0  # the highest count seen or reserved here
+
+    def dropped(self) -> int:
+        """Slots every trainer rank gave back so far, net: stale groups dropped (+1 each:
+        their places may be filled again) less batch places taken by second copies of
+        trained slots (-1 each: those places were used). Can be negative."""
+        total = 0
+        for m in self.control.members():
+            if m.startswith("trainer/"):
+                n = self.signed.get(names.dropped_key(m), writers=(m,), default=0)
+                total += n if isinstance(n, int) and not isinstance(n, bool) else 0
+        return total
+
+    def slot_ids(self, reserved: range) -> list[int]:
+        """The slots (prompt-order positions) of counter values ``reserved``: after a
+        resume, those the trainer's ledger lacks come first (rollouts lost in flight)."""
+        return self.ledger.slot_ids(reserved)
+
+    def reserve(self, want: int, version: int) -> range:
+        """Slots (0-based) this generator may fill with weights of ``version``; empty when
+        it must wait for newer weights. Atomic across generators (compare-and-set)."""
+        key = names.RESERVED_KEY
+        while True:
+            cap = (version + 1 + self.K) * self.B + self.dropped()
+            seen = self.signed.store.get(key) if self.signed.store.check([key]) else b""
+            rec = self.signed.open(key, seen, writers=_may_reserve) if seen else None
+            rec = rec or self.signed.last(key)
+            count = rec.value.get("count") if rec is not None and isinstance(rec.value, dict) else None
+            start = self._highest = max(self._highest, count if isinstance(count, int) else 0)
+            take = min(want, cap - start)
+            if take <= 0:
+                return range(0)
+            # Each record is unique (its counter), so winning the compare-and-set is ours.
+            won, _ = self.signed.compare_set(key, seen, {"count": start + take})
+            if won:
+                self._highest = start + take
+                return range(start, start + take)
+
+
+def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceChoice = "auto") -> None:
+    where = devices.choose_device(device)
+    trainer_cfg, gen_cfg, policy_path = runtime.read_config(rt, config_timeout_s)
+    if gen_cfg.gen_threads:
+        torch.set_num_threads(gen_cfg.gen_threads)
+    model, tokenizer = load_policy(policy_path, device=where)
+    log.info("generator %d on %s", rt.replica, devices.describe(where))
+    model.eval()
+    # The same prompts as the trainer, in the same order, or a clear failure now.
+    prompts = data.load(trainer_cfg, tokenizer, log=log.info)
+    data.check_published(rt, prompts, config_timeout_s)
+    flatten_parameters_(model)  # WeightReceiver needs it: a swap is then one copy per dtype
+    # Linear layers at --gen-precision (refused here, naming what this device runs, when it
+    # cannot): the same parameters, so the receiver below writes into them as at fp32.
+    gen_weights = quantize_(model, gen_cfg.gen_precision)
+    # Joins the weight plane's current epoch; after a break (another generator lost) or a
+    # restart of this replica it joins the next one.
+    # Weights altered in flight are refused; it runs on the receiver's thread: a connection of its own.
+    check = (weight_digest.DigestCheck(rt.signed.clone(), rt.replica, wait_s=trainer_cfg.weight_sync_timeout_s,
+                                       should_stop=rt.should_stop) if trainer_cfg.weight_digest else None)
+    receiver = ElasticReceiver(rt.signed, rt.replica, list(model.named_parameters()),
+                               timeout_s=trainer_cfg.weight_sync_timeout_s, verify=check)
+    receiver.start_background(should_stop=rt.should_stop)
+    try:
+        _generate_forever(rt, model, tokenizer, receiver, prompts, trainer_cfg, gen_cfg, check, gen_weights)
+    finally:
+        # The receiver thread must leave gloo before the interpreter exits, or the process
+        # aborts; it can only be stuck in a sync when the run is failing anyway.
+        try:
+            receiver.stop_background(timeout_s=30.0)
+        except WeightSyncError as e:
+            log.warning("%s", e)
+
+
+def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticReceiver,
+                      prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig,
+                      check: weight_digest.DigestCheck | None, gen_weights: GenWeights | None) -> None:
+    device = next(model.parameters()).device
+    # On a GPU a busy interval ends when the GPU is done: idle time is GPU idle time.
+    timeline = metrics.Timeline("generator", rt.replica, busy_ends=functools.partial(devices.synchronize, device))
+    ledger = SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger"))
+    budget = SlotBudget(rt.signed, groups_per_step=trainer_cfg.prompts_per_step,
+                        max_staleness=trainer_cfg.max_staleness, ledger=ledger)
+    out_queue = rt.queue(names.ROLLOUTS)
+    sampling = gen_cfg.sampling()
+    rng = devices.seeded_generator(device, gen_cfg.gen_seed)  # reseeded per batch: batch_seed
+    held = membership.HeldSlots(rt.signed)
+    version: int | None = None
+    # The sequence half of this generator's group ids: a process of its own, registered
+    # under this attempt, so no id is ever used twice and readers take only this
+    # attempt's (they refuse a second copy, and a frame from before a resume).
+    sent = first_seq(incarnations.register(rt.signed, rt.replica, runtime.run_attempt(rt)))
+    quantized: list[dict] = []  # quantization times, sent with the next weight-sync events
+    while True:
+        with timeline.idle("wait_weights"):
+            while (new := receiver.swap_if_newer()) is None and version is None:
+                if rt.should_stop():
+                    raise transport.Stopped("stop requested")
+                time.sleep(0.005)
+        if new is not None and gen_weights is not None:
+            with timeline.busy("quantize"):
+                seconds = gen_weights.refresh()
+            quantized += metrics.scalars({names.WEIGHTS_QUANTIZE_S: seconds}, role="generator",
+                                         replica=rt.replica, step=new)
+        version = new if new is not None else version
+        # Slots lost with a dead executor first (outside the counter: it counted them
+        # already), then new ones within the staleness bound.
+        slot_ids = membership.take_lost_slots(rt.signed, gen_cfg.gen_batch_prompts)
+        if not slot_ids:
+            slots = budget.reserve(gen_cfg.gen_batch_prompts, version)
+            if not slots:
+                with timeline.idle("staleness_bound"):
+                    _wait_for_weights_or_lost_slots(rt, receiver, version, check)
+                continue
+            slot_ids = budget.slot_ids(slots)
+        held.take(slot_ids)
+        rng.manual_seed(batch_seed(gen_cfg.gen_seed, slot_ids[0]))
+        t0 = time.time()
+        with timeline.busy("generate"):
+            groups = rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slot_ids],
+                                        group_size=trainer_cfg.group_size, params=sampling,
+                                        version=version, rng=rng, generator_id=rt.replica,
+                                        first_seq=sent, format_prompt=prompts.format_prompt,
+                                        decoder=gen_cfg.gen_decoder)
+        dt = time.time() - t0
+        sent += len(groups)
+        with timeline.idle("queue_full"):
+            for group, slot in zip(groups, slot_ids):
+                group.sent_at, group.slot = time.time(), slot
+                out_queue.push(to_message(group), timeout_s=600.0, should_stop=rt.should_stop)
+                held.passed(slot)
+        rollouts = [r for g in groups for r in g.rollouts]
+        tokens = sum(len(r.completion_ids) for r in rollouts)
+        events = metrics.scalars({names.GEN_TOKENS_PER_S: tokens / dt,
+                                  names.GEN_SEQS_PER_S: len(rollouts) / dt,
+                                  names.GEN_VERSION: version,
+                                  names.IDLE_FRACTION: timeline.idle_fraction(),
+                                  **devices.device_metrics(device), **(check.metrics() if check else {}),
+                                  **rt.security_metrics()},
+                                 role="generator", replica=rt.replica)
+        events += [metrics.weight_sync(s.version, f"generator/{rt.replica}", s.bytes, s.seconds)
+                   for s in receiver.pop_stats()]
+        rt.emit(events + quantized + timeline.drain(), flush=True)
+        quantized = []
+
+
+def batch_seed(gen_seed: int, first_slot: int) -> int:
+    """The sampling seed of the batch that starts at slot ``first_slot``: a function of the
+    slot, not of the generator or of how long it has run, so a run resumed from a
+    checkpoint (fresh generators) and a slot regenerated by another generator draw as the
+    uninterrupted run would have with the same weights."""
+    return (gen_seed * 0x9E3779B97F4A7C15 + first_slot) % (1 << 63)
+
+
+LOST_SLOTS_POLL_S = 0.1
+"""How often a generator at its staleness bound asks the store for lost slots (a store
+call; new weights are a local check, made every 5 ms)."""
+
+
+def _wait_for_weights_or_lost_slots(rt: runtime.Runtime, receiver: ElasticReceiver, version: int,
+                                    check: weight_digest.DigestCheck | None) -> None:
+    """Until newer weights or lost slots arrive. A version refused meanwhile (its digest)
+    is reported at once: this generator may not generate again before the run ends."""
+    next_poll = time.monotonic()
+    while receiver.latest_version() == version:
+        if rt.should_stop():
+            raise transport.Stopped("stop requested")
+        if time.monotonic() >= next_poll:
+            if membership.lost_slots_waiting(rt.store):
+                return
+            if check is not None and (refused := check.new_counts()):
+                rt.emit(metrics.scalars(refused, role="generator", replica=rt.replica), flush=True)
+            next_poll = time.monotonic() + LOST_SLOTS_POLL_S
+        time.sleep(0.005)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = runtime.role_arguments("generator", __doc__.splitlines()[0], "python -m llamarl.app.roles.generator")
+    parser.add_argument("--num-generators", type=int, required=True, help="generators in the app (the weight plane takes its roster from the trainer)")
+    args = parser.parse_args(argv)
+    health.enable_crash_reports(names.member("generator", args.replica))
+    with health.reported(), runtime.join_role("generator", args) as rt:
+        run(rt, config_timeout_s=args.config_timeout_s, device=args.device)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

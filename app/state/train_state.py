@@ -1,0 +1,333 @@
+"""The trainer's full state, saved beside the policy in each checkpoint, and the resume
+of a run from it.
+
+``<run_dir>/checkpoints/step-<N>/train_state/`` (inside the step directory that
+``llamarl.app.state.checkpoint`` writes atomically) holds:
+
+- the model and the optimizer, written by ``torch.distributed.checkpoint`` (DCP) from
+  ``get_state_dict``: a collective over the trainer ranks, each writing its own shard, so
+  the same code holds for a sharded (FSDP2) trainer. The number of trainer ranks may
+  change at a resume (``RESUMABLE``: ``trainer_ranks``): DCP reshards as it loads, so a
+  state saved by 1 rank loads on 2 and one saved by 2 loads on 1, model and optimizer
+  alike (``tests/test_train_state.py``);
+- ``state.json``: the step, the policy version, the slot ledger (which staleness slots
+  were trained or dropped), the prompt order's position, the model's fingerprint and
+  parameter shapes, the RNG states of trainer rank 0, the counters (dropped, skipped
+  batches) and the run's config.
+
+Not saved: the generators' sampling RNG (a resumed run samples other completions for the
+same prompts), rollouts in flight (regenerated: the ledger), and the queues' contents.
+
+Slots: slot n is the n-th group the generators fill, and it is always sampled for prompt
+``order.problem(n)``. A ``SlotLedger`` records the slots the trainer consumed (trained or
+dropped as stale): everything below ``frontier`` and the ``done`` ids above it (groups
+from several generators arrive out of order). On resume the generators fill the slots
+the ledger lacks first, then fresh ones: what was in flight at the crash is generated
+again, what was trained is never trained twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import random
+import re
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from llamarl.app.state import checkpoint
+from llamarl.app.metrics.events import DB_NAME
+
+DIR_NAME = "train_state"
+"""The training state's directory inside a checkpoint's step directory."""
+STATE_FILE = "state.json"
+FORMAT = 1
+RESUMABLE = frozenset({
+    "steps", "save_every", "keep_last", "eval_every", "tensorboard", "threads", "gen_threads", "gen_decoder",
+    "micro_batch", "trainer_pass", "gen_batch_prompts", "device", "reward_timeout_s", "weight_sync_timeout_s",
+    "weight_digest", "runs_dir", "run_id", "resume",
+    "num_generators", "num_reward", "trainer_ranks"})
+"""Config fields a resumed run may change: lengths, schedules, resources. Any other
+change (learning rate, data, rewards, sampling...) would make a different run."""
+_SAFE_RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+class ResumeError(RuntimeError):
+    """A run cannot be resumed as asked; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------- slots
+
+@dataclass
+class SlotLedger:
+    """The staleness slots the trainer has consumed: ``[0, frontier)`` and ``done``."""
+
+    frontier: int = 0
+    done: set[int] = field(default_factory=set)
+
+    def consume(self, slot: int) -> None:
+        if slot < self.frontier or slot in self.done:
+            raise ValueError(f"slot {slot} consumed twice")
+        self.done.add(slot)
+        while self.frontier in self.done:
+            self.done.remove(self.frontier)
+            self.frontier += 1
+
+    @property
+    def missing(self) -> int:
+        """Slots below the highest consumed one that were not consumed (lost in flight)."""
+        return max(self.done) + 1 - self.count if self.done else 0
+
+    @property
+    def count(self) -> int:
+        """How many slots were consumed: where the generators' counter restarts."""
+        return self.frontier + len(self.done)
+
+    def slot_ids(self, counts: range) -> list[int]:
+        """The slot ids of counter values ``counts`` (each >= ``count``): the ids the
+        ledger lacks, lowest first; for a fresh ledger the counter values themselves."""
+        holes = [s for s in range(self.frontier, max(self.done, default=-1)) if s not in self.done]
+        fresh = max(self.done, default=self.frontier - 1) + 1
+        out = []
+        for c in counts:
+            k = c - self.count
+            if k < 0:
+                raise ValueError(f"counter value {c} is below the ledger's count {self.count}")
+            out.append(holes[k] if k < len(holes) else fresh + k - len(holes))
+        return out
+
+    def consume_across_ranks(self, slots: list[int | None]) -> list[bool]:
+        """Consume this trainer rank's ``slots`` (its groups of one step) and every other
+        rank's, in rank order, the same on every rank: a collective (with several ranks),
+        after which every rank holds the same ledger. Whether each of this rank's slots was
+        consumed for the first time (``None``, a group that filled no slot: ``True``).
+        ``False``: consumed already, at an earlier step on any rank, or in this step by a
+        lower rank, which keeps its group. So the two copies of a regenerated slot are
+        trained once whichever ranks they reach. Slot ids travel as int64 tensors, never
+        pickled."""
+        ids = [-1 if s is None else s for s in slots]
+        if _distributed() and dist.get_world_size() > 1:
+            parts, rank = [p.tolist() for p in all_gather_ids(torch.tensor(ids, dtype=torch.int64))], dist.get_rank()
+        else:
+            parts, rank = [ids], 0
+        mine = []
+        for r, part in enumerate(parts):
+            for slot in part:
+                fresh = slot < 0 or not (slot < self.frontier or slot in self.done)
+                if fresh and slot >= 0:
+                    self.consume(slot)
+                if r == rank:
+                    mine.append(fresh)
+        return mine
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"frontier": self.frontier, "done": sorted(self.done)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "SlotLedger":
+        frontier, done = state.get("frontier"), state.get("done")
+        if not isinstance(frontier, int) or frontier < 0 or not isinstance(done, list) or not all(
+                isinstance(s, int) and s > frontier for s in done):
+            raise ValueError(f"bad slot ledger {state!r}")
+        return cls(frontier, set(done))
+
+
+def slots_taken_back(stale_first: list[bool], batch_first: list[bool]) -> int:
+    """How many places the generators' staleness budget loses at one step's settling
+    (``SlotLedger.consume_across_ranks`` flags: whether each group was its slot's first).
+    Every group the trainer drops as stale gave its place back at once (the generators
+    may need it to fill the batch the trainer waits for), but only a slot's first copy
+    holds a place in the counter. A second copy (a lost executor's group that got out,
+    and its regeneration) holds none: dropped as stale, the place it gave back is taken
+    back; in a batch, it used a place there, and the step trains one counted slot fewer.
+    Either way one place is taken back, or one group too many stays in flight, turns
+    stale again and again and is regenerated for the rest of the run. (Groups that
+    filled no slot are not passed in.)"""
+    return sum(not first for first in stale_first) + sum(not first for first in batch_first)
+
+
+# --------------------------------------------------------------------------- model identity
+
+def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 of the architecture: model type, parameter names, shapes and dtypes."""
+    digest = hashlib.sha256(str(getattr(getattr(model, "config", None), "model_type", "")).encode())
+    for name, p in model.named_parameters():
+        digest.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- RNG
+
+def rng_state() -> dict[str, Any]:
+    """This process's torch (CPU and CUDA) and Python RNG states, as JSON."""
+    def b64(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode()
+    version, state, gauss = random.getstate()
+    out = {"torch": b64(torch.get_rng_state()), "python": [version, list(state), gauss]}
+    if torch.cuda.is_available():
+        out["cuda"] = [b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    def tensor(s: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+    torch.set_rng_state(tensor(state["torch"]))
+    version, values, gauss = state["python"]
+    random.setstate((version, tuple(values), gauss))
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state_all([tensor(s) for s in state["cuda"]])
+
+
+# --------------------------------------------------------------------------- save and load
+
+def all_gather_ids(ids: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's 1-d int64 ``ids`` (of any length), by rank: a collective over the
+    default group. Ids travel as tensors, never pickled."""
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(ids)]))
+    longest = int(max(s.item() for s in sizes))
+    parts = [torch.zeros(longest, dtype=torch.int64) for _ in sizes]
+    dist.all_gather(parts, torch.cat([ids, torch.zeros(longest - len(ids), dtype=torch.int64)]))
+    return [p[:int(n.item())] for p, n in zip(parts, sizes)]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns at every save and load without a process group; one trainer process
+    (no torchrun group) is this project's plain case, not a mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         state: dict[str, Any] | None) -> None:
+    """Every trainer rank: model and optimizer into ``path`` with DCP (a collective);
+    ``state`` (rank 0 passes it, the others None) into ``path/state.json`` after it."""
+    path = Path(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path), no_dist=not _distributed())
+    if state is not None:
+        (path / STATE_FILE).write_text(json.dumps({"format": FORMAT, "saved_at": time.time(), **state}))
+
+
+def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every trainer rank: model and optimizer from ``path`` (a collective), in place."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    sd = {"model": model_sd, "optimizer": optim_sd}
+    with _quiet_single_process():
+        dcp.load(sd, checkpoint_id=str(path), no_dist=not _distributed())
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+
+
+# --------------------------------------------------------------------------- resume
+
+def check_run_id(run_id: str, what: str = "run id") -> None:
+    """A run id must name one directory inside the runs directory."""
+    if not _SAFE_RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
+        raise ResumeError(f"{what} {run_id!r} is not a single safe directory name "
+                          "(letters, digits, '.', '_', '-'; no '/' and not '..')")
+
+
+@dataclass
+class Resume:
+    """Where a resumed run continues: its run directory and the step it restarts after;
+    ``path`` and ``state`` are None for a run resumed at step 0 (no checkpoint yet)."""
+
+    run_dir: Path
+    step: int
+    path: Path | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def train_state(self) -> Path | None:
+        return None if self.path is None else self.path / DIR_NAME
+
+    def check(self, config: dict[str, Any], *, steps: int) -> None:
+        """Refuse a config that differs outside ``RESUMABLE``, or nothing left to train."""
+        if self.step >= steps:
+            raise ResumeError(f"run {self.run_dir.name}: its checkpoint is at step {self.step} and "
+                              f"--steps is {steps}: nothing left to train (raise --steps to go on)")
+        # No checkpoint yet (resumed at step 0): the config the run directory was made with.
+        saved = self.state.get("config") or _json(self.run_dir / "config.json")
+        changed = sorted(k for k in set(saved) | set(config) if k not in RESUMABLE
+                         and k != "last_checkpoint" and saved.get(k) != config.get(k))
+        if changed:
+            detail = "; ".join(f"{k}: {saved.get(k)!r} then, {config.get(k)!r} now" for k in changed)
+            raise ResumeError(f"run {self.run_dir.name} was started with another config ({detail}); "
+                              f"a resume may change only {', '.join(sorted(RESUMABLE))}")
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        if self.path is None:
+            return
+        if self.state.get("fingerprint") != fingerprint(model):
+            theirs, mine = self.state.get("parameter_shapes", {}), parameter_shapes(model)
+            diff = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))[:3]
+            raise ResumeError(f"checkpoint {self.path} holds another model than --policy: "
+                              + ("; ".join(f"{k}: {theirs.get(k)} saved, {mine.get(k)} now" for k in diff)
+                                 or "same shapes, other model type or dtypes"))
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def find_resume(runs_dir: str | Path, run_id: str, resume: str) -> Resume | None:
+    """What ``--resume`` asks for: None for a fresh run. ``auto``: the run named by
+    ``run_id`` from its newest complete checkpoint, from step 0 when it has a metrics
+    database but no checkpoint yet, and a fresh run when it does not exist. Any other
+    value names a run that must exist and have a complete checkpoint."""
+    if not resume:
+        return None
+    auto = resume == "auto"
+    target = run_id if auto else resume
+    if auto and not run_id:
+        raise ResumeError("--resume auto continues the run named by --run-id; give one")
+    check_run_id(target, "--run-id" if auto else "--resume")
+    run_dir = Path(runs_dir) / target
+    if not (run_dir / DB_NAME).is_file():
+        if auto:
+            return None
+        present = sorted(p.name for p in Path(runs_dir).iterdir() if (p / DB_NAME).is_file()) \
+            if Path(runs_dir).is_dir() else []
+        raise ResumeError(f"no run {target!r} under {runs_dir} to resume (runs there: "
+                          f"{', '.join(present[-5:]) or 'none'})")
+    saved = checkpoint.complete(run_dir / checkpoint.DIR_NAME)
+    if not saved:
+        if auto:
+            return Resume(run_dir=run_dir, step=0)
+        raise ResumeError(f"run {target!r} has no complete checkpoint under {run_dir / checkpoint.DIR_NAME} "
+                          "(a partial save does not count); save some with --save-every N")
+    step, path = saved[-1]
+    state = _json(path / DIR_NAME / STATE_FILE)
+    if not state:
+        raise ResumeError(f"checkpoint {path} has no readable training state ({DIR_NAME}/{STATE_FILE}): it holds "
+                          "the policy only and cannot be resumed; start a new run with --policy "
+                          f"{path}")
+    if state.get("format") != FORMAT or state.get("step") != step:
+        raise ResumeError(f"checkpoint {path}: {DIR_NAME}/{STATE_FILE} is not a format-{FORMAT} state of "
+                          f"step {step}")
+    return Resume(run_dir=run_dir, step=step, path=path, state=state)
