@@ -137,3 +137,17 @@ def test_verifiers_are_builtins_by_name():
     with build_reward("math_verifier,gsm8k_verifier,boxed_verifier=0") as reward:
         (result,) = reward.score([Sample(prompt="", completion=r"\boxed{3}", meta={"answer": "3"})])
     assert result.components == {"math_verifier": 1.0, "gsm8k_verifier": 0.0, "boxed_verifier": 1.0}
+
+
+def test_a_unicode_minus_after_the_hash_marker_is_extracted_and_read_as_minus():
+    """Typeset answers carry U+2212, not the ASCII hyphen-minus."""
+    assert answers.is_correct("so she owes\n#### \u22123", "-3")
+    assert answers.hash_answer("#### \u221212.5") is not None
+    assert not answers.is_correct("#### \u22123", "3")
+
+
+def test_a_multiple_choice_letter_is_the_same_in_parentheses_and_in_text():
+    assert answers.is_correct("The answer is \\boxed{\\text{(A)}}", "A")
+    assert answers.is_correct("\\boxed{(B)}", "B")
+    assert not answers.is_correct("\\boxed{(B)}", "C")
+    assert answers.normalize("(x)") == "(x)"  # a lower-case letter is an expression, not a choice

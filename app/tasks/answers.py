@@ -32,7 +32,7 @@ ANSWER_FORMATS: tuple[str, ...] = ("gsm8k", "math", "plain")
 Marker = Literal["hash", "boxed", "any"]
 """Which marker a completion's final answer may use; ``any``: the last of either."""
 
-_HASH_RE = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
+_HASH_RE = re.compile(r"####\s*\$?\s*([-\u2212]?[\d,]*\.?\d+)")
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*(\{|[^\s{}$]+)")
 MAX_TEXT = 100_000
 """Longer texts are read from their last ``MAX_TEXT`` characters (final answers are at
@@ -132,6 +132,10 @@ def reference_answer(value: object, answer_format: str) -> str | None:
 _DROP = re.compile(r"\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\[!,;:]|\\q?quad(?![A-Za-z])|\\ |~"
                    r"|\\\$|\$|\\%|%|\^\s*\{?\\circ\}?|\\displaystyle")
 _TEXT = re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}")
+_CHOICE = re.compile(r"\(([A-Z])\)")
+"""A multiple-choice answer written ``(B)``: the letter alone, as ``B`` and ``\\text{(B)}`` are."""
+_MINUS = str.maketrans({"\u2212": "-"})
+"""The unicode minus sign (U+2212), which typeset answers carry, reads as ``-``."""
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)")
 _OPERATOR = re.compile(r"[-+*/^=<>,]")
@@ -193,7 +197,7 @@ def normalize(answer: object) -> str:
     text = answer if isinstance(answer, str) else str(answer)
     if len(text) > MAX_ANSWER:
         return "".join(text[:MAX_TEXT].split())
-    text = text.strip()
+    text = text.strip().translate(_MINUS)
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     text = _TEXT.sub(r"\1", text)
     text = _DROP.sub("", text)
@@ -203,6 +207,8 @@ def normalize(answer: object) -> str:
         text = text[1:-1]
     if _THOUSANDS.fullmatch(text):
         text = text.replace(",", "")
+    if _CHOICE.fullmatch(text):
+        text = text[1]
     text = _rewrite_fracs(text)
     value = _number(text)
     if value is not None:
