@@ -26,6 +26,7 @@ from torchx.schedulers.api import AppDryRunInfo
 from torchx.schedulers.kubernetes_scheduler import KubernetesJob, KubernetesOpts, KubernetesScheduler
 from torchx.specs import AppDef
 
+from llamarl.components.dryrun import hide_secret
 from llamarl.components.llamarl import K8S_SECRET_DIR, K8S_SECRET_METADATA, STORE_BIND_ENV
 
 SECRET_VOLUME = "llamarl-secret"
@@ -45,7 +46,7 @@ class LlamarlKubernetesScheduler(KubernetesScheduler):
             (secret_name,) = names
             for task in info.request.resource["spec"]["tasks"]:
                 mount_secret(task["template"], secret_name)
-        return info
+        return hide_secret(app, info)
 
 
 def mount_secret(pod: Any, secret_name: str) -> None:

@@ -18,17 +18,31 @@ import sys
 from types import TracebackType
 from typing import Any, List, Optional, Type
 
-from torchx.schedulers.local_scheduler import LocalScheduler, SignalException
-from torchx.schedulers.local_scheduler import create_scheduler as create_torchx_local_scheduler
+from torchx.schedulers.api import AppDryRunInfo
+from torchx.schedulers.local_scheduler import CWDImageProvider, LocalOpts, LocalScheduler, PopenRequest, SignalException
+from torchx.specs import AppDef
+
+from llamarl.components.dryrun import hide_secret
 
 
-def create_scheduler(session_name: str, extra_paths: Optional[List[str]] = None, **kwargs: Any) -> LocalScheduler:
+class LlamarlLocalScheduler(LocalScheduler):
+    """torchx's local scheduler whose dry run hides the app's secret (``components.dryrun``)."""
+
+    def _submit_dryrun(self, app: AppDef, cfg: LocalOpts) -> AppDryRunInfo[PopenRequest]:
+        return hide_secret(app, super()._submit_dryrun(app, cfg))
+
+
+def create_scheduler(session_name: str, extra_paths: Optional[List[str]] = None, cache_size: int = 100,
+                     **kwargs: Any) -> LlamarlLocalScheduler:
     """torchx's ``local_cwd`` scheduler with the submitting Python's directory first on PATH,
-    and a one-line end for ``torchx run`` stopped by Ctrl-C (``stopped_by_a_signal``)."""
+    a dry run that hides the secret, and a one-line end for ``torchx run`` stopped by Ctrl-C
+    (``stopped_by_a_signal``)."""
     if sys.excepthook is sys.__excepthook__:
         sys.excepthook = stopped_by_a_signal
-    return create_torchx_local_scheduler(
-        session_name, extra_paths=[os.path.dirname(sys.executable), *(extra_paths or [])], **kwargs)
+    return LlamarlLocalScheduler(session_name=session_name,
+                                 image_provider_class=kwargs.get("image_provider_class", CWDImageProvider),
+                                 cache_size=cache_size,
+                                 extra_paths=[os.path.dirname(sys.executable), *(extra_paths or [])])
 
 
 def stopped_by_a_signal(kind: Type[BaseException], error: BaseException, tb: Optional[TracebackType]) -> None:

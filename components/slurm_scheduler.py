@@ -39,7 +39,8 @@ from torchx.schedulers.slurm_scheduler import SLURM_STATES, SlurmBatchRequest, S
 from torchx.specs import AppDef, AppState, ReplicaStatus, Role, RoleStatus
 from torchx.specs.finder import ComponentValidationException
 
-SECRET_ENV = "LLAMARL_SECRET"  # llamarl.app.control.frames.SECRET_ENV; components import nothing from app
+from llamarl.components.dryrun import SECRET_ENV, hide_secret
+
 SECRET_FILE_ENV = SECRET_ENV + "_FILE"
 SECRETS_DIR = os.path.join(".llamarl", "secrets")
 
@@ -84,7 +85,7 @@ class LlamarlSlurmScheduler(SlurmScheduler):
             replica.srun_opts.pop("error", None)
         req = SecretBatchRequest(cmd=cmd, replicas=base.replicas, job_dir=base.job_dir,
                                  max_retries=base.max_retries, secret_files=secret_files)
-        return AppDryRunInfo(req, repr)
+        return hide_secret(app, AppDryRunInfo(req, repr))
 
     def _partition_memmb(self, partition: Optional[str]) -> Optional[int]:
         # torchx 0.7.0 asks sinfo for the partition's memory on every dry run. Where SLURM

@@ -35,6 +35,11 @@ CLI_CALLS = {
                    "--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT),
                    "--k8s_secret", "llamarl-run"],
 }
+# A secret given on the command line (`--env LLAMARL_SECRET=<hex>`), dry-run on each scheduler.
+ENV_SECRET = "5ec7e7" * 10
+for _scheduler, _cfg in [("llamarl_local", []), ("llamarl_slurm", []), ("llamarl_kubernetes", ["-cfg", "queue=default"])]:
+    CLI_CALLS[f"secret-{_scheduler}"] = ["run", "--dryrun", "--workspace", "", "-s", _scheduler, *_cfg, "llamarl.llamarl",
+                                         "--image", str(REPO), "--env", f"LLAMARL_SECRET={ENV_SECRET}"]
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +131,26 @@ def test_the_secret_is_never_in_the_appdef_only_the_path_of_its_file():
     k8s = llamarl(num_reward=1, k8s_secret="llamarl-run", secret_file="/ignored")
     assert {r.env["LLAMARL_SECRET_FILE"] for r in k8s.roles} == {"/etc/llamarl/secret/secret"}
     assert {r.metadata["llamarl/k8s_secret"] for r in k8s.roles} == {"llamarl-run"}
+
+
+@pytest.mark.parametrize("scheduler", ["llamarl_local", "llamarl_slurm", "llamarl_kubernetes"])
+def test_a_dry_run_never_prints_a_secret_given_on_the_command_line(cli, scheduler):
+    out = cli[f"secret-{scheduler}"].stdout + cli[f"secret-{scheduler}"].stderr
+    assert "=== SCHEDULER REQUEST ===" in out
+    assert ENV_SECRET not in out
+    assert "<hidden: the app's secret>" in out
+
+
+def test_a_real_run_still_hands_the_secret_to_its_roles():
+    """Hiding it from the dry run's print leaves the request the roles start from whole."""
+    args = ["--num_generators", "1", "--store_port", str(PORT), "--env", f"LLAMARL_SECRET={ENV_SECRET}"]
+    local = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="llamarl_local", cfg={})
+    assert ENV_SECRET not in str(local) and ENV_SECRET in repr(local.request)
+    k8s = get_runner().dryrun_component("llamarl.llamarl", [*args, "--image", "x:y"], scheduler="llamarl_kubernetes",
+                                        cfg={"queue": "default"})
+    assert ENV_SECRET not in str(k8s) and ENV_SECRET in repr(k8s.request.resource)
+    slurm = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="llamarl_slurm", cfg={})
+    assert ENV_SECRET not in str(slurm) and list(slurm.request.secret_files.values()) == [ENV_SECRET]
 
 
 def test_the_store_listens_where_the_other_roles_are_told_to_connect():
