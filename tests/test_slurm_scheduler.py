@@ -5,6 +5,7 @@ The same scheduler against a real cluster: tests/test_slurm_cluster.py."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -154,3 +155,22 @@ def test_describe_names_the_replica_that_failed():
 def test_describe_of_an_unknown_job_is_none():
     assert describe_from_sacct("43", CANCELLED) is None
     assert describe_from_sacct("43", HEADER) is None
+
+
+def test_the_local_clusters_daemons_start_without_the_callers_descriptors(tmp_path):
+    """deploy/slurm/local-cluster.sh starts every daemon through ``detached``: a lock or pipe
+    the caller holds around ``up`` (descriptor 7 here) is not inherited, so it is released
+    when the caller lets go, not at ``down``."""
+    script = Path(__file__).resolve().parents[1] / "deploy" / "slurm" / "local-cluster.sh"
+    text = script.read_text()
+    function = text[text.index("detached() {"):text.index("\n}\n", text.index("detached() {")) + 3]
+    started = ["munged", "mariadbd", "slurmdbd -D", "slurmctld -D", "slurmd -D"]
+    for daemon in started:
+        line = next(line for line in text.splitlines() if daemon in line and ">>" in line)
+        assert line.strip().startswith("detached "), line
+    probe = (f"{function}\nexec 7>{tmp_path / 'held'}\ndetached sleep 30 >/dev/null 2>&1\n"
+             "pid=$!\nfor _ in $(seq 100); do [ \"$(cat /proc/$pid/comm)\" = sleep ] && break; sleep 0.05; done\n"
+             "ls /proc/$pid/fd; kill $pid\n")
+    done = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split()) == ["0", "1", "2"], done.stdout

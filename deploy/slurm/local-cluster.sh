@@ -46,6 +46,20 @@ wait_for() {
   done
 }
 
+# detached CMD...: CMD in the background with only descriptors 0-2 open (the redirections
+# of the call), so a lock or a pipe the caller holds around `up` (a CI runner's output pipe,
+# `flock`) is not held by the daemons until `down`. $! is the daemon's pid (the subshell
+# execs it).
+detached() {
+  (
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}
+      if ((fd > 2)); then eval "exec $fd>&-" 2>/dev/null || true; fi
+    done
+    exec "$@"
+  ) &
+}
+
 # record NAME PID: `down` stops exactly these processes.
 record() { echo "$1 $2" >>"$STATE/pids"; }
 
@@ -136,7 +150,7 @@ up() {
   if ! munge -n </dev/null >/dev/null 2>&1; then
     install -d -o munge -g munge -m 0755 /run/munge
     install -d -o munge -g munge -m 0700 /var/lib/munge /var/log/munge
-    setpriv --reuid=munge --regid=munge --init-groups /usr/sbin/munged -F >>"$STATE/log/munged.log" 2>&1 &
+    detached setpriv --reuid=munge --regid=munge --init-groups /usr/sbin/munged -F >>"$STATE/log/munged.log" 2>&1
     record munged $!
     wait_for munged munge -n
   fi
@@ -148,7 +162,7 @@ up() {
     mariadb-install-db --defaults-file="$STATE/mariadb.cnf" --skip-test-db >>"$STATE/log/mariadb-install.log" 2>&1 \
       || die "mariadb-install-db failed (see $STATE/log/mariadb-install.log)"
   fi
-  mariadbd --defaults-file="$STATE/mariadb.cnf" >>"$STATE/log/mariadb.out" 2>&1 &
+  detached mariadbd --defaults-file="$STATE/mariadb.cnf" >>"$STATE/log/mariadb.out" 2>&1
   record mariadbd $!
   local sql=(mariadb --no-defaults --socket="$STATE/db/mysqld.sock" -uroot)
   wait_for MariaDB "${sql[@]}" -e "SELECT 1"
@@ -161,14 +175,14 @@ up() {
   fill slurm.conf >/etc/slurm/slurm.conf
   write_hosts_block "$(seq -f "$NODE_PREFIX%g" -s ' ' 1 "$nodes")"
 
-  slurmdbd -D >>"$STATE/log/slurmdbd.out" 2>&1 &
+  detached slurmdbd -D >>"$STATE/log/slurmdbd.out" 2>&1
   record slurmdbd $!
   wait_for slurmdbd sacctmgr -n list cluster
-  slurmctld -D -i >>"$STATE/log/slurmctld.out" 2>&1 &
+  detached slurmctld -D -i >>"$STATE/log/slurmctld.out" 2>&1
   record slurmctld $!
   wait_for slurmctld scontrol ping
   for k in $(seq 1 "$nodes"); do
-    slurmd -D -N "$NODE_PREFIX$k" >>"$STATE/log/slurmd-$NODE_PREFIX$k.out" 2>&1 &
+    detached slurmd -D -N "$NODE_PREFIX$k" >>"$STATE/log/slurmd-$NODE_PREFIX$k.out" 2>&1
     record "slurmd-$NODE_PREFIX$k" $!
   done
   wait_for "$nodes idle nodes" all_idle "$nodes"
