@@ -369,3 +369,8 @@ def test_secret_from_a_private_file(tmp_path, monkeypatch):
     deeper = tmp_path / "private" / "secret"
     assert len(read_secret(str(deeper))) == 32
     assert deeper.parent.stat().st_mode & 0o777 == 0o700
+    # Every directory it makes is private, not only the last (os.makedirs' mode is the leaf's).
+    nested = tmp_path / "a" / "b" / "c" / "secret"
+    assert len(read_secret(str(nested))) == 32
+    for made_dir in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"):
+        assert made_dir.stat().st_mode & 0o777 == 0o700, made_dir

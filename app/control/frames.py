@@ -120,12 +120,25 @@ def _read_private_file(path: str, source: str, *, create: bool = True) -> str:
         raise RuntimeError(f"{source} names {path}, which cannot be read: {e.strerror}") from None
 
 
+def _make_private_dirs(directory: str) -> None:
+    """``directory`` and every missing parent, each made 700 (``os.makedirs``' mode applies to
+    the last one only; the others would be 755 and listable by anyone)."""
+    missing = []
+    while not os.path.isdir(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
+    for new in reversed(missing):
+        try:
+            os.mkdir(new, 0o700)
+        except FileExistsError:  # another role of the app made it first
+            pass
+
+
 def _create_secret_file(path: str) -> None:
     """A fresh secret at ``path`` (mode 600, its new directories 700), unless another
     process made one first: written to a private temporary name, then hard-linked, which
     fails when the name exists, so a reader never sees a half-written file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    _make_private_dirs(os.path.dirname(os.path.abspath(path)))
     tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
