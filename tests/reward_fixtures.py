@@ -152,3 +152,15 @@ def segv_on_every_third_length(prompt, completion, meta):
     if len(completion) % 3 == 0:
         ctypes.string_at(0)
     return 0.0
+
+
+def forks_a_sleeper(prompt, completion, meta):
+    """Starts a child that outlives the call (a server, a sandbox), its pid noted in
+    ``meta["pid_dir"]``, and scores 1; on a completion with "hang" in it, then hangs."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "300"])
+    Path(meta["pid_dir"], str(child.pid)).touch()
+    if "hang" in completion:
+        time.sleep(3600)
+    return 1.0

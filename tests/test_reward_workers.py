@@ -275,3 +275,15 @@ def test_a_process_whose_reward_hung_in_torch_ends_normally(tmp_path):
     [spun] = recorded_pids(pid_dir)
     idle = int(proc.stdout.split("idle:")[1].split()[0])
     assert wait_dead(spun) and wait_dead(idle)
+
+
+@pytest.mark.parametrize("completion, timeout_s", [("done", 30.0), ("hang", 2.0)])
+def test_processes_a_component_starts_end_with_its_worker(tmp_path, completion, timeout_s):
+    """A component's own children (here a ``sleep``) end when its worker is closed (the call
+    returned) or killed (the call hung past its timeout): each worker leads a process group
+    of its own, which is killed whole."""
+    reward = composite(fixtures.forks_a_sleeper, timeout_s=timeout_s)
+    reward.score(samples(completion, pid_dir=str(tmp_path)))
+    [child] = recorded_pids(tmp_path)
+    reward.close()
+    assert wait_dead(child), f"the component's child {child} outlived its worker"

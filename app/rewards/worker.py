@@ -16,8 +16,10 @@ The protocol, over the child's stdin and stdout:
    A function component answers one line per sample, flushed at once, so the parent holds
    every sample to its own deadline; a batched component answers the batch in one line.
 
-The parent never unpickles anything from the child. On a missed deadline the parent
-SIGKILLs the child; on EOF (the child died) it reaps it; either way the next call gets a
+The parent never unpickles anything from the child. Each child leads a process group of
+its own, and whatever its component starts (a server, a sandbox) is in it: closing or
+killing a worker SIGKILLs the whole group, so nothing a reward started outlives it. On a
+missed deadline the parent kills the child; on EOF (the child died) it reaps it; either way the next call gets a
 fresh worker. The child exits on EOF on its stdin and, on Linux, when the parent dies
 (``PR_SET_PDEATHSIG``). Its fds 0 and 1 are pointed at /dev/null and stderr, so a
 component that prints or reads stdin cannot corrupt the protocol; stderr is the
@@ -163,7 +165,10 @@ def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         if _spawner is None or _spawner.pid != os.getpid():  # none yet, or we are a fork
             _spawner = _Spawner()
         spawner = _spawner
-    return spawner.run(lambda: subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env))
+    # A process group of its own: what a component starts (a server, a sandbox, a shell) is
+    # in it, and ends with the worker when the group is killed (``WorkerProcess.kill``).
+    return spawner.run(lambda: subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                                process_group=0))
 
 
 def _child_env() -> dict[str, str]:
@@ -176,6 +181,14 @@ def _child_env() -> dict[str, str]:
     if "torch" in sys.modules:
         env["OMP_NUM_THREADS"] = str(sys.modules["torch"].get_num_threads())
     return env
+
+
+def _exited_unreaped(pid: int) -> bool:
+    """True once child ``pid`` has exited; it stays a zombie (``WNOWAIT``) for the caller to reap."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
 
 
 class _DiedBeforeReady(Exception):
@@ -269,8 +282,7 @@ class WorkerProcess:
         holds a copy of this handle, and must leave the parent's worker alone."""
         if os.getpid() != self.owner:
             return
-        if self.proc.poll() is None:
-            self.proc.kill()
+        self._kill_group()
         try:
             self.proc.wait(REAP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -282,10 +294,24 @@ class WorkerProcess:
         if os.getpid() != self.owner:
             return
         self._close_pipes()
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        while self.proc.returncode is None and not _exited_unreaped(self.proc.pid):
+            if time.monotonic() > deadline:
+                self.kill()
+                return
+            time.sleep(0.02)
+        if self.proc.returncode is None:
+            # Exited, not yet reaped: its pid, hence its group's id, cannot be reused yet.
+            self._kill_group()  # what the component started and left running
+        self.proc.wait(REAP_TIMEOUT_S)
+
+    def _kill_group(self) -> None:
+        """SIGKILL to the worker's process group (the worker and what its component started).
+        The group outlives its leader while members remain, so this works after a reap too."""
         try:
-            self.proc.wait(CLOSE_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # nobody left in it
+            pass
 
     def _close_pipes(self) -> None:
         for pipe in (self.proc.stdin, self.proc.stdout):
