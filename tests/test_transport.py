@@ -179,6 +179,24 @@ def test_connect_store_unreachable_names_address():
         connect_store("no-port", timeout_s=1)
 
 
+def test_a_role_waiting_for_the_store_says_what_it_waits_for_and_where(monkeypatch):
+    """Started alone (no trainer), a role does not stay silent until its timeout: it says
+    what it waits for, where, and for which app, first after a few seconds, then at intervals."""
+    from llamarl.app.control import transport
+
+    monkeypatch.setattr(transport, "FIRST_WAIT_NOTE_S", 0.5)
+    monkeypatch.setattr(transport, "WAIT_NOTE_EVERY_S", 1.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    said: list[str] = []
+    with pytest.raises(ConnectionError):
+        connect_store(f"127.0.0.1:{port}", timeout_s=3.2, app_id="llamarl-abc", say=said.append)
+    assert 2 <= len(said) <= 4, said
+    assert said[0].startswith("waiting ") and f"the control store at 127.0.0.1:{port} of app llamarl-abc" in said[0]
+    assert "giving up after 3.2 s" in said[0]
+
+
 def test_queue_pop_timeout_pop_many_and_depth(store):
     q = StoreQueue(client(store), "rollouts", SECRET, maxlen=10)
     t0 = time.monotonic()

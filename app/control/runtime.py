@@ -100,7 +100,8 @@ def connect_app_store(addr: str, app_id: str, timeout_s: float,
     """Reach the control store at ``addr`` and check that it is this app's: another app's
     store (two apps on one port) is refused before this role registers there."""
     try:
-        store = transport.connect_store(addr, timeout_s, give_up=health.sibling_failure)
+        store = transport.connect_store(addr, timeout_s, give_up=health.sibling_failure, app_id=app_id,
+                                        say=log.warning)
     except transport.AppGone as e:  # a bystander: the failed role's cause is the app's
         log.error("stopping: %s", e)
         raise SystemExit(f"stopping: {e}") from None

@@ -132,11 +132,19 @@ GIVE_UP_POLL_S = 0.5
 already known to be gone (its trainer failed before it could host the store)."""
 
 
+FIRST_WAIT_NOTE_S = 5.0
+CLIENT_END_GRACE_S = 5.0
+WAIT_NOTE_EVERY_S = 30.0
+
+
 def connect_store(addr: str, timeout_s: float = 300.0,
-                  give_up: Callable[[], str | None] | None = None) -> dist.TCPStore:
+                  give_up: Callable[[], str | None] | None = None, *, app_id: str = "",
+                  say: Callable[[str], None] | None = None) -> dist.TCPStore:
     """Connect to the control store at ``"host:port"``; the client retries until ``timeout_s``.
     ``give_up``: asked every ``GIVE_UP_POLL_S`` meanwhile; a message from it ends the wait
-    at once (the app is gone, the message says why). The client runs in a thread of its
+    at once (the app is gone, the message says why). ``say``: told what this waits for and
+    where after ``FIRST_WAIT_NOTE_S``, then every ``WAIT_NOTE_EVERY_S`` (a role started
+    alone, or before its trainer, says so instead of staying silent for minutes). The client runs in a thread of its
     own because a port held by a program that is not a store accepts the connection and
     never answers: TCPStore then waits past its own timeout."""
     host, sep, port = addr.rpartition(":")
@@ -155,10 +163,20 @@ def connect_store(addr: str, timeout_s: float = 300.0,
 
     client = threading.Thread(target=attempt, daemon=True, name="store-connect")
     client.start()
+    next_note = t0 + FIRST_WAIT_NOTE_S
     while client.is_alive() and time.monotonic() - t0 < timeout_s + GIVE_UP_POLL_S:
         client.join(GIVE_UP_POLL_S)
         if client.is_alive() and give_up is not None and (reason := give_up()):
             raise AppGone(reason)
+        if client.is_alive() and say is not None and time.monotonic() >= next_note:
+            waited = time.monotonic() - t0
+            say(f"waiting {waited:.0f} s for the control store at {host}:{port}"
+                + (f" of app {app_id}" if app_id else "")
+                + f" (trainer replica 0 hosts it; giving up after {timeout_s:g} s)")
+            next_note += WAIT_NOTE_EVERY_S
+    # The client gives up at its own timeout, about now: an interpreter that exits while it
+    # is still inside TCPStore's C++ can abort (SIGABRT) instead of printing the error below.
+    client.join(CLIENT_END_GRACE_S)
     if "store" in outcome:
         return outcome["store"]
     raise ConnectionError(
