@@ -86,7 +86,7 @@ class TrainerConfig:
     max_staleness: int = 1
     """Largest lag (trainer version - rollout version) a rollout may have; 0 is synchronous."""
     rewards: str = "math_verifier"
-    """Reward spec: comma-separated name[=weight] (see README, Rewards)."""
+    """Reward spec: comma-separated name[=weight] (see docs/rewards.md)."""
     reward_timeout_s: float = 30.0
     """Deadline of one reward call; a rollout whose reward misses it is quarantined."""
     weight_sync_timeout_s: float = 30.0
@@ -258,14 +258,14 @@ class GeneratorConfig:
     (CPU) or fp8 (CUDA, compute capability >= 8.9). Each generator quantizes the
     full-precision weights it receives, at every version; the log-probs it records are
     the quantized model's, so AIPO's ratio carries the mismatch. One the machine cannot
-    run is refused at start-up, naming those it can (see README, Quantized generators)."""
+    run is refused at start-up, naming those it can (see docs/quantized.md)."""
     gen_decoder: Decoder = "auto"
     """How generators decode a Llama-architecture policy: ``auto`` (static steps captured
     as CUDA graphs on CUDA, the eager loop on CPU: ``llamarl.app.sampling.DEFAULT_DECODER``),
     ``eager``, ``static`` or ``compiled`` (the static steps through ``torch.compile``,
     each batch bucket compiled at its first use; not with int8) (static and compiled are
     refused at the first batch for a policy the Llama fast path does not run). Other
-    policies always decode eagerly. See README, GPUs."""
+    policies always decode eagerly. See docs/gpus.md#decoding-on-a-gpu."""
 
     def __post_init__(self) -> None:
         if self.gen_decoder not in get_args(Decoder):

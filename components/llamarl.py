@@ -9,7 +9,7 @@ role reaches at ``$<rank0_env>:<store_port>``, listening there only. Each role r
 ``python -m llamarl.app.roles.<role>`` (the trainer ``llamarl.app.roles.launch``: torchrun around ``llamarl.app.roles.trainer``);
 every role gets the app id and refuses a control store of another app. The app's secret
 is never in the AppDef (a dry run, a job spec and ``ps`` show it to others): the roles
-read it from a private file (README, Security).
+read it from a private file (docs/security.md#the-secret).
 """
 
 import os

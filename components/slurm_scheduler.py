@@ -1,5 +1,5 @@
 """``llamarl_slurm``: torchx 0.7.0's SlurmScheduler, with what a
-user of the README's SLURM commands would otherwise trip over worked around.
+user of docs/slurm.md's commands would otherwise trip over worked around.
 
 Registered under its own name in the ``torchx.schedulers`` entry-point group
 (pyproject.toml; torchx's ``slurm`` stays as it is), so ``torchx run -s llamarl_slurm``, ``torchx status``, ``torchx log`` and

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # --------------------------------------------------------------------------- a clean run
 
 def test_async_app_with_reward_executor(tiny_policy, tmp_path):
-    # The README's "Write your own reward" example, scored remotely by the reward executor.
+    # docs/rewards.md's "Write your own reward" example, scored remotely by the reward executor.
     rewards = "math_verifier,examples.my_reward:brevity=0.5"
     with launch(tiny_policy, tmp_path, num_reward=1, max_staleness=1, rewards=rewards) as app:
         app.wait_for_log("trainer", "run directory", timeout_s=APP_TIMEOUT_S)

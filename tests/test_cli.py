@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -227,15 +225,3 @@ def test_the_commands_parser_suggests_too_and_exits_2_under_its_module_name(caps
     assert ended.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "python -m llamarl.app.roles.local: error: unrecognized arguments: --stepz 3 (did you mean --steps?)")
-
-
-def test_every_readme_section_a_flag_points_to_exists():
-    """``--help`` sends the reader to "README, <section>": that heading must exist (a flag's
-    help once pointed to "README, Devices", a section that is called GPUs)."""
-    root = Path(__file__).resolve().parent.parent
-    headings = {line.lstrip("#").strip() for line in (root / "README.md").read_text().splitlines()
-                if line.startswith("#")}
-    pointed = {name for path in sorted((root / "app").rglob("*.py"))
-               for name in re.findall(r"README, ([A-Z][A-Za-z ]*[a-z])", path.read_text())}
-    assert pointed, "the pattern finds the references"
-    assert pointed <= headings, f"no such README section: {sorted(pointed - headings)}"

@@ -39,7 +39,7 @@ def test_a_killed_generator_is_survived_and_its_groups_regenerated(tiny_policy, 
         state = app.wait()
         trainer_log = app.log("trainer")
         # local_cwd has no replica retry, and the killed replica exited non-zero: TorchX
-        # calls the app FAILED although the run finished (README, "When something fails").
+        # calls the app FAILED although the run finished (docs/failures.md#losing-a-generator-or-a-reward-executor).
         assert state in (AppState.SUCCEEDED, AppState.FAILED), app.logs_tail()
         assert f"finished {STEPS} steps" in trainer_log, app.logs_tail()
         assert "generator/1 is gone" in trainer_log

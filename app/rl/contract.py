@@ -304,7 +304,7 @@ class Rejections:
                 f"{self.where}: {self._in_a_row} messages rejected in a row with no valid one between "
                 f"(so far {dict(self.counts)}): a flood of frames on the control store's queues, from "
                 f"outside the app or from a role with another secret; the store's port must be "
-                f"reachable only by the app's roles (README, Security)")
+                f"reachable only by the app's roles (docs/security.md)")
 
     def counted(self, reason: str, detail: str) -> None:
         """A message dropped for ``reason`` that is valid app traffic as often as not (a

@@ -16,7 +16,7 @@ matmuls change.
 
 Why ``linear_dynamic`` for int8 on CPU (torch 2.13; ``benchmarks/linear_kernels.py``, one
 thread, at the decode shapes of the fast path's fused matrices, on this project's shared
-2-core AMD EPYC; figures in the README): at the 30M-parameter Llama's shapes it was the
+2-core AMD EPYC; figures in benchmarks/README.md): at the 30M-parameter Llama's shapes it was the
 fastest int8 kernel at 8 rows and among the fastest at 32-64, 3.5-6x fp32 ``torch.mm`` in
 a quiet probe (1.2-12x under heavy load). The others: dynamic quantization written by
 hand around ``torch._int_mm``, 1.5-3x (slower than ``linear_dynamic`` at 8 rows, once

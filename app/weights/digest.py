@@ -41,7 +41,7 @@ generator's hash (~3x a bare sharded sync at 100M parameters on 2 cores, almost 
 after the receive) into work done while the rest is on the wire, which is where a host
 with cores to spare, or a GPU generator whose receive (NCCL) leaves the host idle,
 gains it (on 2 cores shared with the trainer the hashing mostly moves: under a tenth
-saved, README). ``DigestCheck(overlap=False)`` hashes after the receive as before, for
+saved, benchmarks/README.md). ``DigestCheck(overlap=False)`` hashes after the receive as before, for
 ``benchmarks/weight_sync.py --digest`` and ``benchmarks/security.py`` to compare. The
 costs are measured there; the digest is optional (``--no-weight-digest``) because at
 ~100M parameters on a CPU host hashing costs about as much as the sync itself.

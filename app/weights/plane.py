@@ -24,7 +24,7 @@ could check anything, and their format is the backend's. A forged address there 
 fails and the plane regroups, or the forger takes part in its traffic (reads the
 weights, or sends bytes the weight digest refuses). That, and the unauthenticated,
 unencrypted traffic itself, is why the weight plane belongs on a private network
-(README, Security).
+(docs/security.md).
 
 - ``ElasticSender`` (trainer replica 0, the only one that knows who is alive):
   ``send(version)``. When a send fails it waits
