@@ -2,7 +2,7 @@
 
 One subpackage per plane; each opens with what it owns and what it may import. The layer
 contract (which package may import which) is written in ``docs/architecture.md`` and checked
-by ``lint-imports`` (``.importlinter``) in CI. Top to bottom:
+by ``lint-imports`` (pyproject.toml's ``[tool.importlinter]``) in CI. Top to bottom:
 
 - ``roles``: the entry points (parse, build, run, close): trainer, generator, reward, local,
   launch, stop.
