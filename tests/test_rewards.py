@@ -178,6 +178,13 @@ def test_user_module_function_and_class(tmp_path, monkeypatch):
         build_reward("llamarl_user_rewards_a:nope")
     with pytest.raises(ValueError, match="cannot import module 'llamarl_missing_mod'.*PYTHONPATH"):
         build_reward("llamarl_missing_mod:fn")
+    # A module whose own code raises on import: the error names the module, with the cause.
+    (tmp_path / "llamarl_user_rewards_broken.py").write_text(
+        "raise RuntimeError('database connection refused')\n")
+    with pytest.raises(ValueError, match="importing module 'llamarl_user_rewards_broken' raised "
+                                         "RuntimeError: database connection refused") as err:
+        build_reward("llamarl_user_rewards_broken:fn")
+    assert isinstance(err.value.__cause__, RuntimeError)
     with pytest.raises(TypeError, match="neither callable"):
         build_reward("llamarl_user_rewards_a:not_a_reward")
 

@@ -180,6 +180,9 @@ def _import_attr(target: str) -> Any:
         # bug, whose traceback shows where.
         raise ValueError(f"reward {target!r}: cannot import module {module_name!r} ({exc}); "
                          f"is its directory on PYTHONPATH?") from exc
+    except Exception as exc:  # the module's own code raised while it was imported
+        raise ValueError(f"reward {target!r}: importing module {module_name!r} raised "
+                         f"{type(exc).__name__}: {exc} (its traceback is above)") from exc
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
