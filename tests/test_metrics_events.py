@@ -53,3 +53,40 @@ def test_a_batch_that_breaks_the_format_is_refused_with_a_reason(msg, reason):
     with pytest.raises(metrics.MalformedEvents) as err:
         metrics.checked_batch(msg)
     assert err.value.reason == reason
+
+
+def test_a_database_locked_by_another_process_never_ends_the_run_and_nothing_is_lost(tmp_path, caplog):
+    """An SQLite browser or a backup holding metrics.db's write lock: the writer keeps the
+    events in memory, says once who holds the file, and writes them all when it is free."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    writer = metrics.MetricsWriter(tmp_path, run_id="t", config={})
+    # Another process takes the write lock and holds it until told to let go.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys\n"
+         f"db = sqlite3.connect({str(tmp_path / metrics.DB_NAME)!r}, isolation_level=None)\n"
+         "db.execute('BEGIN IMMEDIATE'); print('locked', flush=True); sys.stdin.readline()\n"
+         "db.execute('COMMIT')\n"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with caplog.at_level("WARNING", logger="llamarl"):
+            assert writer.write(every_kind()) == 0
+            writer.set_meta("last_checkpoint", "{}")
+            assert writer.write(every_kind()) == 0
+        assert writer.pending == 2 * len(every_kind())
+        said = [r.getMessage() for r in caplog.records if "is locked by another process" in r.getMessage()]
+        assert len(said) == 1 and f"pid {holder.pid} (python" in said[0], said
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.wait(30) == 0
+        assert writer.write(every_kind()) == 3 * len(every_kind())
+        assert writer.pending == 0
+    finally:
+        holder.kill()
+    writer.close()
+    db = sqlite3.connect(tmp_path / metrics.DB_NAME)
+    assert db.execute("SELECT COUNT(*) FROM scalars").fetchone()[0] == 3
+    assert db.execute("SELECT value FROM meta WHERE key = 'last_checkpoint'").fetchone()[0] == "{}"
+    assert db.execute("SELECT COUNT(*) FROM meta WHERE key = 'finished_at'").fetchone()[0] == 1

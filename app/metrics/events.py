@@ -30,6 +30,8 @@ Times are Unix seconds (``time.time()``), so rows from different hosts line up.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -199,17 +201,36 @@ def new_run_dir(runs_dir: str | Path, run_id: str, config: dict[str, Any]) -> Pa
     return path
 
 
+log = logging.getLogger("llamarl")
+
+WRITE_BUSY_S = 1.0
+"""How long one write waits for a lock another process holds on ``metrics.db`` before the
+events are kept for the next write (a run must not stall, nor end, on its metrics)."""
+CLOSE_BUSY_S = 30.0
+"""How long the last write, at close, waits for such a lock."""
+MAX_PENDING = 1_000_000
+"""Events kept while the database stays locked; past this the oldest are dropped, counted."""
+
+
 class MetricsWriter:
     """The single writer of ``<run_dir>/metrics.db`` (trainer replica 0 only).
 
     WAL mode lets the dashboard read while the run writes. Events are inserted in one
     transaction per ``write`` call; an event of unknown type raises rather than vanish.
+    Another process holding a write lock on the database (an SQLite browser, a backup)
+    never ends the run: the events wait in memory, it is said once (naming who holds the
+    file open, where this machine tells), and the next write catches up.
     """
 
     def __init__(self, run_dir: str | Path, *, run_id: str, config: dict[str, Any]) -> None:
         self.path = Path(run_dir) / DB_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False)
+        self._pending: list[tuple[str, tuple]] = []
+        self._pending_meta: dict[str, str] = {}
+        self._locked_since: float | None = None
+        self.dropped = 0
+        """Events dropped because the database stayed locked past ``MAX_PENDING`` of them."""
+        self._db = sqlite3.connect(self.path, timeout=CLOSE_BUSY_S, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_DDL)
@@ -243,33 +264,93 @@ class MetricsWriter:
                              (RESUMED, json.dumps(resumed)))
 
     def set_meta(self, key: str, value: str) -> None:
-        with self._db:
-            self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        self._pending_meta[key] = value
+        self._flush(WRITE_BUSY_S)
 
     def write(self, events: Iterable[dict[str, Any]]) -> int:
-        rows: dict[str, list[tuple]] = {k: [] for k in COLUMNS}
+        """Record ``events``; returns how many rows reached the database now (buffered ones
+        included), 0 while another process holds it locked."""
+        rows = []
         for ev in events:
             kind = ev.get("type")
             if kind not in COLUMNS:
                 raise ValueError(f"unknown metrics event type {kind!r}; expected one of {EVENT_TYPES}")
-            rows[kind].append(tuple(ev.get(c) for c in COLUMNS[kind]))
-        n = 0
-        with self._db:
-            for kind, batch in rows.items():
-                if batch:
+            rows.append((kind, tuple(ev.get(c) for c in COLUMNS[kind])))
+        self._pending.extend(rows)
+        if len(self._pending) > MAX_PENDING:
+            over = len(self._pending) - MAX_PENDING
+            del self._pending[:over]
+            self.dropped += over
+        return self._flush(WRITE_BUSY_S)
+
+    def _flush(self, busy_s: float) -> int:
+        if not self._pending and not self._pending_meta:
+            return 0
+        rows: dict[str, list[tuple]] = {}
+        for kind, row in self._pending:
+            rows.setdefault(kind, []).append(row)
+        self._db.execute(f"PRAGMA busy_timeout = {int(busy_s * 1000)}")
+        try:
+            with self._db:
+                for kind, batch in rows.items():
                     cols = COLUMNS[kind]
                     self._db.executemany(
                         f"INSERT INTO {TABLES[kind]} ({', '.join(cols)}) "
                         f"VALUES ({', '.join('?' for _ in cols)})", batch)
-                    n += len(batch)
+                self._db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                                     list(self._pending_meta.items()))
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e):
+                raise
+            if self._locked_since is None:
+                self._locked_since = time.monotonic()
+                log.warning("%s is locked by another process%s: keeping metrics in memory and writing them "
+                            "once it lets go (the run goes on)", self.path, _holders(self.path))
+            return 0
+        n = len(self._pending)
+        if self._locked_since is not None:
+            log.warning("%s is writable again after %.0f s: wrote the %d events kept meanwhile%s", self.path,
+                        time.monotonic() - self._locked_since, n,
+                        f" ({self.dropped} of the oldest were dropped)" if self.dropped else "")
+            self._locked_since = None
+        self._pending.clear()
+        self._pending_meta.clear()
         return n
 
+    @property
+    def pending(self) -> int:
+        """Events waiting for the database (another process holds its lock)."""
+        return len(self._pending)
+
     def close(self, *, finished: bool = True) -> None:
-        """Close the database; ``finished`` records ``finished_at`` so readers know the
-        run is over (a crashed run leaves it unset)."""
+        """Write what is pending (waiting up to ``CLOSE_BUSY_S`` for a lock) and close the
+        database; ``finished`` records ``finished_at`` so readers know the run is over (a
+        crashed run leaves it unset)."""
         if finished:
-            self.set_meta("finished_at", repr(time.time()))
+            self._pending_meta["finished_at"] = repr(time.time())
+        self._flush(CLOSE_BUSY_S)
+        if self._pending or self._pending_meta:
+            log.error("%s stayed locked by another process%s: %d metrics events were not written",
+                      self.path, _holders(self.path), len(self._pending))
         self._db.close()
+
+
+def _holders(path: Path) -> str:
+    """`` (held open by pid P (name), ...)``: the other processes of this machine that have
+    ``path`` open, as far as /proc shows (the same user's, or all for root); ``""`` if none
+    can be seen."""
+    found = []
+    target = os.path.realpath(path)
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.path.realpath(f"/proc/{pid}/fd/{fd}") == target for fd in fds):
+                found.append(f"pid {pid} ({Path(f'/proc/{pid}/comm').read_text().strip()})")
+        except OSError:  # gone, or not ours to look at
+            continue
+    return f" (held open by {', '.join(found)})" if found else ""
 
 
 class Timeline:
