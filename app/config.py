@@ -17,6 +17,9 @@ from llamarl.app.sampling import GEN_PRECISIONS, Decoder, GenPrecision, Sampling
 from llamarl.app.tasks.arithmetic import PROMPT_TEMPLATE
 
 
+MAX_RUN_ID = 200
+"""The longest ``--run-id``: it names a directory, and files are named after it."""
+
 Normaliser = Literal["token", "sequence"]
 """How a loss sums over tokens: per token of the batch, or per sequence then over sequences
 (``llamarl.app.rl.losses``)."""
@@ -199,6 +202,8 @@ class TrainerConfig:
         for name in ("save_every", "keep_last"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if len(self.run_id) > MAX_RUN_ID:  # a file name has at most 255 bytes; run ids name files too
+            raise ValueError(f"run_id must be at most {MAX_RUN_ID} characters, got {len(self.run_id)}")
         if self.run_id and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_id):
             # Joined to runs_dir: '../x' or '/abs' would write outside it.
             raise ValueError(f"run_id must be one safe path component (letters, digits, '.', '_', '-'; "

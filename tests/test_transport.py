@@ -14,6 +14,7 @@ import torch
 from llamarl.app.control.frames import (MAX_FRAME_BYTES, SECRET_ENV, SECRET_FILE_ENV, AuthenticationError, decode, encode,
                         new_secret, read_secret)
 from llamarl.app.control.transport import Stopped, StoreQueue, connect_store
+from llamarl.app.errors import ConfigError
 from role_processes import control, forkserver_context, loopback_store
 
 SECRET = bytes(range(32))
@@ -374,7 +375,7 @@ def test_secret_from_a_private_file(tmp_path, monkeypatch):
     monkeypatch.delenv(SECRET_ENV, raising=False)
     monkeypatch.setenv(SECRET_FILE_ENV, str(path))
     path.chmod(0o644)
-    with pytest.raises(RuntimeError, match="mode 644 lets other users read"):
+    with pytest.raises(ConfigError, match="mode 644 lets other users read"):
         read_secret()
     path.chmod(0o600)
     assert read_secret() == secret

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from llamarl.app.errors import ConfigError
+
 __all__ = ["AuthenticationError", "MAX_FRAME_BYTES", "SECRET_ENV", "SECRET_FILE_ENV", "check_secret", "decode",
            "encode", "new_secret", "read_secret"]
 
@@ -112,12 +114,12 @@ def _read_private_file(path: str, source: str, *, create: bool = True) -> str:
         with open(path, "rb") as f:
             mode = os.fstat(f.fileno()).st_mode
             if mode & 0o077:
-                raise RuntimeError(
+                raise ConfigError(
                     f"{source} names {path}, whose mode {mode & 0o777:o} lets other users read or "
                     f"change the run's secret; it must be 600")
             return f.read().decode()
     except OSError as e:
-        raise RuntimeError(f"{source} names {path}, which cannot be read: {e.strerror}") from None
+        raise ConfigError(f"{source} names {path}, which cannot be read: {e.strerror}") from None
 
 
 def _make_private_dirs(directory: str) -> None:

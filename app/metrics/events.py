@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Literal
 
 from llamarl.app import names
+from llamarl.app.errors import ConfigError
 
 SCHEMA_VERSION = 1
 DB_NAME = "metrics.db"
@@ -193,6 +194,8 @@ def new_run_dir(runs_dir: str | Path, run_id: str, config: dict[str, Any]) -> Pa
     """``<runs_dir>/<run_id>/`` with ``config.json`` and ``logs/``; a name from the time
     when ``run_id`` is empty. An existing run directory is never overwritten."""
     run_id = run_id or time.strftime("%Y%m%d-%H%M%S")
+    if Path(runs_dir).exists() and not Path(runs_dir).is_dir():
+        raise ConfigError(f"--runs-dir {runs_dir} is a file, not a directory: name a directory for the runs")
     path = Path(runs_dir) / run_id
     if (path / DB_NAME).exists():
         raise FileExistsError(f"run directory {path} already holds a run; pick another run id")

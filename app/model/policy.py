@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                           PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
+from safetensors import SafetensorError
 from transformers.utils import logging as hf_logging
 
 from llamarl.app import errors
@@ -119,7 +120,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise errors.ConfigError(f"policy {path}: its tokenizer does not load ({type(e).__name__}: "
+                                 f"{_first_line(e)}); a policy directory holds the tokenizer beside the model "
+                                 "(save_pretrained of both)") from None
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -133,10 +139,19 @@ def load_policy(path: str | Path, *, device: str | torch.device = "cpu",
     path = Path(path)
     tokenizer = load_tokenizer(path)
     with no_progress_bars():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except (OSError, SafetensorError) as e:  # a missing, truncated or corrupt weights file
+            raise errors.ConfigError(f"policy {path}: its weights do not load ({type(e).__name__}: "
+                                     f"{_first_line(e)})") from None
+        model = model.to(device)
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
