@@ -317,8 +317,8 @@ class WeightReceiver:
                     # Refused: staging holds bytes not to apply, whatever it held before.
                     taken = verification is None or verification.taken()
                     self._staged_version = stats.version if taken else self._applied_version
-                with self._stats_lock:
-                    self._stats.append(stats)
+                    with self._stats_lock:  # counted by the time the version is staged
+                        self._stats.append(stats)
         except BaseException as e:  # surfaced to the generator by swap_if_newer()
             self._error = e
         return self._error
