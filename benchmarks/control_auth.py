@@ -16,7 +16,7 @@ operation cost before (a bare ``set``/``get``/``check``/``add``) and what it cos
   nothing else now, the key being absent);
 - ``heartbeats``: the controller's look at ``--members`` heartbeats
   (``Control.last_heartbeats``), a ``multi_get`` of counters before, one record per member now;
-- ``announce``: one weight sync's announcement, sender and one receiver (``llamarl.app.weights.sync``):
+- ``announce``: one weight sync's announcement, sender and one receiver (``llamarl.app.weights.group``):
   ``set`` + ``check`` before; now a kept record (``put``), the one four syncs back
   forgotten, and the receiver's ``settled`` (``check``, ``multi_get``, HMAC) and ``forget``;
 - ``seal``/``open``: the CPU part alone, no store.

@@ -113,7 +113,10 @@ from llamarl.app.model.policy import encode_prompts, load_policy  # noqa: E402
 from llamarl.app.sampling import SamplingParams  # noqa: E402
 from llamarl.app.control.signed import SignedStore  # noqa: E402
 from llamarl.app.control.transport import connect_store, host_store  # noqa: E402
-from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group  # noqa: E402
+from llamarl.app.weights.group import init_weight_group  # noqa: E402
+from llamarl.app.weights.layout import flatten_parameters_  # noqa: E402
+from llamarl.app.weights.receiver import WeightReceiver  # noqa: E402
+from llamarl.app.weights.sender import WeightSender  # noqa: E402
 
 CHECKS = ("environment", "generator", "static_decoder", "trainer", "weight_plane_shared", "weight_plane_nccl",
           "fsdp2_step", "app_run", "gpu_tests", "sampler_benchmark", "check_every_benchmark")

@@ -41,7 +41,10 @@ from llamarl.app.control.frames import decode, encode
 from llamarl.app.control.seen_groups import Admission
 from llamarl.app.control.signed import SignedStore
 from llamarl.app.control.transport import connect_store, host_store
-from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
+from llamarl.app.weights.group import init_weight_group
+from llamarl.app.weights.layout import flatten_parameters_
+from llamarl.app.weights.receiver import WeightReceiver
+from llamarl.app.weights.sender import WeightSender
 from weight_sync import _Steps, llama_like_params
 
 SECRET = bytes(range(32))

@@ -5,7 +5,7 @@ processes hold a ~``--params`` fp32 Llama-like model the way FSDP2 holds it (DTe
 sharded on dim 0 over a gloo group of the N ranks, each rank's chunks allocations of
 their own) and ``--generators`` generator processes hold the full model, flattened as
 the generator does. Every trainer rank has a weight group of its own with every
-generator (what ``llamarl.app.weights.plane`` builds). The methods, timed round-robin (one of each
+generator (what ``llamarl.app.weights.epochs`` builds). The methods, timed round-robin (one of each
 per round, so load from other processes lands on all alike), median of ``--repeats``
 after a warm-up round, from the moment every process is ready until every generator
 holds the bytes (and every trainer rank is done):
@@ -55,7 +55,10 @@ import torch.distributed as dist
 from llamarl.app.control.signed import SignedStore
 from llamarl.app.control.transport import connect_store, host_store
 from llamarl.app.weights.digest import DigestCheck, ShardDigest
-from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
+from llamarl.app.weights.group import init_weight_group
+from llamarl.app.weights.layout import flatten_parameters_
+from llamarl.app.weights.receiver import WeightReceiver
+from llamarl.app.weights.sender import WeightSender
 from benchmarks.weight_sync import llama_like_params
 
 METHODS = ("sharded", "gather", "raw", "p2p")

@@ -55,7 +55,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.shard
 
 from llamarl.app.control.signed import SignedStore
 from llamarl.app.control.transport import connect_store, host_store
-from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
+from llamarl.app.weights.group import init_weight_group
+from llamarl.app.weights.layout import flatten_parameters_
+from llamarl.app.weights.receiver import WeightReceiver
+from llamarl.app.weights.sender import WeightSender
 
 HIDDEN, INTERMEDIATE, VOCAB = 768, 2048, 32000
 

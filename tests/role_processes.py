@@ -32,7 +32,8 @@ def forkserver_context():
     fraction of a second instead of importing torch again (2 cores). One preload list for
     every test file, since the first file to start the forkserver fixes it for the session."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "llamarl.app.control.transport", "llamarl.app.weights.sync"])
+    ctx.set_forkserver_preload(["torch", "llamarl.app.control.transport", "llamarl.app.weights.epochs",
+                                   "llamarl.app.weights.joining"])
     return ctx
 
 

@@ -15,7 +15,9 @@ from llamarl.app.rl import step as rl
 from llamarl.app.devices import WeightPlanePath, weight_plane_backend
 from llamarl.app.errors import DeviceError
 from llamarl.app.sampling import token_logprobs
-from llamarl.app.weights.sync import WeightReceiver, WeightSender, init_weight_group
+from llamarl.app.weights.group import init_weight_group
+from llamarl.app.weights.receiver import WeightReceiver
+from llamarl.app.weights.sender import WeightSender
 from role_processes import loopback_store, run_roles, weight_member
 from test_rl import PAD, _ragged_rollouts, tiny_model  # noqa: F401 - tiny_model is a fixture
 from test_weight_sync import BUCKET_MB, flattened, model_params

@@ -17,9 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 from llamarl.app.control.transport import connect_store
-from llamarl.app.weights.plane import ElasticReceiver, elastic_sender
+from llamarl.app.weights.epochs import elastic_sender
+from llamarl.app.weights.joining import ElasticReceiver
 from llamarl.app.weights.shards import SHARD_ALONE_BYTES
-from llamarl.app.weights.sync import WeightLayoutError, WeightSyncError, flatten_parameters_
+from llamarl.app.weights.group import WeightLayoutError, WeightSyncError
+from llamarl.app.weights.layout import flatten_parameters_
 from role_processes import forkserver_context, loopback_store, signed
 
 pytestmark = pytest.mark.integration

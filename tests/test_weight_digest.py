@@ -21,7 +21,10 @@ from llamarl.app import names
 from llamarl.app.weights import digest as weight_digest
 from llamarl.app.weights.digest import Digest, DigestCheck, ShardDigest, digest, run_pieces
 from llamarl.app.weights.layout import Layout
-from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
+from llamarl.app.weights.group import init_weight_group
+from llamarl.app.weights.layout import flatten_parameters_
+from llamarl.app.weights.receiver import WeightReceiver
+from llamarl.app.weights.sender import WeightSender
 from role_processes import loopback_store, run_roles, signed, weight_member
 from test_weight_sync import BUCKET_MB, _assert_same, flattened, model_params
 

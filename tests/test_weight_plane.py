@@ -13,8 +13,9 @@ import torch
 
 from llamarl.app import names
 from llamarl.app.control.transport import connect_store
-from llamarl.app.weights.plane import ElasticReceiver, ElasticSender, NoGeneratorsLeft
-from llamarl.app.weights.sync import flatten_parameters_
+from llamarl.app.weights.epochs import ElasticSender, NoGeneratorsLeft
+from llamarl.app.weights.joining import ElasticReceiver
+from llamarl.app.weights.layout import flatten_parameters_
 from role_processes import forkserver_context, loopback_store, signed
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The weight plane's own keys are signed records (``llamarl.app.weights.sync``): a forged presence,
+"""The weight plane's own keys are signed records (``llamarl.app.weights.group``): a forged presence,
 layout document or sync announcement is ignored and counted, and the sync goes through,
 in real gloo processes on loopback. Without the signature, the forged presence would
 have let the generator start the backend's rendezvous alone, the forged layout document
@@ -16,8 +16,10 @@ import torch
 from llamarl.app import names
 from llamarl.app.control.signed import SignedStore
 from llamarl.app.control.transport import connect_store
-from llamarl.app.weights.plane import ElasticSender
-from llamarl.app.weights.sync import WeightReceiver, WeightSender, init_weight_group
+from llamarl.app.weights.epochs import ElasticSender
+from llamarl.app.weights.group import init_weight_group
+from llamarl.app.weights.receiver import WeightReceiver
+from llamarl.app.weights.sender import WeightSender
 from role_processes import TEST_SECRET, loopback_store, run_roles, signed, weight_member
 from test_weight_sync import BUCKET_MB, _assert_same, flattened, model_params
 

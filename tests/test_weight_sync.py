@@ -9,15 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from llamarl.app.weights.sync import (
-    WeightGroup,
-    WeightLayoutError,
-    WeightReceiver,
-    WeightSender,
-    WeightSyncError,
-    flatten_parameters_,
-    init_weight_group,
-)
+from llamarl.app.weights.group import WeightGroup, WeightLayoutError, WeightSyncError, init_weight_group
+from llamarl.app.weights.layout import flatten_parameters_
+from llamarl.app.weights.receiver import WeightReceiver
+from llamarl.app.weights.sender import WeightSender
 from role_processes import forkserver_context, loopback_store, role_entry as _entry, run_roles as _run, weight_member
 
 pytestmark = pytest.mark.integration

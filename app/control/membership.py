@@ -24,7 +24,7 @@ for it.
 
 A member whose heartbeat moves again (the scheduler restarted it, same replica id) is
 alive again; a generator rejoins the weight plane at the next weight version
-(``llamarl.app.weights.plane``).
+(``llamarl.app.weights.epochs``).
 """
 
 from __future__ import annotations

@@ -40,17 +40,14 @@ from llamarl.app import names
 from llamarl.app.rl import step as rl
 from llamarl.app.control import runtime
 from llamarl.app.control import transport
-from llamarl.app.weights import digest as weight_digest
 from llamarl.app.config import GeneratorConfig, TrainerConfig
 from llamarl.app.rl.contract import to_message
 from llamarl.app.model.policy import load_policy
-from llamarl.app.sampling import GenWeights, quantize_
 from llamarl.app.control.seen_groups import first_seq
 from llamarl.app.control.signed import CONTROLLER, SignedStore
 from llamarl.app.control.transport import Control
 from llamarl.app.state.train_state import SlotLedger
-from llamarl.app.weights.plane import ElasticReceiver
-from llamarl.app.weights.sync import WeightSyncError, flatten_parameters_
+from llamarl.app.weights.subscriber import Subscriber
 
 log = logging.getLogger("llamarl")
 
@@ -126,35 +123,23 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
     # The same prompts as the trainer, in the same order, or a clear failure now.
     prompts = data.load(trainer_cfg, tokenizer, log=log.info)
     data.check_published(rt, prompts, config_timeout_s)
-    flatten_parameters_(model)  # WeightReceiver needs it: a swap is then one copy per dtype
-    # Linear layers at --gen-precision (refused here, naming what this device runs, when it
-    # cannot): the same parameters, so the receiver below writes into them as at fp32.
-    gen_weights = quantize_(model, gen_cfg.gen_precision)
-    # Joins the weight plane's current epoch; after a break (another generator lost) or a
-    # restart of this replica it joins the next one.
-    # Weights altered in flight are refused; it runs on the receiver's thread: a connection of its own.
-    check = (weight_digest.DigestCheck(rt.signed.clone(), rt.replica, wait_s=trainer_cfg.weight_sync_timeout_s,
-                                       should_stop=rt.should_stop) if trainer_cfg.weight_digest else None)
-    receiver = ElasticReceiver(rt.signed, rt.replica, list(model.named_parameters()),
-                               timeout_s=trainer_cfg.weight_sync_timeout_s, verify=check)
-    receiver.start_background(should_stop=rt.should_stop)
-    try:
-        _generate_forever(rt, model, tokenizer, receiver, prompts, trainer_cfg, gen_cfg, check, gen_weights)
-    finally:
-        # The receiver thread must leave gloo before the interpreter exits, or the process
-        # aborts; it can only be stuck in a sync when the run is failing anyway.
-        try:
-            receiver.stop_background(timeout_s=30.0)
-        except WeightSyncError as e:
-            log.warning("%s", e)
-
-
-def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticReceiver,
-                      prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig,
-                      check: weight_digest.DigestCheck | None, gen_weights: GenWeights | None) -> None:
-    device = next(model.parameters()).device
     # On a GPU a busy interval ends when the GPU is done: idle time is GPU idle time.
-    timeline = metrics.Timeline("generator", rt.replica, busy_ends=functools.partial(devices.synchronize, device))
+    timeline = metrics.Timeline("generator", rt.replica, busy_ends=functools.partial(devices.synchronize, where))
+    # Joins the weight plane (llamarl.app.weights.subscriber); --gen-precision is refused here,
+    # naming what this device runs, when it cannot.
+    subscriber = Subscriber(rt, model, precision=gen_cfg.gen_precision, timeout_s=trainer_cfg.weight_sync_timeout_s,
+                            digest=trainer_cfg.weight_digest, timeline=timeline)
+    subscriber.start()
+    try:
+        _generate_forever(rt, model, tokenizer, subscriber, prompts, trainer_cfg, gen_cfg, timeline)
+    finally:
+        subscriber.close(timeout_s=30.0)
+
+
+def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscriber,
+                      prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig,
+                      timeline: metrics.Timeline) -> None:
+    device = next(model.parameters()).device
     ledger = SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger"))
     budget = SlotBudget(rt.signed, groups_per_step=trainer_cfg.prompts_per_step,
                         max_staleness=trainer_cfg.max_staleness, ledger=ledger)
@@ -167,19 +152,16 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
     # under this attempt, so no id is ever used twice and readers take only this
     # attempt's (they refuse a second copy, and a frame from before a resume).
     sent = first_seq(incarnations.register(rt.signed, rt.replica, runtime.run_attempt(rt)))
-    quantized: list[dict] = []  # quantization times, sent with the next weight-sync events
     while True:
         with timeline.idle("wait_weights"):
-            while (new := receiver.swap_if_newer()) is None and version is None:
+            while version is None and not subscriber.waiting():
                 if rt.should_stop():
                     raise transport.Stopped("stop requested")
                 time.sleep(0.005)
-        if new is not None and gen_weights is not None:
-            with timeline.busy("quantize"):
-                seconds = gen_weights.refresh()
-            quantized += metrics.scalars({names.WEIGHTS_QUANTIZE_S: seconds}, role="generator",
-                                         replica=rt.replica, step=new)
+        new = subscriber.swap_into(model)
         version = new if new is not None else version
+        if version is None:
+            continue  # a receive began writing staging since waiting(): wait for it
         # Slots lost with a dead executor first (outside the counter: it counted them
         # already), then new ones within the staleness bound.
         slot_ids = membership.take_lost_slots(rt.signed, gen_cfg.gen_batch_prompts)
@@ -187,7 +169,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
             slots = budget.reserve(gen_cfg.gen_batch_prompts, version)
             if not slots:
                 with timeline.idle("staleness_bound"):
-                    _wait_for_weights_or_lost_slots(rt, receiver, version, check)
+                    _wait_for_weights_or_lost_slots(rt, subscriber, version)
                 continue
             slot_ids = budget.slot_ids(slots)
         held.take(slot_ids)
@@ -212,13 +194,10 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, receiver: ElasticRe
                                   names.GEN_SEQS_PER_S: len(rollouts) / dt,
                                   names.GEN_VERSION: version,
                                   names.IDLE_FRACTION: timeline.idle_fraction(),
-                                  **devices.device_metrics(device), **(check.metrics() if check else {}),
+                                  **devices.device_metrics(device), **subscriber.digest_metrics(),
                                   **rt.security_metrics()},
                                  role="generator", replica=rt.replica)
-        events += [metrics.weight_sync(s.version, f"generator/{rt.replica}", s.bytes, s.seconds)
-                   for s in receiver.pop_stats()]
-        rt.emit(events + quantized + timeline.drain(), flush=True)
-        quantized = []
+        rt.emit(events + subscriber.events() + timeline.drain(), flush=True)
 
 
 def batch_seed(gen_seed: int, first_slot: int) -> int:
@@ -234,18 +213,17 @@ LOST_SLOTS_POLL_S = 0.1
 call; new weights are a local check, made every 5 ms)."""
 
 
-def _wait_for_weights_or_lost_slots(rt: runtime.Runtime, receiver: ElasticReceiver, version: int,
-                                    check: weight_digest.DigestCheck | None) -> None:
+def _wait_for_weights_or_lost_slots(rt: runtime.Runtime, subscriber: Subscriber, version: int) -> None:
     """Until newer weights or lost slots arrive. A version refused meanwhile (its digest)
     is reported at once: this generator may not generate again before the run ends."""
     next_poll = time.monotonic()
-    while receiver.latest_version() == version:
+    while subscriber.latest_version() == version:
         if rt.should_stop():
             raise transport.Stopped("stop requested")
         if time.monotonic() >= next_poll:
             if membership.lost_slots_waiting(rt.store):
                 return
-            if check is not None and (refused := check.new_counts()):
+            if refused := subscriber.new_refusals():
                 rt.emit(metrics.scalars(refused, role="generator", replica=rt.replica), flush=True)
             next_poll = time.monotonic() + LOST_SLOTS_POLL_S
         time.sleep(0.005)

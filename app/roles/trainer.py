@@ -20,7 +20,7 @@ generators after every step, watches every role's health, and ends the run. With
 ``nproc_per_node > 1`` the policy is sharded over the trainer ranks with FSDP2
 (``llamarl.app.rl.sharding``); each rank pulls its share of groups from the same queue, and a step
 is the one a single process would take on all the ranks' groups. Every rank sends its
-own shard straight to every generator after every step (``llamarl.app.weights.plane``). Replica 0
+own shard straight to every generator after every step (``llamarl.app.weights.publisher``). Replica 0
 also keeps a whole copy of the policy, gathered from the shards on the steps that need
 it: what it evaluates and saves as the Hugging Face policy.
 
@@ -64,7 +64,6 @@ from llamarl.app.rl import sharding
 from llamarl.app.rl import steps
 from llamarl.app.state import train_state
 from llamarl.app.control import transport
-from llamarl.app.weights import digest as weight_digest
 from llamarl.app.config import GeneratorConfig, TrainerConfig
 from llamarl.app.rl.contract import Rejections, RolloutGroup
 from llamarl.app.model.policy import load_policy, load_tokenizer
@@ -72,8 +71,8 @@ from llamarl.app.rewards import build_reward, parse_spec
 from llamarl.app.control.seen_groups import REPLAY, TOO_OLD, SeenIds, taken_by_other_ranks
 from llamarl.app.sampling.precision import check_precision
 from llamarl.app.metrics.tensorboard import TensorBoardMirror, summary_writer_class
-from llamarl.app.weights.plane import elastic_sender
-from llamarl.app.weights.sync import flatten_parameters_
+from llamarl.app.weights.layout import flatten_parameters_
+from llamarl.app.weights.publisher import Publisher
 from llamarl.pipelines.rollouts import RolloutStream
 
 log = logging.getLogger("llamarl")
@@ -184,16 +183,12 @@ class Trainer:
             # others of its role are alive); the weight plane regroups without it.
             self.membership.watch_heartbeats = True
         # Every trainer rank sends its own shard straight to every generator (no gather);
-        # rank 0 leads the plane's epochs (llamarl.app.weights.plane).
-        self.sender = elastic_sender(rt.signed, list(self.model.named_parameters()), rank=self.rank,
-                                     ranks=self.world, num_generators=self.num_generators,
-                                     timeout_s=cfg.weight_sync_timeout_s,
-                                     gone=self.membership.gone if self.membership else None,
-                                     should_stop=rt.should_stop)
-        # Every rank signs the digest of the shard it sends: no gather for it.
-        self.digest = (weight_digest.ShardDigest(rt.signed, list(self.model.named_parameters()), rank=self.rank,
-                                                 ranks=self.world) if cfg.weight_digest else None)
-        self.sender.start()
+        # rank 0 leads the plane's epochs; each signs its shard's digest (llamarl.app.weights.publisher).
+        self.publisher = Publisher(rt, list(self.model.named_parameters()), rank=self.rank, ranks=self.world,
+                                   num_generators=self.num_generators, timeout_s=cfg.weight_sync_timeout_s,
+                                   digest=cfg.weight_digest, gone=self.membership.gone if self.membership else None,
+                                   timeline=self.timeline)
+        self.publisher.start()
         self._sync()
         self.stream = RolloutStream(
             rt.queue(names.ROLLOUTS if inline else names.SCORED), reward=self.reward,
@@ -359,28 +354,9 @@ class Trainer:
             self.rt.signed.put(names.dropped_key(names.member("trainer", self.rank)), self.freed_slots)
 
     def _sync(self) -> None:
-        """Every rank: its shard of the current version to every generator; its bytes and
-        seconds are the dashboard's per-sender row (``trainer/<rank>``). With the digest
-        on, the rank hashes that shard on a thread while it is on the wire and publishes
-        the signed record after the send (``llamarl.app.weights.digest``: a generator hashes what
-        it received first, then waits for the record)."""
-        pending = self.digest.start(self.version) if self.digest is not None else None
-        if self.rank == 0:
-            # Published before the send: a generator may push a group of this version as soon
-            # as it has the weights, and a reader (a reward executor) refuses a version it has
-            # not seen published as from the future.
-            self.rt.control.set_version(self.version)
-        with self.timeline.busy("weight_sync"):
-            stats = self.sender.send(self.version)
-        if pending is not None:
-            t0 = time.perf_counter()
-            with self.timeline.busy("weight_digest"):
-                hashed_s = pending.publish()
-            self.rt.emit(metrics.scalars({names.WEIGHT_DIGEST_S: hashed_s,
-                                          names.WEIGHT_DIGEST_WAIT_S: time.perf_counter() - t0},
-                                         role="trainer", replica=self.rank, step=self.version))
-        self.rt.emit([metrics.weight_sync(stats.version, names.member("trainer", self.rank), stats.bytes,
-                                          stats.seconds)])
+        """Every rank: its shard of the current version to every generator, with its signed
+        digest and metrics (``llamarl.app.weights.publisher``)."""
+        self.publisher.publish(self.version)
 
     def _drain_metrics(self) -> None:
         """Replica 0 writes its own events directly and everyone else's from the queue."""
@@ -533,7 +509,7 @@ class Trainer:
         m = self.membership
         values = {names.FAULTS_LOST_GROUPS: m.lost_groups(),
                   names.FAULTS_DUPLICATE_GROUPS: self.duplicates,
-                  names.WEIGHT_REGROUPS: self.sender.regroups,
+                  names.WEIGHT_REGROUPS: self.publisher.regroups,
                   names.members_metric("generator"): len(m.alive("generator"))}
         if self.num_reward:
             values[names.members_metric("reward")] = len(m.alive("reward"))

@@ -1,6 +1,6 @@
 """The weight plane's parameter layout: dtype runs, buckets, flat buffers. Pure tensor code.
 
-``llamarl.app.weights.sync`` moves the bytes; this module decides where each parameter's bytes
+``llamarl.app.weights.sender`` and ``receiver`` move the bytes; this module decides where each parameter's bytes
 sit in them. Parameters are grouped by dtype, in order, into *runs*: a run is every
 parameter of one dtype laid end to end. A run whose parameters already lie back to back
 in one storage (what ``flatten_parameters_`` makes) is sent as one view of it, with no

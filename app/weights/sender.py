@@ -1,0 +1,137 @@
+"""The sending end of a weight group (``llamarl.app.weights.group``): a trainer rank
+broadcasts its part of the policy's weights as one version.
+
+A run that is one slice of a ``flatten_parameters_`` buffer goes out whole, with no copy
+(what the one-rank trainer does), in slices of one bucket's bytes (``whole_cuts``: a
+generator hashes each as it lands, ``llamarl.app.weights.digest``, instead of the whole run
+after it); any other run goes bucket by bucket, packing those that are not one contiguous
+tensor into two reused buffers, so parameters that are not one flat buffer (a trainer
+rank's FSDP2 shards) sync too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from llamarl.app.weights.group import (
+    SyncStats,
+    WeightGroup,
+    WeightLayoutError,
+    WeightSyncError,
+    announce,
+    check_same_model,
+    full_entries,
+    handshake,
+    host_or_device,
+    whole_cuts,
+)
+from llamarl.app.weights.layout import DEFAULT_BUCKET_MB, Layout, pack, span_view
+from llamarl.app.weights.shards import SHARD_ALONE_BYTES, Landing, local_parts, meta_params
+
+__all__ = ["WeightSender"]
+
+_RING = 2  # packing buffers: one bucket is packed while the one before it is on the wire
+
+
+class WeightSender:
+    """Rank 0 of a weight group: broadcasts this trainer rank's part of ``params`` on ``send``.
+
+    ``params`` are kept as given (not detached copies), so a sync always reads the tensors'
+    current storage: a run is sent from its flat buffer while it is one, packed otherwise.
+    With ``ranks`` > 1 trainer ranks, each rank has a group of its own to every generator
+    and sends only its shard (``llamarl.app.weights.shards``: FSDP2's DTensors, sharded on dim 0);
+    the generators assemble the full weights. One rank sends the full tensors.
+    """
+
+    def __init__(self, group: WeightGroup, params: Sequence[tuple[str, torch.Tensor]],
+                 bucket_mb: float = DEFAULT_BUCKET_MB, *, rank: int = 0, ranks: int = 1) -> None:
+        if group.rank != 0:
+            raise ValueError(f"the weight sender must be rank 0 of the weight group, not {group.rank}")
+        self.group = group
+        self.params = list(params)
+        self.rank, self.ranks = rank, ranks
+        local, self.shards = local_parts(self.params, rank, ranks)
+        bucket_bytes = int(bucket_mb * 2**20)
+        self.layout = Layout(local, bucket_bytes,
+                             alone_bytes=bucket_bytes if ranks == 1 else min(bucket_bytes, SHARD_ALONE_BYTES))
+        entries = full_entries(self.layout, self.shards)
+        landing = Landing(self.layout, self.shards, Layout(meta_params(entries), bucket_bytes))
+        # A run goes whole only where the generators can take it as it is (one trainer rank).
+        self._whole_ok = [landing.direct(run) is not None for run in self.layout.runs]
+        doc = {"fingerprint": self.layout.fingerprint, "bucket_bytes": self.layout.bucket_bytes,
+               "alone_bytes": self.layout.alone_bytes, "params": self.layout.entries,
+               "shards": self.shards.describe()}
+        for r, theirs in enumerate(handshake(group, doc), start=1):
+            check_same_model(group, entries, theirs["params"], r)
+        # Packing buffers, grown to the largest bucket packed so far (a flattened model
+        # never packs, so they stay empty).
+        self._ring = [host_or_device(group, 0, torch.uint8) for _ in range(_RING)]
+        self.zero_copy_buckets = 0
+        """Buckets of the last sync that went out without packing (for tests and benchmarks)."""
+
+    def _local(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's current part of each parameter (DTensors' local tensors move)."""
+        local, shards = local_parts(self.params, self.rank, self.ranks)
+        if shards != self.shards or [list(t.shape) for _, t in local] != [e[1] for e in self.layout.entries]:
+            raise WeightLayoutError("weight sync: the trainer's parameters changed shape or sharding "
+                                    "since the sender was built")
+        return local
+
+    def send(self, version: int) -> SyncStats:
+        """Broadcast the current values of this rank's part as ``version``; returns its stats."""
+        g, layout = self.group, self.layout
+        t0 = time.perf_counter()
+        try:
+            params = self._local()
+            announce(g, version)
+            views = [span_view(run, params, g.device) if ok else None
+                     for run, ok in zip(layout.runs, self._whole_ok)]
+            whole = sum(1 << r for r, view in enumerate(views) if view is not None)
+            header = torch.tensor([version, layout.fingerprint, whole], dtype=torch.int64,
+                                  device=g.device)
+            works = [g.broadcast(header)]
+            ring_works: list[dist.Work | None] = [None] * _RING  # last broadcast from each buffer
+            packed = zero_copy = 0
+            for run, view in zip(layout.runs, views):
+                if view is not None:
+                    works += [g.broadcast(view[a:b]) for a, b in whole_cuts(run, layout.bucket_bytes)]
+                    zero_copy += len(run.buckets)
+                    continue
+                for bucket in run.buckets:
+                    if bucket.numel == 0:  # this rank holds none of these parameters
+                        continue
+                    # One tensor of its own (a parameter larger than a bucket) needs no packing.
+                    if (flat := span_view(bucket, params, g.device)) is not None:
+                        works.append(g.broadcast(flat))
+                        zero_copy += 1
+                        continue
+                    k = packed % _RING
+                    if ring_works[k] is not None:
+                        g.wait(ring_works[k])  # that buffer is still being sent
+                    ring_works[k] = g.broadcast(pack(bucket, params, self._buffer(k, bucket.nbytes)))
+                    packed += 1
+            for work in works + [w for w in ring_works if w is not None]:
+                g.wait(work)
+            g.synchronize()
+        except WeightLayoutError:
+            raise
+        except (dist.DistError, RuntimeError) as e:
+            raise WeightSyncError(
+                f"weight sync of version {version} to {g.world_size - 1} generator(s) failed "
+                f"after {time.perf_counter() - t0:.1f} s (group timeout {g.timeout_s:g} s): a "
+                f"generator is gone or stopped receiving. The weight group is unusable now. "
+                f"Cause: {e}") from None
+        self.zero_copy_buckets = zero_copy
+        g.syncs += 1
+        return SyncStats(version=int(version), bytes=layout.nbytes,
+                         seconds=time.perf_counter() - t0)
+
+    def _buffer(self, k: int, nbytes: int) -> torch.Tensor:
+        if self._ring[k].numel() < nbytes:
+            self._ring[k] = host_or_device(self.group, nbytes, torch.uint8)
+        return self._ring[k]
+
