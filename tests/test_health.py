@@ -180,7 +180,7 @@ def test_a_role_refuses_the_control_store_of_another_app():
 
 def test_a_second_store_on_a_port_in_use_fails_saying_why():
     first = runtime.host_app_store(0, "llamarl-first")
-    with pytest.raises(ConnectionError, match=rf"cannot host the control store on port {first.port}.*--store_port"):
+    with pytest.raises(errors.ConfigError, match=rf"cannot host the control store on port {first.port}.*--store_port"):
         runtime.host_app_store(first.port, "llamarl-second")
 
 

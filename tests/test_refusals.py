@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llamarl.app.control.transport import host_store
+from llamarl.app.control.runtime import host_app_store
 from llamarl.app.errors import ConfigError
 
 
@@ -52,5 +52,6 @@ def test_a_store_port_another_program_holds_is_a_refusal_naming_it():
         held.bind(("127.0.0.1", 0))
         held.listen(1)
         port = held.getsockname()[1]
-        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}: another program holds the port"):
-            host_store(port, bind="127.0.0.1")
+        with pytest.raises(ConfigError, match=f"cannot host the control store on port {port} .*Address already in use"
+                                              f".*--store_port"):
+            host_app_store(port, "llamarl-x", bind="127.0.0.1")

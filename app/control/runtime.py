@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from llamarl.app import cli
+from llamarl.app import errors
 from llamarl.app import devices
 from llamarl.app.control import frames
 from llamarl.app.control import health
@@ -87,7 +88,8 @@ def host_app_store(port: int, app_id: str, bind: str = "127.0.0.1") -> dist.TCPS
     try:
         store = transport.host_store(port, bind=bind)
     except (dist.DistError, RuntimeError, OSError) as e:
-        raise ConnectionError(
+        # A refusal (one line, no traceback): the port or the address is the user's to change.
+        raise errors.ConfigError(
             f"cannot host the control store on port {port} ({bind}): {e}. Another app or process uses "
             "the port (give this app another --store_port, or leave it 0: derived from the app id), "
             "or --store_bind names no address of this host") from None

@@ -19,7 +19,6 @@ non-blocking calls with short, growing sleeps.
 from __future__ import annotations
 
 import datetime
-import errno
 import os
 import socket
 import threading
@@ -29,7 +28,6 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from llamarl.app import names
-from llamarl.app.errors import ConfigError
 from llamarl.app.control.frames import MAX_FRAME_BYTES, AuthenticationError, check_secret, decode, encode
 from llamarl.app.control.signed import CONTROLLER, Record, SignedStore
 
@@ -71,8 +69,7 @@ def host_store(port: int, world_size: int | None = None, timeout_s: float = 300.
                bind: str = "127.0.0.1", resolve_timeout_s: float = RESOLVE_TIMEOUT_S) -> dist.TCPStore:
     """Host the control store (trainer replica 0), listening on ``bind`` only: an address
     or a host name (its first IPv4 address, else its first), or ``EVERY_INTERFACE``.
-    ``port=0`` picks a free port: read ``.port``. A port another program holds is a
-    ``ConfigError`` (the user's to change).
+    ``port=0`` picks a free port: read ``.port``.
 
     Why a socket of our own: torch's TCPStore server ignores its host argument and listens
     on every interface (libuv backend, torch 2.13: measured in tests/test_signed_control.py);
@@ -111,11 +108,8 @@ def _listening_socket(bind: str, port: int, resolve_timeout_s: float = RESOLVE_T
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(sockaddr)
         sock.listen(2048)
-    except OSError as e:
+    except OSError:
         sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ConfigError(f"the control store cannot listen on {bind}:{port}: another program holds the "
-                              f"port (--store_port; 0 derives one from the app id)") from None
         raise
     return sock
 
