@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sqlite3
 import statistics
 import sys
@@ -36,43 +35,29 @@ from typing import Sequence
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
-from llamarl.app import names
+if not __package__:  # `python benchmarks/async_vs_sync.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks import apps  # noqa: E402
+from llamarl.app import names  # noqa: E402
 
 
 def launch(mode: str, max_staleness: int, args: argparse.Namespace, extra: Sequence[str] = ()) -> Path:
     """The app with ``args``' steps, generators and policy; ``extra``: more trainer flags."""
-    component_args = [
-        "--num_generators", str(args.generators), "--steps", str(args.steps),
-        "--max_staleness", str(max_staleness), "--runs_dir", args.runs_dir,
-        "--store_port", str(free_port()), "--threads", "1", "--policy", args.policy,
-        "--nproc_per_node", str(args.trainer_ranks),
-        "--", "--eval-every", str(args.steps), "--eval-size", str(args.eval_size), *extra,
-    ]
+    options = ["--num_generators", str(args.generators), "--steps", str(args.steps),
+               "--max_staleness", str(max_staleness), "--runs_dir", args.runs_dir, "--threads", "1",
+               "--policy", args.policy, "--nproc_per_node", str(args.trainer_ranks)]
+    flags = ["--eval-every", str(args.steps), "--eval-size", str(args.eval_size), *extra]
     with get_runner() as runner:
         t0 = time.time()
-        handle = runner.run_component("llamarl.llamarl", component_args, scheduler="llamarl_local",
-                                      cfg={"log_dir": f"{args.runs_dir}/torchx-logs"})
+        handle = apps.start(runner, options, flags, log_dir=f"{args.runs_dir}/torchx-logs")
         app_id = handle.rsplit("/", 1)[-1]
         try:
-            while True:
-                status = runner.status(handle)
-                if status is not None and status.is_terminal():
-                    break
-                if time.time() - t0 > args.timeout_s:
-                    raise TimeoutError(f"{mode} run did not finish within {args.timeout_s} s")
-                time.sleep(1.0)
-        finally:
-            status = runner.status(handle)
-            if status is not None and not status.is_terminal():
-                runner.cancel(handle)
-        if status.state != AppState.SUCCEEDED:
-            raise RuntimeError(f"{mode} run ended {status.state}: see {args.runs_dir}/torchx-logs")
+            state = apps.wait(runner, handle, args.timeout_s).state
+        except TimeoutError:
+            raise TimeoutError(f"{mode} run did not finish within {args.timeout_s} s") from None
+        if state != AppState.SUCCEEDED:
+            raise RuntimeError(f"{mode} run ended {state}: see {args.runs_dir}/torchx-logs")
     print(f"{mode}: finished in {time.time() - t0:.0f} s", file=sys.stderr)
     return Path(args.runs_dir) / app_id
 

@@ -32,8 +32,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from llamarl.app import names
-from async_vs_sync import launch, summarise
+if not __package__:  # `python benchmarks/quantized.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.async_vs_sync import launch, summarise  # noqa: E402
+from llamarl.app import names  # noqa: E402
 
 RUNS = {"fp32": ["--gen-precision", "fp32"], "int8": ["--gen-precision", "int8"],
         "int8_no_correction": ["--gen-precision", "int8", "--no-ratio-correction"]}

@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sqlite3
 import sys
 import tempfile
@@ -32,7 +31,11 @@ from pathlib import Path
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
-from llamarl.app import names
+if not __package__:  # `python benchmarks/resume.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import apps  # noqa: E402
+from llamarl.app import names  # noqa: E402
 
 RECORDER = '''import os
 
@@ -44,36 +47,15 @@ def seen(prompt, completion, meta):
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(runner, args: argparse.Namespace, record: Path, *extra: str) -> str:
-    component_args = [
-        "--num_generators", "1", "--steps", str(args.steps), "--max_staleness", "0",
-        "--runs_dir", args.runs_dir, "--store_port", str(free_port()), "--threads", "1",
-        "--policy", args.policy, "--rewards", "math_verifier,record_prompts:seen=0",
-        # This interpreter's bin first: the roles run the same environment's python.
-        "--env", f"PATH={os.path.dirname(sys.executable)},PYTHONPATH={args.plugins},LLAMARL_BENCH_PROMPTS={record}",
-        "--", "--eval-every", str(args.steps), "--eval-size", str(args.eval_size),
-        "--prompts-per-step", str(args.prompts_per_step), "--save-every", str(args.save_every),
-        "--seed", "0", *extra,
-    ]
-    return runner.run_component("llamarl.llamarl", component_args, scheduler="llamarl_local",
-                                cfg={"log_dir": f"{args.runs_dir}/torchx-logs"})
-
-
-def wait(runner, handle: str, timeout_s: float) -> AppState:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        status = runner.status(handle)
-        if status is not None and status.is_terminal():
-            return status.state
-        time.sleep(0.5)
-    runner.cancel(handle)
-    raise TimeoutError(f"{handle} did not end within {timeout_s:g} s")
+    options = ["--num_generators", "1", "--steps", str(args.steps), "--max_staleness", "0",
+               "--runs_dir", args.runs_dir, "--threads", "1",
+               "--policy", args.policy, "--rewards", "math_verifier,record_prompts:seen=0"]
+    flags = ["--eval-every", str(args.steps), "--eval-size", str(args.eval_size),
+             "--prompts-per-step", str(args.prompts_per_step), "--save-every", str(args.save_every),
+             "--seed", "0", *extra]
+    return apps.start(runner, options, flags, log_dir=f"{args.runs_dir}/torchx-logs",
+                      env={"PYTHONPATH": args.plugins, "LLAMARL_BENCH_PROMPTS": str(record)})
 
 
 def step_times(db_path: Path) -> dict[int, float]:
@@ -115,7 +97,7 @@ def main() -> None:
     with get_runner() as runner:
         plain_record = work / "uninterrupted.txt"
         handle = start(runner, args, plain_record)
-        assert wait(runner, handle, args.timeout_s) == AppState.SUCCEEDED, f"see {args.runs_dir}/torchx-logs"
+        assert apps.wait(runner, handle, args.timeout_s).state == AppState.SUCCEEDED, f"see {args.runs_dir}/torchx-logs"
         plain_dir = Path(args.runs_dir) / handle.rsplit("/", 1)[-1]
         print("uninterrupted run done", file=sys.stderr)
 
@@ -134,7 +116,7 @@ def main() -> None:
         killed_at = time.time()
         runner.cancel(handle)
         recorded_at_kill = max(step_times(run_dir / "metrics.db"))
-        wait(runner, handle, 120)
+        apps.wait(runner, handle, 120)
         checkpoint = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
         handle = start(runner, args, resumed_record, "--resume", run_id)
         deadline = time.time() + args.timeout_s
@@ -144,7 +126,7 @@ def main() -> None:
                 raise TimeoutError("the resumed run never trained")
             time.sleep(0.1)
         first_step_s = step_times(run_dir / "metrics.db")[checkpoint + 1] - killed_at
-        assert wait(runner, handle, args.timeout_s) == AppState.SUCCEEDED, f"see {args.runs_dir}/torchx-logs"
+        assert apps.wait(runner, handle, args.timeout_s).state == AppState.SUCCEEDED, f"see {args.runs_dir}/torchx-logs"
 
     plain_order = groups(plain_record, args.group_size)[: args.steps * B]
     resumed_order = (groups(killed_record, args.group_size)[: checkpoint * B]

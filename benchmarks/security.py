@@ -31,18 +31,23 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from llamarl.app.weights import digest as weight_digest
-from llamarl.app.rl.contract import GroupId, Rejections, Rollout, RolloutGroup, from_message, to_message
-from llamarl.app.control.frames import decode, encode
-from llamarl.app.control.seen_groups import Admission
-from llamarl.app.control.signed import SignedStore
-from llamarl.app.control.transport import connect_store, host_store
-from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
-from weight_sync import _Steps, llama_like_params
+if not __package__:  # `python benchmarks/security.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llamarl.app.weights import digest as weight_digest  # noqa: E402
+from llamarl.app.rl.contract import GroupId, Rejections, Rollout, RolloutGroup, from_message, to_message  # noqa: E402
+from llamarl.app.control.frames import decode, encode  # noqa: E402
+from llamarl.app.control.seen_groups import Admission  # noqa: E402
+from llamarl.app.control.signed import SignedStore  # noqa: E402
+from llamarl.app.control.transport import connect_store, host_store  # noqa: E402
+from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group  # noqa: E402
+from benchmarks.weight_sync import _Steps, llama_like_params  # noqa: E402
 
 SECRET = bytes(range(32))
 

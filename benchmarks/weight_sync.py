@@ -51,7 +51,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.sharded_sync from this checkout
+if not __package__:  # `python benchmarks/weight_sync.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llamarl.app.control.signed import SignedStore
 from llamarl.app.control.transport import connect_store, host_store

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from app_launch import SMALL, free_port
+from app_launch import SMALL
+from llamarl.app.names import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ["pyproject.toml", "README.md", "app", "components", "pipelines", "dashboard"]
