@@ -88,25 +88,37 @@ def summarise(run_dir: Path) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def launch_parser(description: str, runs_dir: str) -> argparse.ArgumentParser:
+    """The options ``launch`` reads, and ``--json``: for this benchmark and the ones that
+    launch their runs through it (``benchmarks/quantized.py``)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--generators", type=int, default=1,
-                        help="generator replicas in both runs (the component's default)")
+                        help="generator replicas in every run (the component's default)")
+    parser.add_argument("--trainer-ranks", type=int, default=1,
+                        help="trainer ranks in every run (more than one: the policy sharded with FSDP2)")
     parser.add_argument("--eval-size", type=int, default=400)
     parser.add_argument("--policy", default="warmstart")
-    parser.add_argument("--runs-dir", default="runs/bench-async-vs-sync")
+    parser.add_argument("--runs-dir", default=runs_dir)
     parser.add_argument("--timeout-s", type=float, default=1800)
+    return parser
+
+
+def warm_policy(args: argparse.Namespace) -> None:
+    """``--policy warmstart``: trained once up front, outside every run's timing."""
+    if args.policy == "warmstart":
+        from llamarl.app.rl.warmstart import ensure_warmstart
+        args.policy = str(ensure_warmstart().resolve())
+
+
+def main() -> None:
+    parser = launch_parser(__doc__.splitlines()[0], "runs/bench-async-vs-sync")
     parser.add_argument("--pairs", type=int, default=3, help="alternating sync/async pairs (medians reported)")
-    parser.add_argument("--trainer-ranks", type=int, default=1,
-                        help="trainer ranks in both runs (more than one: the policy sharded with FSDP2)")
     args = parser.parse_args()
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
-    if args.policy == "warmstart":  # train it once up front, outside both timings
-        from llamarl.app.rl.warmstart import ensure_warmstart
-        args.policy = str(ensure_warmstart().resolve())
+    warm_policy(args)
     pairs = [(summarise(launch("sync", 0, args)), summarise(launch("async", 1, args)))
              for _ in range(args.pairs)]
 

@@ -47,6 +47,7 @@ from llamarl.app.control.seen_groups import Admission  # noqa: E402
 from llamarl.app.control.signed import SignedStore  # noqa: E402
 from llamarl.app.control.transport import connect_store, host_store  # noqa: E402
 from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group  # noqa: E402
+from benchmarks import spawn  # noqa: E402
 from benchmarks.weight_sync import _Steps, llama_like_params  # noqa: E402
 
 SECRET = bytes(range(32))
@@ -217,14 +218,7 @@ def weight_role(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -
 def bench_weights(args: argparse.Namespace) -> dict:
     load = os.getloadavg()[0]
     store = host_store(0, None, timeout_s=600, bind="127.0.0.1")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=weight_role, args=(r, store.port, args, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    reports = dict(out.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join(60)
+    reports = spawn.run_roles([(weight_role, (r, store.port, args)) for r in range(2)], timeout_s=1800)
     trainer, generator = reports[0], reports[1]
     if generator["refused"]:
         raise RuntimeError(f"benchmark: the generator refused versions: {generator['refused']}")

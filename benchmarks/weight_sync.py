@@ -57,6 +57,7 @@ if not __package__:  # `python benchmarks/weight_sync.py`: the repository root, 
 from llamarl.app.control.signed import SignedStore
 from llamarl.app.control.transport import connect_store, host_store
 from llamarl.app.weights.sync import WeightReceiver, WeightSender, flatten_parameters_, init_weight_group
+from benchmarks import spawn
 
 HIDDEN, INTERMEDIATE, VOCAB = 768, 2048, 32000
 
@@ -241,15 +242,7 @@ def main() -> None:
         args.dir = tmp.name
     store = host_store(0, None, timeout_s=600, bind="127.0.0.1")
     world_size = 1 + args.generators
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=role, args=(r, world_size, store.port, args, out))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    reports = dict(out.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join(60)
+    reports = spawn.run_roles([(role, (r, world_size, store.port, args)) for r in range(world_size)], timeout_s=1800)
     if tmp is not None:
         tmp.cleanup()
 

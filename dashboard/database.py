@@ -124,14 +124,13 @@ class Reader:
         self._db.close()
 
     def frame(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> pd.DataFrame:
-        try:
-            cur = self._db.execute(sql, params)
-            rows = cur.fetchall()
-        except sqlite3.ProgrammingError:
-            raise  # a bug here (a closed Run), not a broken file
-        except sqlite3.DatabaseError as err:
-            raise CorruptDatabase(f"run {self._run_name!r}: reading {DB_NAME} failed ({err})") from err
-        return pd.DataFrame(rows, columns=[d[0] for d in cur.description])
+        columns, rows = self._rows(sql, params, all_rows=True)
+        return pd.DataFrame(rows, columns=columns)
+
+    def one(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
+        """The first column of the first row; ``None`` for no row."""
+        _, row = self._rows(sql, params, all_rows=False)
+        return None if row is None else row[0]
 
     def stride(self, table: str, column: str, max_points: int) -> tuple[int | None, int]:
         """The smallest value of an integer ``column`` and the stride that groups its range
@@ -140,14 +139,17 @@ class Reader:
         hi = self.one(f"SELECT MAX({column}) FROM {table}")
         return lo, 1 if lo is None else max(1, math.ceil((hi - lo + 1) / max_points))
 
-    def one(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
+    def _rows(self, sql: str, params: Sequence[Any] | dict[str, Any], *, all_rows: bool) -> tuple[list[str], Any]:
+        """The column names and every row (``all_rows``) or the first; a file that breaks
+        while being read is ``CorruptDatabase``."""
         try:
-            row = self._db.execute(sql, params).fetchone()
+            cur = self._db.execute(sql, params)
+            rows = cur.fetchall() if all_rows else cur.fetchone()
         except sqlite3.ProgrammingError:
             raise  # a bug here (a closed Run), not a broken file
         except sqlite3.DatabaseError as err:
             raise CorruptDatabase(f"run {self._run_name!r}: reading {DB_NAME} failed ({err})") from err
-        return None if row is None else row[0]
+        return [d[0] for d in cur.description], rows
 
 
 def bucket_width(t_lo: float | None, t_hi: float | None, max_points: int) -> float:
