@@ -1,7 +1,8 @@
 """Every name two processes must agree on: control-store keys, queue names, metric names.
 
 One module, imported by every executor and by the dashboard, so a key or a metric is
-spelled once. Pure: no torch, no process groups (the dashboard imports it).
+spelled once, and the ports the app derives or a launcher picks. Pure: no torch, no
+process groups (the dashboard imports it).
 
 Store keys all live under ``llamarl/``; the weight plane's rendezvous lives in its own
 ``PrefixStore`` (``WEIGHT_PLANE_PREFIX``) of the same store.
@@ -9,6 +10,10 @@ Store keys all live under ``llamarl/``; the weight plane's rendezvous lives in i
 
 from __future__ import annotations
 
+import os
+import random
+import socket
+import time
 import zlib
 
 from llamarl.app.errors import ConfigError
@@ -89,6 +94,30 @@ def rendezvous_port(port: int, app_id: str) -> int:
     if port:
         return port + 1
     return RENDEZVOUS_PORT_BASE + store_port(0, app_id) - STORE_PORT_BASE
+
+
+FREE_PORTS = range(20000, STORE_PORT_BASE)
+"""Where a launcher on this machine (the dashboard's screenshot, the benchmarks, the tests)
+picks ports to give: below Linux's ephemeral range (32768 and up, where any process's
+outgoing connection may take a port at any moment; a multi-node trainer's rendezvous
+listens at the store port + 1, which a port the kernel picked for us does not keep free)
+and below every port derived from an app id."""
+
+
+def free_port(span: int = 2) -> int:
+    """A port p of ``FREE_PORTS`` with p .. p + span - 1 free now (by default the store's
+    and the rendezvous's); random, so that launchers side by side rarely collide."""
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(200):
+        port = rng.randrange(FREE_PORTS.start, FREE_PORTS.stop - span)
+        try:
+            for p in range(port, port + span):
+                with socket.socket() as s:
+                    s.bind(("", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no {span} free ports in a row in {FREE_PORTS}")
 
 
 def member(role: str, replica: int) -> str:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sqlite3
 import statistics
 import sys
@@ -36,43 +35,29 @@ from typing import Sequence
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
-from llamarl.app import names
+if not __package__:  # `python benchmarks/async_vs_sync.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks import apps  # noqa: E402
+from llamarl.app import names  # noqa: E402
 
 
 def launch(mode: str, max_staleness: int, args: argparse.Namespace, extra: Sequence[str] = ()) -> Path:
     """The app with ``args``' steps, generators and policy; ``extra``: more trainer flags."""
-    component_args = [
-        "--num_generators", str(args.generators), "--steps", str(args.steps),
-        "--max_staleness", str(max_staleness), "--runs_dir", args.runs_dir,
-        "--store_port", str(free_port()), "--threads", "1", "--policy", args.policy,
-        "--nproc_per_node", str(args.trainer_ranks),
-        "--", "--eval-every", str(args.steps), "--eval-size", str(args.eval_size), *extra,
-    ]
+    options = ["--num_generators", str(args.generators), "--steps", str(args.steps),
+               "--max_staleness", str(max_staleness), "--runs_dir", args.runs_dir, "--threads", "1",
+               "--policy", args.policy, "--nproc_per_node", str(args.trainer_ranks)]
+    flags = ["--eval-every", str(args.steps), "--eval-size", str(args.eval_size), *extra]
     with get_runner() as runner:
         t0 = time.time()
-        handle = runner.run_component("llamarl.llamarl", component_args, scheduler="llamarl_local",
-                                      cfg={"log_dir": f"{args.runs_dir}/torchx-logs"})
+        handle = apps.start(runner, options, flags, log_dir=f"{args.runs_dir}/torchx-logs")
         app_id = handle.rsplit("/", 1)[-1]
         try:
-            while True:
-                status = runner.status(handle)
-                if status is not None and status.is_terminal():
-                    break
-                if time.time() - t0 > args.timeout_s:
-                    raise TimeoutError(f"{mode} run did not finish within {args.timeout_s} s")
-                time.sleep(1.0)
-        finally:
-            status = runner.status(handle)
-            if status is not None and not status.is_terminal():
-                runner.cancel(handle)
-        if status.state != AppState.SUCCEEDED:
-            raise RuntimeError(f"{mode} run ended {status.state}: see {args.runs_dir}/torchx-logs")
+            state = apps.wait(runner, handle, args.timeout_s).state
+        except TimeoutError:
+            raise TimeoutError(f"{mode} run did not finish within {args.timeout_s} s") from None
+        if state != AppState.SUCCEEDED:
+            raise RuntimeError(f"{mode} run ended {state}: see {args.runs_dir}/torchx-logs")
     print(f"{mode}: finished in {time.time() - t0:.0f} s", file=sys.stderr)
     return Path(args.runs_dir) / app_id
 
@@ -103,25 +88,37 @@ def summarise(run_dir: Path) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def launch_parser(description: str, runs_dir: str) -> argparse.ArgumentParser:
+    """The options ``launch`` reads, and ``--json``: for this benchmark and the ones that
+    launch their runs through it (``benchmarks/quantized.py``)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--generators", type=int, default=1,
-                        help="generator replicas in both runs (the component's default)")
+                        help="generator replicas in every run (the component's default)")
+    parser.add_argument("--trainer-ranks", type=int, default=1,
+                        help="trainer ranks in every run (more than one: the policy sharded with FSDP2)")
     parser.add_argument("--eval-size", type=int, default=400)
     parser.add_argument("--policy", default="warmstart")
-    parser.add_argument("--runs-dir", default="runs/bench-async-vs-sync")
+    parser.add_argument("--runs-dir", default=runs_dir)
     parser.add_argument("--timeout-s", type=float, default=1800)
+    return parser
+
+
+def warm_policy(args: argparse.Namespace) -> None:
+    """``--policy warmstart``: trained once up front, outside every run's timing."""
+    if args.policy == "warmstart":
+        from llamarl.app.rl.warmstart import ensure_warmstart
+        args.policy = str(ensure_warmstart().resolve())
+
+
+def main() -> None:
+    parser = launch_parser(__doc__.splitlines()[0], "runs/bench-async-vs-sync")
     parser.add_argument("--pairs", type=int, default=3, help="alternating sync/async pairs (medians reported)")
-    parser.add_argument("--trainer-ranks", type=int, default=1,
-                        help="trainer ranks in both runs (more than one: the policy sharded with FSDP2)")
     args = parser.parse_args()
     if args.pairs < 1:
         parser.error("--pairs must be >= 1")
-    if args.policy == "warmstart":  # train it once up front, outside both timings
-        from llamarl.app.rl.warmstart import ensure_warmstart
-        args.policy = str(ensure_warmstart().resolve())
+    warm_policy(args)
     pairs = [(summarise(launch("sync", 0, args)), summarise(launch("async", 1, args)))
              for _ in range(args.pairs)]
 

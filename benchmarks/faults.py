@@ -41,7 +41,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -52,9 +51,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchx.runner import get_runner
-from torchx.specs import AppState, is_terminal, parse_app_handle
+from torchx.specs import AppState, parse_app_handle
 
-from llamarl.app.control import replica_lock
+if not __package__:  # `python benchmarks/faults.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import apps  # noqa: E402
+from llamarl.app.control import replica_lock  # noqa: E402
 
 SMALL = ["--eval-every", "1000", "--eval-size", "20", "--prompts-per-step", "4", "--group-size", "4",
          "--gen-batch-prompts", "2", "--max-new-tokens", "16"]
@@ -84,12 +87,6 @@ CASES = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def trainer_log(log_dir: Path, app_id: str) -> str:
     paths = list(log_dir.glob(f"*/{app_id}/trainer/0/combined.log"))
     return paths[0].read_text(errors="replace") if paths else ""
@@ -101,14 +98,10 @@ def app_processes(app_id: str) -> list[str]:
 
 
 def start_app(runner, policy: str, work: Path, options: list[str]) -> tuple[str, str]:
-    """Launch ``llamarl.llamarl`` on local_cwd with ``options``, logs under
+    """Launch ``llamarl.llamarl`` on llamarl_local with ``options``, logs under
     ``work/torchx-logs``, runs under ``work/runs``; its handle and app id."""
-    args = ["--policy", policy, "--runs_dir", str(work / "runs"), "--store_port", str(free_port()),
-            "--threads", "1", *options,
-            # Roles started by name find this interpreter's environment first.
-            "--env", f"PATH={os.path.dirname(sys.executable)}", "--", *SMALL]
-    handle = runner.run_component("llamarl.llamarl", args, scheduler="llamarl_local",
-                                  cfg={"log_dir": str(work / "torchx-logs")})
+    handle = apps.start(runner, ["--policy", policy, "--runs_dir", str(work / "runs"), "--threads", "1", *options],
+                        SMALL, log_dir=work / "torchx-logs")
     return handle, parse_app_handle(handle).app_id
 
 
@@ -138,12 +131,12 @@ def kill_one(pattern: str, what: str) -> None:
 
 
 def wait_for_end(runner, handle: str, deadline: float, what: str):
-    """The app's final status; ``TimeoutError`` at ``deadline`` (monotonic)."""
-    while not is_terminal((status := runner.status(handle)).state):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: the app did not end in time")
-        time.sleep(0.1)
-    return status
+    """The app's final status, seen within 0.1 s of its end; ``TimeoutError`` at
+    ``deadline`` (monotonic)."""
+    try:
+        return apps.wait(runner, handle, deadline - time.monotonic(), poll_s=0.1)
+    except TimeoutError:
+        raise TimeoutError(f"{what}: the app did not end in time") from None
 
 
 def run_case(case: Case, policy: str, work: Path, timeout_s: float) -> tuple[float, float]:

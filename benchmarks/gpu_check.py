@@ -99,7 +99,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `python benchmarks/gpu_check.py` from anywhere finds `app`
+if not __package__:  # `python benchmarks/gpu_check.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -470,23 +471,19 @@ def check_app_run(t: Target) -> dict[str, Any]:
     from torchx.runner import get_runner
     from torchx.specs import AppState, parse_app_handle
 
+    from benchmarks import apps
+
     runs, logs = t.work / "runs", t.work / "torchx-logs"
     gpu = "0" if t.dry_run else "1"
-    args = ["--policy", str(t.policy), "--runs_dir", str(runs), "--steps", str(APP_STEPS), "--num_generators", "1",
-            "--trainer_gpu", gpu, "--generator_gpu", gpu, "--threads", "2",
-            # Roles start `python` by name: this interpreter's first on their PATH.
-            "--env", f"PATH={Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-            # The dry run takes bf16 too (auto is fp32 on the CPU): the flag reaches the trainer.
-            "--", *SMALL_APP, *(["--train-precision", "bf16"] if t.dry_run else [])]
+    options = ["--policy", str(t.policy), "--runs_dir", str(runs), "--steps", str(APP_STEPS), "--num_generators", "1",
+               "--trainer_gpu", gpu, "--generator_gpu", gpu, "--threads", "2"]
+    # The dry run takes bf16 too (auto is fp32 on the CPU): the flag reaches the trainer.
+    flags = [*SMALL_APP, *(["--train-precision", "bf16"] if t.dry_run else [])]
     t0 = time.monotonic()
     with get_runner() as runner:
-        handle = runner.run_component("llamarl.llamarl", args, scheduler="llamarl_local",
-                                      cfg={"log_dir": str(logs), "auto_set_cuda_visible_devices": True})
+        handle = apps.start(runner, options, flags, log_dir=logs, cfg={"auto_set_cuda_visible_devices": True})
         try:
-            while (status := runner.status(handle)) is None or not status.is_terminal():
-                if time.monotonic() - t0 > APP_TIMEOUT_S:
-                    raise TimeoutError(f"the app did not finish within {APP_TIMEOUT_S:g} s")
-                time.sleep(1.0)
+            status = apps.wait(runner, handle, APP_TIMEOUT_S)
         finally:
             runner.cancel(handle)
     app_id = parse_app_handle(handle).app_id

@@ -24,7 +24,6 @@ alike); the table shows each run, the JSON keeps every run's per-step series too
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sqlite3
@@ -32,8 +31,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from llamarl.app import names
-from async_vs_sync import launch, summarise
+if not __package__:  # `python benchmarks/quantized.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.async_vs_sync import launch, launch_parser, summarise, warm_policy  # noqa: E402
+from llamarl.app import names  # noqa: E402
 
 RUNS = {"fp32": ["--gen-precision", "fp32"], "int8": ["--gen-precision", "int8"],
         "int8_no_correction": ["--gen-precision", "int8", "--no-ratio-correction"]}
@@ -58,20 +60,10 @@ def mismatch_figures(run_dir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", required=True, help="where to write the results")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--generators", type=int, default=1)
-    parser.add_argument("--trainer-ranks", type=int, default=1)
-    parser.add_argument("--eval-size", type=int, default=400)
-    parser.add_argument("--policy", default="warmstart")
-    parser.add_argument("--runs-dir", default="runs/bench-quantized")
-    parser.add_argument("--timeout-s", type=float, default=1800)
+    parser = launch_parser(__doc__.splitlines()[0], "runs/bench-quantized")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of the three runs")
     args = parser.parse_args()
-    if args.policy == "warmstart":  # trained once up front, outside the runs
-        from llamarl.app.rl.warmstart import ensure_warmstart
-        args.policy = str(ensure_warmstart().resolve())
+    warm_policy(args)
     results: dict[str, list[dict]] = {name: [] for name in RUNS}
     for _ in range(args.repeats):
         for name, flags in RUNS.items():

@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sqlite3
 import sys
 import tempfile
@@ -32,48 +31,20 @@ from pathlib import Path
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
-from llamarl.app import names
+if not __package__:  # `python benchmarks/resume.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-RECORDER = '''import os
-
-
-def seen(prompt, completion, meta):
-    with open(os.environ["LLAMARL_BENCH_PROMPTS"], "a") as f:
-        f.write(prompt.replace("\\n", " ") + "\\n")
-    return 0.0
-'''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from benchmarks import apps, record_prompts  # noqa: E402
+from llamarl.app import names  # noqa: E402
 
 def start(runner, args: argparse.Namespace, record: Path, *extra: str) -> str:
-    component_args = [
-        "--num_generators", "1", "--steps", str(args.steps), "--max_staleness", "0",
-        "--runs_dir", args.runs_dir, "--store_port", str(free_port()), "--threads", "1",
-        "--policy", args.policy, "--rewards", "math_verifier,record_prompts:seen=0",
-        # This interpreter's bin first: the roles run the same environment's python.
-        "--env", f"PATH={os.path.dirname(sys.executable)},PYTHONPATH={args.plugins},LLAMARL_BENCH_PROMPTS={record}",
-        "--", "--eval-every", str(args.steps), "--eval-size", str(args.eval_size),
-        "--prompts-per-step", str(args.prompts_per_step), "--save-every", str(args.save_every),
-        "--seed", "0", *extra,
-    ]
-    return runner.run_component("llamarl.llamarl", component_args, scheduler="llamarl_local",
-                                cfg={"log_dir": f"{args.runs_dir}/torchx-logs"})
-
-
-def wait(runner, handle: str, timeout_s: float) -> AppState:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        status = runner.status(handle)
-        if status is not None and status.is_terminal():
-            return status.state
-        time.sleep(0.5)
-    runner.cancel(handle)
-    raise TimeoutError(f"{handle} did not end within {timeout_s:g} s")
+    options = ["--num_generators", "1", "--steps", str(args.steps), "--max_staleness", "0",
+               "--runs_dir", args.runs_dir, "--threads", "1",
+               "--policy", args.policy, "--rewards", f"math_verifier,{record_prompts.SPEC}"]
+    flags = ["--eval-every", str(args.steps), "--eval-size", str(args.eval_size),
+             "--prompts-per-step", str(args.prompts_per_step), "--save-every", str(args.save_every),
+             "--seed", "0", *extra]
+    return apps.start(runner, options, flags, log_dir=f"{args.runs_dir}/torchx-logs", env=record_prompts.env(record))
 
 
 def step_times(db_path: Path) -> dict[int, float]:
@@ -89,11 +60,6 @@ def final_accuracy(db_path: Path, step: int) -> float:
     return acc
 
 
-def groups(record: Path, group_size: int) -> list[str]:
-    lines = record.read_text().splitlines()
-    return lines[::group_size]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path)
@@ -107,19 +73,17 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="resume-bench-"))
-    args.runs_dir, args.plugins = str(work / "runs"), str(work / "plugins")
-    os.makedirs(args.plugins)
-    Path(args.plugins, "record_prompts.py").write_text(RECORDER)
+    args.runs_dir = str(work / "runs")
     B = args.prompts_per_step
 
     with get_runner() as runner:
-        plain_record = work / "uninterrupted.txt"
+        plain_record = work / "uninterrupted.jsonl"
         handle = start(runner, args, plain_record)
-        assert wait(runner, handle, args.timeout_s) == AppState.SUCCEEDED, f"see {args.runs_dir}/torchx-logs"
+        assert apps.wait(runner, handle, args.timeout_s).state == AppState.SUCCEEDED, f"see {args.runs_dir}/torchx-logs"
         plain_dir = Path(args.runs_dir) / handle.rsplit("/", 1)[-1]
         print("uninterrupted run done", file=sys.stderr)
 
-        killed_record, resumed_record = work / "killed.txt", work / "resumed.txt"
+        killed_record, resumed_record = work / "killed.jsonl", work / "resumed.jsonl"
         handle = start(runner, args, killed_record)
         run_id = handle.rsplit("/", 1)[-1]
         run_dir = Path(args.runs_dir) / run_id
@@ -134,7 +98,7 @@ def main() -> None:
         killed_at = time.time()
         runner.cancel(handle)
         recorded_at_kill = max(step_times(run_dir / "metrics.db"))
-        wait(runner, handle, 120)
+        apps.wait(runner, handle, 120)
         checkpoint = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
         handle = start(runner, args, resumed_record, "--resume", run_id)
         deadline = time.time() + args.timeout_s
@@ -144,11 +108,11 @@ def main() -> None:
                 raise TimeoutError("the resumed run never trained")
             time.sleep(0.1)
         first_step_s = step_times(run_dir / "metrics.db")[checkpoint + 1] - killed_at
-        assert wait(runner, handle, args.timeout_s) == AppState.SUCCEEDED, f"see {args.runs_dir}/torchx-logs"
+        assert apps.wait(runner, handle, args.timeout_s).state == AppState.SUCCEEDED, f"see {args.runs_dir}/torchx-logs"
 
-    plain_order = groups(plain_record, args.group_size)[: args.steps * B]
-    resumed_order = (groups(killed_record, args.group_size)[: checkpoint * B]
-                     + groups(resumed_record, args.group_size)[: (args.steps - checkpoint) * B])
+    plain_order = record_prompts.groups(plain_record, args.group_size)[: args.steps * B]
+    resumed_order = (record_prompts.groups(killed_record, args.group_size)[: checkpoint * B]
+                     + record_prompts.groups(resumed_record, args.group_size)[: (args.steps - checkpoint) * B])
     acc_plain = final_accuracy(plain_dir / "metrics.db", args.steps)
     acc_resumed = final_accuracy(run_dir / "metrics.db", args.steps)
     se = math.sqrt(sum(a * (1 - a) for a in (acc_plain, acc_resumed)) / args.eval_size)

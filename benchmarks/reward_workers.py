@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ and app/ from this checkout
+if not __package__:  # `python benchmarks/reward_workers.py`: the repository root, for `examples.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llamarl.app.tasks import arithmetic as tasks# noqa: E402
 from llamarl.app.rewards import Component, CompositeReward, Sample  # noqa: E402

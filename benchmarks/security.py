@@ -31,21 +31,27 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from llamarl.app.weights import digest as weight_digest
-from llamarl.app.rl.contract import GroupId, Rejections, Rollout, RolloutGroup, from_message, to_message
-from llamarl.app.control.frames import decode, encode
-from llamarl.app.control.seen_groups import Admission
-from llamarl.app.control.signed import SignedStore
-from llamarl.app.control.transport import connect_store, host_store
-from llamarl.app.weights.group import init_weight_group
-from llamarl.app.weights.layout import flatten_parameters_
-from llamarl.app.weights.receiver import WeightReceiver
-from llamarl.app.weights.sender import WeightSender
-from weight_sync import _Steps, llama_like_params
+if not __package__:  # `python benchmarks/security.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llamarl.app.weights import digest as weight_digest  # noqa: E402
+from llamarl.app.rl.contract import GroupId, Rejections, Rollout, RolloutGroup, from_message, to_message  # noqa: E402
+from llamarl.app.control.frames import decode, encode  # noqa: E402
+from llamarl.app.control.seen_groups import Admission  # noqa: E402
+from llamarl.app.control.signed import SignedStore  # noqa: E402
+from llamarl.app.control.transport import connect_store, host_store  # noqa: E402
+from llamarl.app.weights.group import init_weight_group  # noqa: E402
+from llamarl.app.weights.layout import flatten_parameters_  # noqa: E402
+from llamarl.app.weights.receiver import WeightReceiver  # noqa: E402
+from llamarl.app.weights.sender import WeightSender  # noqa: E402
+from benchmarks import spawn  # noqa: E402
+from benchmarks.weight_sync import _Steps, llama_like_params  # noqa: E402
 
 SECRET = bytes(range(32))
 
@@ -215,14 +221,7 @@ def weight_role(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -
 def bench_weights(args: argparse.Namespace) -> dict:
     load = os.getloadavg()[0]
     store = host_store(0, None, timeout_s=600, bind="127.0.0.1")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=weight_role, args=(r, store.port, args, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    reports = dict(out.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join(60)
+    reports = spawn.run_roles([(weight_role, (r, store.port, args)) for r in range(2)], timeout_s=1800)
     trainer, generator = reports[0], reports[1]
     if generator["refused"]:
         raise RuntimeError(f"benchmark: the generator refused versions: {generator['refused']}")

@@ -44,7 +44,6 @@ full weights bit for bit.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -59,6 +58,7 @@ from llamarl.app.weights.group import init_weight_group
 from llamarl.app.weights.layout import flatten_parameters_
 from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
+from benchmarks import spawn
 from benchmarks.weight_sync import llama_like_params
 
 METHODS = ("sharded", "gather", "raw", "p2p")
@@ -291,17 +291,9 @@ def run(ranks: int, args) -> dict:
     """One N: its processes, their timings; the per-method medians and paired ratios."""
     store = host_store(0, None, timeout_s=600, bind="127.0.0.1")
     _publish_shard_bytes(store, ranks, args)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=trainer_role, args=(r, ranks, args.generators, store.port, args, out))
-             for r in range(ranks)]
-    procs += [ctx.Process(target=generator_role, args=(g, ranks, args.generators, store.port, args, out))
-              for g in range(args.generators)]
-    for p in procs:
-        p.start()
-    reports = dict(out.get(timeout=TIMEOUT_S * 2) for _ in procs)
-    for p in procs:
-        p.join(60)
+    roles = [(trainer_role, (r, ranks, args.generators, store.port, args)) for r in range(ranks)]
+    roles += [(generator_role, (g, ranks, args.generators, store.port, args)) for g in range(args.generators)]
+    reports = spawn.run_roles(roles, timeout_s=TIMEOUT_S * 2)
     times = reports["trainer/0"]["result"]
     med = {m: statistics.median(times[m]) for m in METHODS}
     # Each round runs every method back to back: the ratio inside a round cancels most of

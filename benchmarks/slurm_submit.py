@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,13 +31,9 @@ from pathlib import Path
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
+from llamarl.app.names import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_run(args: argparse.Namespace, workdir: Path) -> dict[str, float]:

@@ -51,7 +51,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.sharded_sync from this checkout
+if not __package__:  # `python benchmarks/weight_sync.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llamarl.app.control.signed import SignedStore
 from llamarl.app.control.transport import connect_store, host_store
@@ -59,6 +60,7 @@ from llamarl.app.weights.group import init_weight_group
 from llamarl.app.weights.layout import flatten_parameters_
 from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
+from benchmarks import spawn
 
 HIDDEN, INTERMEDIATE, VOCAB = 768, 2048, 32000
 
@@ -243,15 +245,7 @@ def main() -> None:
         args.dir = tmp.name
     store = host_store(0, None, timeout_s=600, bind="127.0.0.1")
     world_size = 1 + args.generators
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=role, args=(r, world_size, store.port, args, out))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    reports = dict(out.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join(60)
+    reports = spawn.run_roles([(role, (r, world_size, store.port, args)) for r in range(world_size)], timeout_s=1800)
     if tmp is not None:
         tmp.cleanup()
 

@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
+
+from llamarl.app.names import free_port
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -50,17 +51,11 @@ def browser_missing() -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve(runs_dir: str | Path, *, port: int | None = None, timeout_s: float = 60.0,
           log_path: str | Path | None = None) -> Iterator[str]:
     """Runs the dashboard over ``runs_dir`` on loopback; yields its URL once healthy."""
-    port = port or free_port()
+    port = port or free_port(span=1)
     cmd = [sys.executable, "-m", "streamlit", "run", str(APP), "--server.port", str(port),
            "--server.address", "127.0.0.1", "--server.headless", "true",
            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",

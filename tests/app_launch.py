@@ -1,15 +1,14 @@
-"""Launching the llamarl app through TorchX's runner on the local_cwd scheduler, for the
-integration tests: a launch with its own store port, runs directory and log directory,
-a deadline, and a cancel in a ``finally``, so that no test can hang or leave processes
-behind. The tiny policy the launches use is the ``tiny_policy`` fixture (conftest.py).
+"""Launching the llamarl app through TorchX's runner on the llamarl_local scheduler, for the
+integration tests: the benchmarks' launcher (``benchmarks.apps``) with a store port, runs
+directory, log directory and secret file of the test's own, a deadline that fails the test
+with the roles' logs, and a cancel in a ``finally``, so that no test can hang or leave
+processes behind. The tiny policy the launches use is the ``tiny_policy`` fixture
+(conftest.py).
 """
 
 from __future__ import annotations
 
-import os
-import random
 import sqlite3
-import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +19,9 @@ import pytest
 from torchx.runner import Runner, get_runner
 from torchx.specs import AppState, is_terminal, parse_app_handle
 
+from benchmarks import apps
+from llamarl.app.names import free_port
+
 
 STEPS = 4
 PROMPTS_PER_STEP = 4
@@ -28,35 +30,6 @@ GROUP_SIZE = 4
 SMALL = ["--eval-every", "2", "--eval-size", "20", "--prompts-per-step", str(PROMPTS_PER_STEP),
          "--group-size", str(GROUP_SIZE), "--gen-batch-prompts", "2", "--max-new-tokens", "16"]
 APP_TIMEOUT_S = 300.0
-
-
-PORTS = range(20000, 29600)
-"""Where tests pick store ports: below Linux's ephemeral range (32768 and up, where any
-process's outgoing connection may take a port at any moment; a multi-node trainer's
-rendezvous listens at the store port + 1, which a port the kernel picked for us does not
-keep free) and below the ports llamarl derives from app ids (``llamarl.app.names``)."""
-
-
-def free_port(span: int = 2) -> int:
-    """A port p with p .. p + span - 1 free now (the store's, and the rendezvous's)."""
-    rng = random.Random(os.getpid() ^ time.time_ns())
-    for _ in range(200):
-        port = rng.randrange(PORTS.start, PORTS.stop - span)
-        try:
-            for p in range(port, port + span):
-                with socket.socket() as s:
-                    s.bind(("", p))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError(f"no {span} free ports in a row in {PORTS}")
-
-
-def component_env(env: dict[str, str] | None) -> list[str]:
-    """The component's ``--env`` option for ``env`` (values without ``,`` or ``=``). No PATH:
-    llamarl's local_cwd scheduler puts this interpreter's directory first on every role's
-    PATH, so the launches here run as a user's ``.venv/bin/torchx run`` does."""
-    return ["--env", ",".join(f"{k}={v}" for k, v in env.items())] if env else []
 
 
 @dataclass
@@ -87,13 +60,10 @@ class App:
 
     def wait(self, timeout_s: float = APP_TIMEOUT_S) -> AppState:
         """The app's final state; fails the test (after a dump of the logs) on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            status = self.runner.status(self.handle)
-            if status is not None and is_terminal(status.state):
-                return status.state
-            time.sleep(1.0)
-        pytest.fail(f"the app did not end within {timeout_s:g} s\n{self.logs_tail()}")
+        try:
+            return apps.wait(self.runner, self.handle, timeout_s).state
+        except TimeoutError:
+            pytest.fail(f"the app did not end within {timeout_s:g} s\n{self.logs_tail()}")
 
     def wait_for_log(self, role: str, text: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -129,15 +99,13 @@ def launch(policy: Path, tmp_path: Path, *, steps: int = STEPS, num_generators: 
     port = free_port() if store_port is None else store_port
     runs_dir, log_dir = runs_dir or tmp_path / "runs", tmp_path / "torchx-logs"
     secret_file = tmp_path / "secret"
-    args = ["--policy", str(policy), "--runs_dir", str(runs_dir), "--store_port", str(port),
-            "--secret_file", str(secret_file),
-            "--steps", str(steps), "--num_generators", str(num_generators),
-            "--num_reward", str(num_reward), "--max_staleness", str(max_staleness),
-            "--rewards", rewards, "--nproc_per_node", str(nproc), *options,
-            *component_env(env), "--", *extra]
+    options = ["--policy", str(policy), "--runs_dir", str(runs_dir), "--store_port", str(port),
+               "--secret_file", str(secret_file),
+               "--steps", str(steps), "--num_generators", str(num_generators),
+               "--num_reward", str(num_reward), "--max_staleness", str(max_staleness),
+               "--rewards", rewards, "--nproc_per_node", str(nproc), *options]
     with get_runner() as runner:
-        handle = runner.run_component("llamarl.llamarl", args, scheduler="llamarl_local",
-                                      cfg={"log_dir": str(log_dir)})
+        handle = apps.start(runner, options, extra, log_dir=log_dir, env=env)
         try:
             yield App(runner, handle, port, runs_dir, log_dir, secret_file)
         finally:

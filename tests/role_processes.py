@@ -27,6 +27,15 @@ def control(store, writer: str = CONTROLLER) -> Control:
     return Control(signed(store, writer))
 
 
+def wait_until(condition, what: str, timeout_s: float = 120.0) -> None:
+    """Polls ``condition()`` until it holds; fails the test, naming ``what``, after
+    ``timeout_s`` (a bound for a hung role, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
 def forkserver_context():
     """A forkserver that has imported torch once: each role process then starts in a
     fraction of a second instead of importing torch again (2 cores). One preload list for

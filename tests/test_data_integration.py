@@ -19,21 +19,12 @@ from llamarl.app.config import TrainerConfig
 from llamarl.app.metrics.events import LAST_CHECKPOINT
 from llamarl.app.model.policy import load_tokenizer
 from app_launch import GROUP_SIZE, PROMPTS_PER_STEP, SMALL, launch, rows
+from benchmarks import record_prompts
 from data_files import gsm8k_rows, write_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 2
-RECORDER = '''"""Scores nothing (weight 0): writes down what the trainer's reward saw."""
-import json
-import os
-
-
-def seen(prompt, completion, meta):
-    with open(os.environ["LLAMARL_TEST_PROMPTS"], "a") as f:
-        f.write(json.dumps({"prompt": prompt, "meta": meta}) + "\\n")
-    return 0.0
-'''
 PARITY = '''"""A reward the tiny policy earns on some completions and not on others (it solves
 none of the file's problems): groups have a spread, so the policy's weights move."""
 
@@ -46,13 +37,11 @@ def odd_length(prompt, completion, meta):
 def test_app_trains_on_a_jsonl_file(tiny_policy, tmp_path):
     rows_ = gsm8k_rows()
     path = write_jsonl(tmp_path / "train.jsonl", rows_, ("question", "answer"))
-    (tmp_path / "plugins").mkdir()
-    (tmp_path / "plugins" / "record_prompts.py").write_text(RECORDER)
     record = tmp_path / "seen.jsonl"
     flags = ["--eval-fraction", "0.25", "--max-prompt-tokens", "200"]
     with launch(tiny_policy, tmp_path, steps=STEPS, num_generators=1, options=["--dataset", str(path)],
-                rewards="math_verifier,record_prompts:seen=0", extra=[*SMALL, *flags],
-                env={"PYTHONPATH": str(tmp_path / "plugins"), "LLAMARL_TEST_PROMPTS": str(record)}) as app:
+                rewards=f"math_verifier,{record_prompts.SPEC}", extra=[*SMALL, *flags],
+                env=record_prompts.env(record)) as app:
         assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
         db = app.db()
 
@@ -65,7 +54,7 @@ def test_app_trains_on_a_jsonl_file(tiny_policy, tmp_path):
         # The generator sampled the file's training prompts, in the run's order: one
         # generator fills slots 0, 1, 2, ... and the trainer's pipeline scored them as they
         # came (its prefetch may score a group or two more than the steps consumed).
-        seen = [json.loads(line) for line in record.read_text().splitlines()]
+        seen = record_prompts.records(record)
         assert len(seen) >= STEPS * PROMPTS_PER_STEP * GROUP_SIZE and len(seen) % GROUP_SIZE == 0
         slots = range(len(seen) // GROUP_SIZE)
         assert {s["prompt"] for s in seen} == {f"Q: {expected.order.problem(i).question}\nA:" for i in slots}

@@ -16,7 +16,8 @@ import pytest
 import torch
 from torchx.specs import AppState
 
-from app_launch import APP_TIMEOUT_S, SMALL, App, free_port, launch, rows
+from app_launch import APP_TIMEOUT_S, SMALL, App, launch, rows
+from llamarl.app.names import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

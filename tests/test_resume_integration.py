@@ -20,38 +20,21 @@ from llamarl.app.config import TrainerConfig
 from llamarl.app.metrics.events import RESUMED
 from llamarl.app.model.policy import load_tokenizer
 from app_launch import GROUP_SIZE, PROMPTS_PER_STEP, SMALL, launch, rows
+from benchmarks import record_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 4
-RECORDER = '''"""Scores nothing (weight 0): writes down the prompts the trainer's reward saw."""
-import os
-
-
-def seen(prompt, completion, meta):
-    with open(os.environ["LLAMARL_TEST_PROMPTS"], "a") as f:
-        f.write(prompt.replace("\\n", " ") + "\\n")
-    return 0.0
-'''
-
-
 def _launch(policy, tmp_path, record, *flags, steps=STEPS):
     # Synchronous with one generator: step s trains slots (s-1)*B .. s*B-1, in order.
     return launch(policy, tmp_path, steps=steps, num_generators=1, max_staleness=0,
-                  rewards="math_verifier,record_prompts:seen=0",
+                  rewards=f"math_verifier,{record_prompts.SPEC}",
                   extra=[*SMALL, "--eval-every", "100", "--save-every", "2", *flags],
-                  env={"PYTHONPATH": str(tmp_path / "plugins"), "LLAMARL_TEST_PROMPTS": str(record)})
-
-
-def _groups(record) -> list[str]:
-    lines = record.read_text().splitlines() if record.exists() else []
-    return [lines[i] for i in range(0, len(lines), GROUP_SIZE)]
+                  env=record_prompts.env(record))
 
 
 def test_a_killed_run_resumes_from_its_checkpoint(tiny_policy, tmp_path):
-    (tmp_path / "plugins").mkdir()
-    (tmp_path / "plugins" / "record_prompts.py").write_text(RECORDER)
-    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     run_id = "resumed-run"
     auto = ["--run-id", run_id, "--resume", "auto"]  # after the component's own --run-id
     with _launch(tiny_policy, tmp_path, first, *auto) as app:
@@ -78,10 +61,10 @@ def test_a_killed_run_resumes_from_its_checkpoint(tiny_policy, tmp_path):
     # the run's order, and the resumed run trained slots 8..15 first.
     cfg = TrainerConfig(steps=STEPS, prompts_per_step=PROMPTS_PER_STEP, eval_size=20)
     order = data.load(cfg, load_tokenizer(tiny_policy), log=lambda _: None).order
-    expected = [f"Q: {order.problem(n).question} A:" for n in range(2 * PROMPTS_PER_STEP, STEPS * PROMPTS_PER_STEP)]
-    assert _groups(second)[: len(expected)] == expected
-    assert _groups(first)[: 2 * PROMPTS_PER_STEP] == [
-        f"Q: {order.problem(n).question} A:" for n in range(2 * PROMPTS_PER_STEP)]
+    expected = [f"Q: {order.problem(n).question}\nA:" for n in range(2 * PROMPTS_PER_STEP, STEPS * PROMPTS_PER_STEP)]
+    assert record_prompts.groups(second, GROUP_SIZE)[: len(expected)] == expected
+    assert record_prompts.groups(first, GROUP_SIZE)[: 2 * PROMPTS_PER_STEP] == [
+        f"Q: {order.problem(n).question}\nA:" for n in range(2 * PROMPTS_PER_STEP)]
 
     # One metrics database: every step once, the resume marked, the run finished.
     import sqlite3
@@ -104,11 +87,11 @@ def test_a_killed_run_resumes_from_its_checkpoint(tiny_policy, tmp_path):
         (["--resume", "no-such-run"], STEPS, "no run 'no-such-run'"),
         (["--resume", run_id, "--lr", "0.5"], 6, "was started with another config (lr: 0.0001 then, 0.5 now)"),
     ]:
-        with _launch(tiny_policy, tmp_path, tmp_path / "refused.txt", *flags, steps=steps_) as app:
+        with _launch(tiny_policy, tmp_path, tmp_path / "refused.jsonl", *flags, steps=steps_) as app:
             assert app.wait() == AppState.FAILED
             assert message in app.log("trainer"), app.logs_tail()
     assert (rows(db, "SELECT COUNT(*) FROM scalars"), sorted(p.name for p in run_dir.rglob("*"))) == before
-    assert not (tmp_path / "refused.txt").exists(), "a refused resume generated rollouts"
+    assert not (tmp_path / "refused.jsonl").exists(), "a refused resume generated rollouts"
 
     # A finished run trains on: two more steps.
     with _launch(tiny_policy, tmp_path, tmp_path / "third.txt", "--resume", run_id, steps=6) as app:

@@ -8,7 +8,6 @@ a restarted one rejoins, and a layout mismatch fails every rank clearly."""
 from __future__ import annotations
 
 import os
-import time
 import traceback
 
 import pytest
@@ -22,7 +21,7 @@ from llamarl.app.weights.joining import ElasticReceiver
 from llamarl.app.weights.shards import SHARD_ALONE_BYTES
 from llamarl.app.weights.group import WeightLayoutError, WeightSyncError
 from llamarl.app.weights.layout import flatten_parameters_
-from role_processes import forkserver_context, loopback_store, signed
+from role_processes import forkserver_context, loopback_store, signed, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -58,13 +57,6 @@ class ShardedModel(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.head(h.double())
-
-
-def _wait(condition, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def _trainer_model(store, rank: int, ranks: int) -> nn.Module:
@@ -119,14 +111,14 @@ def _trainer(store, rank: int, ranks: int, generators: int, versions: int, lose_
         _train_step(model, optimizer, version)
         _publish_full_state(store, model, version, rank)
         if lose_generator and version == 2:
-            _wait(lambda: store.check([DIED]), "generator 1 to die")
+            wait_until(lambda: store.check([DIED]), "generator 1 to die")
         if lose_generator and version == 3 and rank == 0:
             store.set(V2_SENT, "1")
-            _wait(lambda: 1 in sender.joiners(), "the restarted generator 1 to ask to join")
+            wait_until(lambda: 1 in sender.joiners(), "the restarted generator 1 to ask to join")
         sizes.append(sender.send(version).bytes)
         acks = [f"test/applied/{g}/{version}" for g in range(generators)
                 if not (lose_generator and g == 1 and version == 2)]
-        _wait(lambda: store.check(acks), f"generators to apply version {version}")
+        wait_until(lambda: store.check(acks), f"generators to apply version {version}")
     if rank == 0:
         store.set(DONE, "1")
     out = f"sent {versions} versions, {sizes[0]} bytes each"
@@ -150,7 +142,7 @@ def _generator(store, replica: int, versions: list[int], die_after: int | None =
                 applied.append(v)
             return applied[-1:] == [version]
 
-        _wait(newest, f"generator {replica} to apply version {version}")
+        wait_until(newest, f"generator {replica} to apply version {version}")
         for name, p in params:
             expected = store.get(f"test/full/{version}/{name}")
             assert p.detach().contiguous().view(torch.uint8).numpy().tobytes() == expected, (version, name)
@@ -170,7 +162,7 @@ def _entry(role: str, index: int, port: int, results, ranks: int, generators: in
         if role == "trainer":
             out = _trainer(store, index, ranks, generators, versions, lose_generator)
         elif role == "restarted":
-            _wait(lambda: store.check([V2_SENT]), "version 2 to be sent")
+            wait_until(lambda: store.check([V2_SENT]), "version 2 to be sent")
             store.set(RESTARTED, "1")
             out = _generator(store, index, [3])
         elif lose_generator and index == 1:
@@ -253,7 +245,7 @@ def _mismatch_entry(role: str, index: int, port: int, results) -> None:
             flatten_parameters_(model)
             receiver = ElasticReceiver(signed(store, "generator/0"), 0, list(model.named_parameters()), timeout_s=30.0)
             receiver.start_background(should_stop=lambda: False)
-            _wait(lambda: receiver.latest_version() is not None, "an error")
+            wait_until(lambda: receiver.latest_version() is not None, "an error")
             out = "no error"
         results.put((f"{role}/{index}", out))
     except BaseException as e:

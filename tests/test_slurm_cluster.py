@@ -20,7 +20,8 @@ import pytest
 from torchx.runner import get_runner
 from torchx.specs import AppState, is_terminal, parse_app_handle
 
-from app_launch import SMALL, free_port
+from app_launch import SMALL
+from llamarl.app.names import free_port
 
 pytestmark = [pytest.mark.slurm, pytest.mark.integration]
 

@@ -12,7 +12,8 @@ import torch
 
 from llamarl.app.sampling import SamplingParams, precision, sample, static_decode
 from llamarl.app.sampling.kernels import Int8DynamicKernel, int8_engine
-from llamarl.app.sampling.static_decode import StaticDecoder, bucket_for, bucket_sizes, capacity_for
+from llamarl.app.sampling.static_decode import StaticDecoder
+from llamarl.app.sampling.static_state import StaticState, StepKey, bucket_for, bucket_sizes, capacity_for
 from test_sampler import PAD, check_stopping, make_model, prompts, tokenizer, trainer_logprobs  # noqa: F401
 
 
@@ -55,8 +56,8 @@ def test_greedy_tokens_equal_the_eager_loop(llama, batch, check_every, monkeypat
     """Rows end at different steps, so the static batch goes 24 -> 16 -> 8 rows."""
     monkeypatch.setattr(static_decode, "CHECK_EVERY", check_every)
     compactions = []
-    select = static_decode.StaticState.select_rows_
-    monkeypatch.setattr(static_decode.StaticState, "select_rows_",
+    select = StaticState.select_rows_
+    monkeypatch.setattr(StaticState, "select_rows_",
                         lambda st, order, filled: (compactions.append(len(order)), select(st, order, filled)))
     T = 24
     eos = distinct_eos(llama, batch, T)
@@ -152,7 +153,7 @@ def test_a_step_writes_the_slot_opens_the_mask_and_advances_in_place(llama, prom
                 generator=None)
     st = decoder.state
     b, P = len(prompts), max(len(p) for p in prompts)
-    key = static_decode.StepKey(b, 0.0, 1.0, -1)
+    key = StepKey(b, 0.0, 1.0, -1)
     ptrs = [t.data_ptr() for t in (st.kv, st.bias_RC, st.tok_R, st.pos_R, st.t_1, st.slot_1)]
     slot, t, pos = int(st.slot_1), int(st.t_1), st.pos_R[:b].clone()
     assert slot == P + 1 and t == 2  # after the call: two tokens, one decode step
@@ -319,7 +320,7 @@ def test_the_step_is_capturable_no_host_read_no_graph_break(tokenizer, temperatu
 
     model = make_model("llama", len(tokenizer)).to("meta")
     decoder = StaticDecoder(model)
-    key = static_decode.StepKey(16, temperature, top_p, eos_id=2)
+    key = StepKey(16, temperature, top_p, eos_id=2)
     with torch.inference_mode():
         decoder.refresh_weights()
         st = decoder._state_for(key.rows, 40)
@@ -355,7 +356,7 @@ def test_every_input_of_the_compiled_step_is_a_static_address(tokenizer):  # noq
     from torch._dynamo.backends.common import aot_autograd
 
     decoder = StaticDecoder(make_model("llama", len(tokenizer)), compiled=True)
-    key = static_decode.StepKey(8, 0.7, 0.8, eos_id=2)
+    key = StepKey(8, 0.7, 0.8, eos_id=2)
     seen = {}
 
     def read_metadata(gm: torch.fx.GraphModule, example_inputs):
@@ -389,7 +390,7 @@ def test_capture_warm_up_runs_on_a_state_the_last_call_filled_to_capacity(llama,
     st = decoder.state
     assert st.capacity == P + T and int(st.pos_R[: len(prompts)].max()) == st.capacity - 1
     with torch.inference_mode():
-        decoder._warm_up(st, static_decode.StepKey(len(prompts), 0.7, 0.8, eos_id=-1))
+        decoder._warm_up(st, StepKey(len(prompts), 0.7, 0.8, eos_id=-1))
     assert int(st.pos_R.max()) == 1  # each warm-up step starts at position 0
     after = decoder.run(prompts, SamplingParams(max_new_tokens=T, temperature=0), eos_id=-1, pad_id=PAD,
                         generator=None)

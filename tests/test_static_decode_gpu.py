@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamarl.app.sampling import SamplingParams, precision, sample, static_decode
+from llamarl.app.sampling import SamplingParams, precision, sample, static_decode, static_state
 from test_sampler import PAD, check_stopping, make_model, prompts, tokenizer, trainer_logprobs  # noqa: F401
 from test_static_decode import distinct_eos
 
@@ -96,7 +96,7 @@ def test_captured_steps_never_sync_with_the_host(tokenizer, batch):  # noqa: F81
            generator=torch.Generator(device="cuda").manual_seed(0))
     decoder = static_decode.decoder_for(model)
     st = decoder.state
-    key = static_decode.StepKey(st.buckets[0], 1.0, 1.0, -1)
+    key = static_state.StepKey(st.buckets[0], 1.0, 1.0, -1)
     st.ready_for_warmup_()  # rows back at position 0: 8 more steps stay inside the rotary tables
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -5,7 +5,6 @@ restarted for the same replica rejoins at the next version."""
 from __future__ import annotations
 
 import os
-import time
 import traceback
 
 import pytest
@@ -16,7 +15,7 @@ from llamarl.app.control.transport import connect_store
 from llamarl.app.weights.epochs import ElasticSender, NoGeneratorsLeft
 from llamarl.app.weights.joining import ElasticReceiver
 from llamarl.app.weights.layout import flatten_parameters_
-from role_processes import forkserver_context, loopback_store, signed
+from role_processes import forkserver_context, loopback_store, signed, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -25,13 +24,6 @@ DIED, RESTART, RESTARTED, DONE = "test/died", "test/restart", "test/restarted", 
 
 def params_at(version: float) -> list[tuple[str, torch.Tensor]]:
     return [("w", torch.full((3000,), float(version))), ("b", torch.full((7,), -float(version)))]
-
-
-def _wait(condition, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def _trainer(store) -> str:
@@ -50,11 +42,11 @@ def _trainer(store) -> str:
         sender.send(version)
 
     send(1)
-    _wait(lambda: store.check([DIED]), "generator 1 to die")
+    wait_until(lambda: store.check([DIED]), "generator 1 to die")
     send(2)  # fails on the dead generator, regroups, sends version 2 again
     after_loss = (sender.epoch, list(sender.roster))
     store.set(RESTART, "1")
-    _wait(lambda: 1 in sender.joiners(), "the restarted generator 1 to ask to join")
+    wait_until(lambda: 1 in sender.joiners(), "the restarted generator 1 to ask to join")
     send(3)  # takes it in first
     store.set(DONE, "1")
     # The current group's presence, overwritten, is published again; the first epoch's
@@ -79,7 +71,7 @@ def _generator(store, replica: int, until: int, die: bool = False) -> str:
             seen.append(v)
         return bool(seen) and seen[-1] >= until
 
-    _wait(applied_until, f"generator {replica} to apply version {until}")
+    wait_until(applied_until, f"generator {replica} to apply version {until}")
     assert model[0][1][0].item() == until and model[1][1][0].item() == -until, "wrong weights applied"
     if die:
         store.set(DIED, "1")
@@ -98,7 +90,7 @@ def _entry(role: str, port: int, results) -> None:
         elif role == "gen1":
             out = _generator(store, 1, until=1, die=True)
         else:
-            _wait(lambda: store.check([RESTART]), "the restart")
+            wait_until(lambda: store.check([RESTART]), "the restart")
             store.set(RESTARTED, "1")
             out = _generator(store, 1, until=3)
         results.put((role, out))

@@ -20,7 +20,7 @@ from llamarl.app.weights.epochs import ElasticSender
 from llamarl.app.weights.group import init_weight_group
 from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
-from role_processes import TEST_SECRET, loopback_store, run_roles, signed, weight_member
+from role_processes import TEST_SECRET, loopback_store, run_roles, signed, wait_until, weight_member
 from test_weight_sync import BUCKET_MB, _assert_same, flattened, model_params
 
 pytestmark = pytest.mark.integration
@@ -36,13 +36,6 @@ def _plane_key(key: str) -> str:
 
 def _counted_key(n: int) -> str:
     return f"test/counted/{n}"
-
-
-def _wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def _announce_counts(store, member: SignedStore, stop: threading.Event) -> None:
@@ -70,24 +63,24 @@ def _sync_past_forged_keys(store, rank: int, world_size: int) -> str:
         live = flattened(model_params(0, seed=7))
         receiver = WeightReceiver(group, live, bucket_mb=BUCKET_MB)
         receiver.start_background()
-        _wait_until(lambda: receiver.latest_version() == 2, "version 2")
+        wait_until(lambda: receiver.latest_version() == 2, "version 2")
         receiver.swap_if_newer()
         receiver.stop_background()
         stop.set()
         watcher.join()
         _assert_same(live, model_params(2))
         return f"applied 2, refused {member.rejections.metrics()}"
-    _wait_until(lambda: store.check([_counted_key(1)]), "the generator to refuse the forged presence")
+    wait_until(lambda: store.check([_counted_key(1)]), "the generator to refuse the forged presence")
     group = init_weight_group(member, 0, 2, torch.device("cpu"), timeout_s=30, members=MEMBERS)
     assert group.path.backend == "gloo", "the forged presence said cuda"
-    _wait_until(lambda: store.check([_counted_key(2)]), "the generator to refuse the forged layout")
+    wait_until(lambda: store.check([_counted_key(2)]), "the generator to refuse the forged layout")
     live = model_params(0)
     sender = WeightSender(group, live, bucket_mb=BUCKET_MB)
-    _wait_until(lambda: store.check([_counted_key(3)]), "the generator to refuse the forged announcement")
+    wait_until(lambda: store.check([_counted_key(3)]), "the generator to refuse the forged announcement")
     sender.send(1)
     # Garbage where the next announcement goes: the generator must not start sync 2 on it.
     group.store.set(names.weight_sync_announce_key(2), b"2")
-    _wait_until(lambda: store.check([_counted_key(4)]), "the generator to refuse the garbage announcement")
+    wait_until(lambda: store.check([_counted_key(4)]), "the generator to refuse the garbage announcement")
     with torch.no_grad():
         for (_, p), (_, new) in zip(live, model_params(2)):
             p.copy_(new)

@@ -13,7 +13,7 @@ from llamarl.app.weights.group import WeightGroup, WeightLayoutError, WeightSync
 from llamarl.app.weights.layout import flatten_parameters_
 from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
-from role_processes import forkserver_context, loopback_store, role_entry as _entry, run_roles as _run, weight_member
+from role_processes import forkserver_context, loopback_store, role_entry as _entry, run_roles as _run, wait_until, weight_member
 
 pytestmark = pytest.mark.integration
 
@@ -39,13 +39,6 @@ def flattened(params: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.T
     """``params`` as a generator holds them: views of one flat buffer per dtype."""
     flatten_parameters_([p for _, p in params])
     return params
-
-
-def _wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 @pytest.fixture()
@@ -75,7 +68,7 @@ def _sync_three_versions(store, rank: int, world_size: int) -> str:
             # buckets (the third reuses the first packing buffer).
             assert sender.zero_copy_buckets == 3 and sender.layout.n_buckets == 6
             sizes.append(stats.bytes)
-            _wait_until(lambda: group.store.check([f"test/applied/{version}"]), "generator 1")
+            wait_until(lambda: group.store.check([f"test/applied/{version}"]), "generator 1")
         # Reaching here proves generators 2 and 3 did not hold the trainer up: they are
         # "decoding" (sleeping) until this key appears.
         group.store.set("test/trainer_done", "1")
@@ -89,7 +82,7 @@ def _sync_three_versions(store, rank: int, world_size: int) -> str:
     applied = []
     if rank == 1:
         for version in (1, 2, 3):
-            _wait_until(lambda: receiver.latest_version() == version, f"version {version}")
+            wait_until(lambda: receiver.latest_version() == version, f"version {version}")
             # Staging only: the live weights are untouched until swap_if_newer().
             assert not torch.equal(live[0][1], model_params(version)[0][1])
             applied.append(receiver.swap_if_newer())
@@ -105,8 +98,8 @@ def _sync_three_versions(store, rank: int, world_size: int) -> str:
                 applied.append(v)
             return applied[-1:] == [3]
 
-        _wait_until(trainer_done, "the trainer to finish")
-        _wait_until(swapped_to_3, "version 3 in the model")
+        wait_until(trainer_done, "the trainer to finish")
+        wait_until(swapped_to_3, "version 3 in the model")
     assert [s.version for s in receiver.pop_stats()] == [1, 2, 3]
     receiver.stop_background()
     _assert_same(live, model_params(3))
@@ -165,7 +158,7 @@ def _receiver_dies(store, rank: int, world_size: int) -> str:
     if rank == 0:
         sender = WeightSender(group, params, bucket_mb=BUCKET_MB)
         sender.send(1)
-        _wait_until(lambda: group.store.check(["test/rank2_gone"]), "rank 2 to go")
+        wait_until(lambda: group.store.check(["test/rank2_gone"]), "rank 2 to go")
         t0 = time.monotonic()
         try:
             sender.send(2)
@@ -174,13 +167,13 @@ def _receiver_dies(store, rank: int, world_size: int) -> str:
         return "no error"
     receiver = WeightReceiver(group, flattened(params), bucket_mb=BUCKET_MB)
     receiver.start_background()
-    _wait_until(lambda: receiver.latest_version() == 1, "version 1")
+    wait_until(lambda: receiver.latest_version() == 1, "version 1")
     if rank == 2:
         group.store.set("test/rank2_gone", "1")
         os._exit(0)  # dies without a word; its result never arrives
     try:
         # rank 1 may get version 2 whole: the trainer can send to it before noticing rank 2
-        _wait_until(lambda: receiver.latest_version() == 2, "version 2 or an error")
+        wait_until(lambda: receiver.latest_version() == 2, "version 2 or an error")
     except WeightSyncError as e:
         return f"receiver raised: {e}"
     receiver.stop_background()
@@ -289,7 +282,7 @@ def _sync_flattened_training(store, rank: int, world_size: int) -> str:
             sender.send(version)
             zero_copy.append(sender.zero_copy_buckets)
             acks = [f"test/applied/{r}/{version}" for r in range(1, world_size)]
-            _wait_until(lambda: group.store.check(acks), f"generators to apply {version}")
+            wait_until(lambda: group.store.check(acks), f"generators to apply {version}")
         # version 3: the float32 run is no longer one buffer, so it goes bucket by bucket,
         # and the bucket holding proj.bias is packed; embed's bucket and float64 need no copy
         n = sender.layout.n_buckets
@@ -301,7 +294,7 @@ def _sync_flattened_training(store, rank: int, world_size: int) -> str:
     receiver = WeightReceiver(group, list(live.named_parameters()), bucket_mb=0.002)
     receiver.start_background()
     for version, expected in enumerate(trainer_states(), start=1):
-        _wait_until(lambda: receiver.swap_if_newer() == version, f"version {version}")
+        wait_until(lambda: receiver.swap_if_newer() == version, f"version {version}")
         assert _views_of(live, flats)  # the swap copied into the flat buffers in place
         for (name, p), (_, q) in zip(live.named_parameters(), expected.named_parameters()):
             assert torch.equal(p, q), f"version {version}: {name}"
