@@ -15,7 +15,7 @@ from torchx.specs import AppStatus
 
 from llamarl.app.names import free_port
 
-COMPONENT, SCHEDULER = "llamarl.llamarl", "llamarl_local"
+COMPONENT, SCHEDULER = "llamarl.llamarl", "local_llamarl"
 
 
 def component_env(env: Mapping[str, str] | None) -> list[str]:

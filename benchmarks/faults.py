@@ -98,7 +98,7 @@ def app_processes(app_id: str) -> list[str]:
 
 
 def start_app(runner, policy: str, work: Path, options: list[str]) -> tuple[str, str]:
-    """Launch ``llamarl.llamarl`` on llamarl_local with ``options``, logs under
+    """Launch ``llamarl.llamarl`` on local_llamarl with ``options``, logs under
     ``work/torchx-logs``, runs under ``work/runs``; its handle and app id."""
     handle = apps.start(runner, ["--policy", policy, "--runs_dir", str(work / "runs"), "--threads", "1", *options],
                         SMALL, log_dir=work / "torchx-logs")

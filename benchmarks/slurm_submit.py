@@ -1,4 +1,4 @@
-"""How long the llamarl app takes under SLURM, from ``torchx run -s llamarl_slurm`` to its first
+"""How long the llamarl app takes under SLURM, from ``torchx run -s slurm_llamarl`` to its first
 RL step and to SUCCEEDED, on the cluster that answers (deploy/slurm/local-cluster.sh).
 
     deploy/slurm/local-cluster.sh up
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def one_run(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "torchx.cli.main", "run", "-s", "llamarl_slurm", "llamarl.llamarl",
+    cmd = [sys.executable, "-m", "torchx.cli.main", "run", "-s", "slurm_llamarl", "llamarl.llamarl",
            "--image", str(workdir), "--policy", args.policy, "--runs_dir", str(workdir / "runs"),
            "--store_port", str(free_port()), "--steps", str(args.steps), "--num_generators", str(args.generators),
            "--num_reward", "1", "--", "--eval-every", str(args.steps), "--eval-size", "20"]

@@ -1,4 +1,4 @@
-"""``llamarl_kubernetes``: torchx 0.7.0's ``kubernetes`` scheduler, plus the app's secret from a
+"""``kubernetes_llamarl``: torchx 0.7.0's ``kubernetes`` scheduler, plus the app's secret from a
 Kubernetes Secret mounted into every pod, and the pod's IP for the control store to
 listen on.
 

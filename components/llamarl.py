@@ -1,8 +1,8 @@
 """TorchX component of llamarl: one app with a trainer, generators and reward executors.
 
-    torchx run -s llamarl_local llamarl.llamarl --num_generators 2 --steps 30
-    torchx run -s llamarl_slurm llamarl.llamarl --image /shared/llamarl ...
-    torchx run -s llamarl_kubernetes llamarl.llamarl --image registry/llamarl:latest ...
+    torchx run -s local_llamarl llamarl.llamarl --num_generators 2 --steps 30
+    torchx run -s slurm_llamarl llamarl.llamarl --image /shared/llamarl ...
+    torchx run -s kubernetes_llamarl llamarl.llamarl --image registry/llamarl:latest ...
 
 ``roles[0]`` is the trainer: its replica 0 hosts the control store that every other
 role reaches at ``$<rank0_env>:<store_port>``, listening there only. Each role runs
@@ -102,18 +102,18 @@ def llamarl(
             collide; kubernetes needs a fixed port here (its service maps ports at launch).
             A trainer of several nodes also uses ``store_port + 1`` (its rendezvous)
         store_bind: where the control store listens; empty: ``$LLAMARL_STORE_BIND`` when the
-            scheduler sets it (llamarl_kubernetes: the pod's IP), else the
-            trainer's host as TorchX names it (``localhost`` on llamarl_local, so loopback only;
+            scheduler sets it (kubernetes_llamarl: the pod's IP), else the
+            trainer's host as TorchX names it (``localhost`` on local_llamarl, so loopback only;
             the node's name, hence its cluster address, on SLURM); ``0.0.0.0``: every
             interface (needed only where that name does not resolve to an address of the
             trainer's own host, e.g. behind NAT); or an address of that host
         secret_file: the app's secret (hex) in a file every role can read at this path,
             mode 600 (checked); created with a fresh secret by the first role if missing.
             Empty: ``.llamarl/secrets/<app id>`` in the job's directory (the roles' working
-            directory: where ``torchx run`` ran on llamarl_local, ``--image`` or the submit
+            directory: where ``torchx run`` ran on local_llamarl, ``--image`` or the submit
             directory on SLURM), made by the first role
         k8s_secret: Kubernetes: the name of a Secret (key ``secret``: the hex secret) that
-            llamarl_kubernetes mounts read-only into every pod; overrides
+            kubernetes_llamarl mounts read-only into every pod; overrides
             ``secret_file``
         resume: continue a run from its newest checkpoint in its own run directory: a run
             id (the app id of the run), or ``auto`` for this app's own run (see
@@ -123,11 +123,11 @@ def llamarl(
             ``max_retries > 0`` and no ``resume``, the trainer runs with ``--resume
             auto``, so a restarted app continues from its last checkpoint (save some
             with ``--save-every``). SLURM requeues the job (same job id, so the same run
-            id); Kubernetes (Volcano) restarts the job; llamarl_local never retries.
+            id); Kubernetes (Volcano) restarts the job; local_llamarl never retries.
         executor_retries: restarts of one lost generator or reward executor replica
             (``RetryPolicy.REPLICA``: that replica alone restarts, rejoins the run and,
             a generator, the weight plane at the next version). Kubernetes (Volcano)
-            restarts the pod; llamarl_local and llamarl_slurm do not restart it (the run goes on with
+            restarts the pod; local_llamarl and slurm_llamarl do not restart it (the run goes on with
             the others of its role; losing the last one ends it). SLURM and Kubernetes
             take the app's restarts as the smallest of the roles' counts, so keep
             ``executor_retries >= max_retries``

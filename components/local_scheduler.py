@@ -1,4 +1,4 @@
-"""``llamarl_local``: torchx 0.7.0's ``local_cwd`` scheduler, whose roles run with the
+"""``local_llamarl``: torchx 0.7.0's ``local_cwd`` scheduler, whose roles run with the
 Python that submitted them.
 
 Registered under its own name in the ``torchx.schedulers`` entry-point group
@@ -9,7 +9,7 @@ log`` and the runner API go through it. The one change: the submitting interpret
 its local scheduler puts before the role's and the inherited ``PATH``). Why: the roles
 start as ``python -m llamarl.app.roles.<executor>`` by name, so ``.venv/bin/torchx run`` from a shell
 without the virtualenv activated (or a script run as ``.venv/bin/python``) gave every role
-the system interpreter, and the app failed on ``No module named 'torch'``. ``llamarl_slurm``
+the system interpreter, and the app failed on ``No module named 'torch'``. ``slurm_llamarl``
 does the same for its batch script.
 """
 

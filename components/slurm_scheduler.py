@@ -1,8 +1,8 @@
-"""``llamarl_slurm``: torchx 0.7.0's SlurmScheduler, with what a
+"""``slurm_llamarl``: torchx 0.7.0's SlurmScheduler, with what a
 user of docs/slurm.md's commands would otherwise trip over worked around.
 
 Registered under its own name in the ``torchx.schedulers`` entry-point group
-(pyproject.toml; torchx's ``slurm`` stays as it is), so ``torchx run -s llamarl_slurm``, ``torchx status``, ``torchx log`` and
+(pyproject.toml; torchx's ``slurm`` stays as it is), so ``torchx run -s slurm_llamarl``, ``torchx status``, ``torchx log`` and
 ``torchx cancel`` all go through it. Each change below says which torchx 0.7.0 behaviour
 it works around:
 

@@ -1,4 +1,4 @@
-"""Launching the llamarl app through TorchX's runner on the llamarl_local scheduler, for the
+"""Launching the llamarl app through TorchX's runner on the local_llamarl scheduler, for the
 integration tests: the benchmarks' launcher (``benchmarks.apps``) with a store port, runs
 directory, log directory and secret file of the test's own, a deadline that fails the test
 with the roles' logs, and a cancel in a ``finally``, so that no test can hang or leave

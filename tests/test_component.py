@@ -29,15 +29,15 @@ PORT = 31234
 CLI_CALLS = {
     "builtins": ["builtins"],
     "default": ["run", "--dryrun"],  # everything from .torchxconfig
-    "slurm": ["run", "--dryrun", "-s", "llamarl_slurm", "llamarl.llamarl", "--num_reward", "1", "--num_generators", "2",
+    "slurm": ["run", "--dryrun", "-s", "slurm_llamarl", "llamarl.llamarl", "--num_reward", "1", "--num_generators", "2",
               "--store_port", str(PORT)],
-    "kubernetes": ["run", "--dryrun", "--workspace", "", "-s", "llamarl_kubernetes", "llamarl.llamarl",
+    "kubernetes": ["run", "--dryrun", "--workspace", "", "-s", "kubernetes_llamarl", "llamarl.llamarl",
                    "--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT),
                    "--k8s_secret", "llamarl-run"],
 }
 # A secret given on the command line (`--env LLAMARL_SECRET=<hex>`), dry-run on each scheduler.
 ENV_SECRET = "5ec7e7" * 10
-for _scheduler, _cfg in [("llamarl_local", []), ("llamarl_slurm", []), ("llamarl_kubernetes", ["-cfg", "queue=default"])]:
+for _scheduler, _cfg in [("local_llamarl", []), ("slurm_llamarl", []), ("kubernetes_llamarl", ["-cfg", "queue=default"])]:
     CLI_CALLS[f"secret-{_scheduler}"] = ["run", "--dryrun", "--workspace", "", "-s", _scheduler, *_cfg, "llamarl.llamarl",
                                          "--image", str(REPO), "--env", f"LLAMARL_SECRET={ENV_SECRET}"]
 
@@ -133,7 +133,7 @@ def test_the_secret_is_never_in_the_appdef_only_the_path_of_its_file():
     assert {r.metadata["llamarl/k8s_secret"] for r in k8s.roles} == {"llamarl-run"}
 
 
-@pytest.mark.parametrize("scheduler", ["llamarl_local", "llamarl_slurm", "llamarl_kubernetes"])
+@pytest.mark.parametrize("scheduler", ["local_llamarl", "slurm_llamarl", "kubernetes_llamarl"])
 def test_a_dry_run_never_prints_a_secret_given_on_the_command_line(cli, scheduler):
     out = cli[f"secret-{scheduler}"].stdout + cli[f"secret-{scheduler}"].stderr
     assert "=== SCHEDULER REQUEST ===" in out
@@ -144,12 +144,12 @@ def test_a_dry_run_never_prints_a_secret_given_on_the_command_line(cli, schedule
 def test_a_real_run_still_hands_the_secret_to_its_roles():
     """Hiding it from the dry run's print leaves the request the roles start from whole."""
     args = ["--num_generators", "1", "--store_port", str(PORT), "--env", f"LLAMARL_SECRET={ENV_SECRET}"]
-    local = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="llamarl_local", cfg={})
+    local = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="local_llamarl", cfg={})
     assert ENV_SECRET not in str(local) and ENV_SECRET in repr(local.request)
-    k8s = get_runner().dryrun_component("llamarl.llamarl", [*args, "--image", "x:y"], scheduler="llamarl_kubernetes",
+    k8s = get_runner().dryrun_component("llamarl.llamarl", [*args, "--image", "x:y"], scheduler="kubernetes_llamarl",
                                         cfg={"queue": "default"})
     assert ENV_SECRET not in str(k8s) and ENV_SECRET in repr(k8s.request.resource)
-    slurm = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="llamarl_slurm", cfg={})
+    slurm = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="slurm_llamarl", cfg={})
     assert ENV_SECRET not in str(slurm) and list(slurm.request.secret_files.values()) == [ENV_SECRET]
 
 
@@ -168,6 +168,19 @@ def test_roles_do_not_share_their_env_dict():
     assert all(e["EXTRA"] == "1" for e in envs)
 
 
+def test_the_default_scheduler_is_one_torchx_run_waits_for():
+    """``torchx run`` (the README's first command) waits for the app only when the
+    scheduler's name starts with ``local`` (torchx 0.7.0's cmd_run.py); otherwise it returns
+    at once and its runner stops the app it started. So llamarl's local scheduler is
+    ``local_llamarl``, and .torchxconfig names it."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(REPO / ".torchxconfig")
+    assert config["cli:run"]["scheduler"] == "local_llamarl"
+    assert config["cli:run"]["scheduler"].startswith("local")
+
+
 def test_component_file_is_a_valid_torchx_component():
     path = component_module.__file__
     tree = ast.parse(Path(path).read_text())
@@ -181,7 +194,7 @@ def test_component_file_is_a_valid_torchx_component():
 
 def test_slurm_dryrun_is_one_het_job_with_every_role():
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="llamarl_slurm", cfg={})
+        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="slurm_llamarl", cfg={})
     req = info.request
     assert list(req.replicas) == ["trainer-0", "generator-0", "generator-1", "reward-0"]
     script = req.materialize()
@@ -195,7 +208,7 @@ def test_slurm_dryrun_is_one_het_job_with_every_role():
 
 def test_kubernetes_dryrun_is_one_volcano_job_with_every_role():
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="llamarl_kubernetes",
+        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="kubernetes_llamarl",
         cfg={"queue": "default"})
     job = info.request.resource
     assert job["kind"] == "Job" and job["apiVersion"].startswith("batch.volcano.sh")
@@ -212,7 +225,7 @@ def test_kubernetes_dryrun_is_one_volcano_job_with_every_role():
 def test_kubernetes_dryrun_mounts_the_named_secret_in_every_pod():
     info = get_runner().dryrun_component(
         "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT),
-                            "--k8s_secret", "llamarl-run"], scheduler="llamarl_kubernetes", cfg={"queue": "default"})
+                            "--k8s_secret", "llamarl-run"], scheduler="kubernetes_llamarl", cfg={"queue": "default"})
     pods = [t["template"] for t in info.request.resource["spec"]["tasks"]]
     assert len(pods) == 4
     for pod in pods:
@@ -229,7 +242,7 @@ def test_kubernetes_trainer_listens_on_its_pod_ip_not_on_localhost():
     """torchx names trainer-0's own host ``localhost`` to trainer-0: the store would listen
     on loopback; llamarl's scheduler gives every pod its IP, which the trainer prefers."""
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--num_generators", "1", "--store_port", str(PORT)], scheduler="llamarl_kubernetes",
+        "llamarl.llamarl", ["--num_generators", "1", "--store_port", str(PORT)], scheduler="kubernetes_llamarl",
         cfg={"queue": "default"})
     (trainer, *_) = [t["template"].spec.containers[0] for t in info.request.resource["spec"]["tasks"]]
     (pod_ip,) = [e for e in trainer.env if e.name == "LLAMARL_STORE_BIND"]
@@ -241,14 +254,14 @@ def test_a_trainer_of_two_nodes_meets_at_replica_0_on_slurm_and_kubernetes():
     """trainer_nodes=2: two trainer replicas, replica k with node rank k of 2, both
     pointed at replica 0's host (the torchrun rendezvous and the control store)."""
     args = ["--trainer_nodes", "2", "--nproc_per_node", "2", "--store_port", str(PORT)]
-    slurm = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="llamarl_slurm", cfg={}).request
+    slurm = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="slurm_llamarl", cfg={}).request
     assert list(slurm.replicas) == ["trainer-0", "trainer-1", "generator-0"]
     assert slurm.materialize().count("#SBATCH hetjob") == 2, "a node per trainer replica"
     for k in (0, 1):
         cmd = slurm.replicas[f"trainer-{k}"].args[-1]
         assert (f"-m llamarl.app.roles.launch --nproc-per-node 2 --nnodes 2 --node-rank {k} "
                 "--rdzv-host ${SLURM_JOB_NODELIST_HET_GROUP_0:=localhost}") in cmd, cmd
-    k8s = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="llamarl_kubernetes",
+    k8s = get_runner().dryrun_component("llamarl.llamarl", args, scheduler="kubernetes_llamarl",
                                         cfg={"queue": "default"}).request.resource
     tasks = {t["name"]: t["template"].spec.containers[0] for t in k8s["spec"]["tasks"]}
     assert list(tasks) == ["trainer-0", "trainer-1", "generator-0"]
@@ -262,7 +275,7 @@ def test_a_trainer_of_two_nodes_meets_at_replica_0_on_slurm_and_kubernetes():
 
 def test_local_dryrun_resolves_the_rank0_host():
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="llamarl_local",
+        "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)], scheduler="local_llamarl",
         cfg={})
     params = info.request.role_params
     assert sorted(params) == ["generator", "reward", "trainer"] and len(params["generator"]) == 2
@@ -277,7 +290,7 @@ def test_on_local_cwd_every_role_runs_with_the_submitting_python_first_on_path()
     apps with nothing else on PATH: tests/app_launch.py)."""
     info = get_runner().dryrun_component(
         "llamarl.llamarl", ["--num_reward", "1", "--num_generators", "2", "--store_port", str(PORT)],
-        scheduler="llamarl_local", cfg={})
+        scheduler="local_llamarl", cfg={})
     replicas = [p for params in info.request.role_params.values() for p in params]
     assert len(replicas) == 4
     for p in replicas:
@@ -292,7 +305,7 @@ def test_counts_the_app_cannot_run_with_are_refused_while_the_job_is_built(optio
     """torchx's own check of a role of 0 replicas is a ValueError, which `torchx run`
     prints as a traceback; a ComponentValidationException it prints as one error."""
     with pytest.raises(ComponentValidationException, match=re.escape(error)):
-        get_runner().dryrun_component("llamarl.llamarl", options, scheduler="llamarl_local", cfg={})
+        get_runner().dryrun_component("llamarl.llamarl", options, scheduler="local_llamarl", cfg={})
 
 
 @pytest.mark.parametrize("raised, stderr", [
@@ -349,7 +362,7 @@ def test_plain_dryrun_uses_the_repo_torchxconfig(cli):
     proc = cli["default"]
     out = proc.stdout + proc.stderr
     assert "loaded configs from" in out and ".torchxconfig" in out
-    assert "llamarl_local://" in out, "scheduler local_cwd from [cli:run]"
+    assert "local_llamarl://" in out, "scheduler local_cwd from [cli:run]"
     assert "'name': 'llamarl'" in out and "-m llamarl.app.roles.launch" in out, "component llamarl.llamarl"
     assert "runs/torchx-logs" in out, "log_dir from [local_cwd]"
 
@@ -371,7 +384,7 @@ def test_resume_and_application_retries_reach_the_trainer_and_every_role():
 
 def test_slurm_requeues_a_retried_app():
     info = get_runner().dryrun_component(
-        "llamarl.llamarl", ["--max_retries", "2", "--store_port", str(PORT)], scheduler="llamarl_slurm", cfg={})
+        "llamarl.llamarl", ["--max_retries", "2", "--store_port", str(PORT)], scheduler="slurm_llamarl", cfg={})
     script = info.request.materialize()
     assert "TORCHX_MAX_RETRIES=2" in script and "scontrol requeue" in script
     assert "--resume auto" in info.request.replicas["trainer-0"].args[-1]

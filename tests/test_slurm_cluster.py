@@ -66,18 +66,18 @@ def torchx(*args: str) -> subprocess.CompletedProcess:
 def submit(policy: Path, tmp_path: Path, *, steps: int = STEPS, extra: list[str] = SMALL,
            store_port: int | None = None,
            replicas: tuple[str, ...] = ("--num_generators", "2", "--num_reward", "1")) -> str:
-    """``torchx run -s llamarl_slurm llamarl.llamarl``: the app runs in ``tmp_path`` (``--image``),
+    """``torchx run -s slurm_llamarl llamarl.llamarl``: the app runs in ``tmp_path`` (``--image``),
     which holds its runs directory and its logs; returns the app handle. Without
     ``store_port`` a free one; 0 is the component's default (derived from the job id by
     every role, as the README's command runs it). ``replicas``: the component options
     that size the roles (4 replicas, the cluster's nodes, by default)."""
     port = free_port() if store_port is None else store_port
-    proc = torchx("run", "-s", "llamarl_slurm", "llamarl.llamarl", "--image", str(tmp_path), "--policy", str(policy),
+    proc = torchx("run", "-s", "slurm_llamarl", "llamarl.llamarl", "--image", str(tmp_path), "--policy", str(policy),
                   "--runs_dir", str(tmp_path / "runs"), "--store_port", str(port), "--steps", str(steps),
                   *replicas, "--", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     handle = proc.stdout.strip().splitlines()[-1]
-    assert handle.startswith("llamarl_slurm://"), proc.stdout
+    assert handle.startswith("slurm_llamarl://"), proc.stdout
     return handle
 
 
@@ -182,7 +182,7 @@ def test_a_role_with_a_bad_argument_fails_the_job_naming_it(tiny_policy, tmp_pat
 
 
 def test_a_partition_that_does_not_exist_is_a_message_not_a_traceback(tiny_policy, tmp_path):
-    proc = torchx("run", "-s", "llamarl_slurm", "-cfg", "partition=no-such-partition", "llamarl.llamarl",
+    proc = torchx("run", "-s", "slurm_llamarl", "-cfg", "partition=no-such-partition", "llamarl.llamarl",
                   "--image", str(tmp_path), "--policy", str(tiny_policy))
     assert proc.returncode == 1
     assert "sbatch refused the job" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -21,20 +21,20 @@ ARGS = ["--num_reward", "1", "--num_generators", "2", "--store_port", "31234"]
 
 
 def dryrun(*extra: str, cfg: dict | None = None):
-    return get_runner().dryrun_component("llamarl.llamarl", [*ARGS, *extra], scheduler="llamarl_slurm",
+    return get_runner().dryrun_component("llamarl.llamarl", [*ARGS, *extra], scheduler="slurm_llamarl",
                                          cfg={"partition": "debug", **(cfg or {})})
 
 
 def test_llamarls_schedulers_have_names_of_their_own_and_torchx_keeps_its_own():
-    """Installing llamarl adds ``llamarl_local``, ``llamarl_slurm`` and
-    ``llamarl_kubernetes``; torchx's ``local_cwd``, ``slurm``, ``kubernetes``, ... stay
+    """Installing llamarl adds ``local_llamarl``, ``slurm_llamarl`` and
+    ``kubernetes_llamarl``; torchx's ``local_cwd``, ``slurm``, ``kubernetes``, ... stay
     torchx's for every other project in the environment."""
     from torchx.schedulers.local_scheduler import LocalScheduler
     from torchx.schedulers.slurm_scheduler import SlurmScheduler
     from torchx.schedulers import DEFAULT_SCHEDULER_MODULES
 
     factories = get_scheduler_factories()
-    assert isinstance(factories["llamarl_slurm"]("test"), LlamarlSlurmScheduler)
+    assert isinstance(factories["slurm_llamarl"]("test"), LlamarlSlurmScheduler)
     assert type(factories["slurm"]("test")) is SlurmScheduler
     local = factories["local_cwd"]("test")
     assert type(local) is LocalScheduler
@@ -86,7 +86,7 @@ def test_an_image_path_that_is_no_directory_is_refused(tmp_path):
 
 def test_torchx_own_components_keep_running_where_submitted():
     """utils.echo's image is a container name (ghcr.io/...): no directory, no refusal."""
-    info = get_runner().dryrun_component("utils.echo", ["--msg", "hi"], scheduler="llamarl_slurm", cfg={})
+    info = get_runner().dryrun_component("utils.echo", ["--msg", "hi"], scheduler="slurm_llamarl", cfg={})
     assert not any(a.startswith("--chdir") for a in info.request.cmd)
     assert info.request.secret_files == {}
 

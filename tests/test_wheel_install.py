@@ -1,6 +1,6 @@
 """The built wheel, installed into a fresh virtualenv beside a user's own ``app`` package,
 runs a 2-step app as ``python -m llamarl.app.roles.local`` and as ``torchx run -s
-llamarl_local llamarl.llamarl``, and the user's ``app``, ``components`` and ``dashboard``
+local_llamarl llamarl.llamarl``, and the user's ``app``, ``components`` and ``dashboard``
 stay theirs: installing llamarl adds one top-level import package, ``llamarl``.
 
 The fresh venv borrows its dependencies (torch, torchx, transformers, ...) from the running
@@ -105,9 +105,9 @@ def test_the_wheel_runs_beside_a_users_app_package(tiny_policy, tmp_path):
     assert trainer_steps(work / "runs" / "local" / "metrics.db") == 2
 
     runs = work / "torchx-runs"
-    # --wait: torchx's CLI waits by itself only for schedulers named local* (cmd_run.py), and
-    # its runner's close stops an app it did not wait for.
-    out = run([str(python), "-m", "torchx.cli.main", "run", "--wait", "-s", "llamarl_local",
+    # No --wait: as the README's `torchx run`, which waits only because the scheduler's name
+    # starts with "local" (torchx's cmd_run.py; its runner's close stops an app it did not wait for).
+    out = run([str(python), "-m", "torchx.cli.main", "run", "-s", "local_llamarl",
                "-cfg", f"log_dir={tmp_path / 'torchx-logs'}", "llamarl.llamarl", "--steps", "2",
                "--policy", str(tiny_policy), "--runs_dir", str(runs), "--store_port", str(free_port()),
                "--secret_file", str(tmp_path / "secret"), "--", *SMALL], cwd=work, env=env)

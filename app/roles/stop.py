@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     except (RuntimeError, ConnectionError, errors.ConfigError) as e:
         # Said in one line: the app id or the address is wrong, or the app has ended.
         raise SystemExit(f"llamarl.app.roles.stop: cannot stop {args.app_id}: {e} (`torchx run` prints the app id as "
-                         "llamarl_local://torchx/<app id>)") from None
+                         "local_llamarl://torchx/<app id>)") from None
     control = Control(SignedStore(store, secret, USER))
     who = f"{getpass.getuser()}@{socket.gethostname()}"
     reason = f"stopped by {who}" + (f": {args.reason}" if args.reason else "")
