@@ -13,11 +13,12 @@ from llamarl.app import names
 from llamarl.app.control import runtime
 from llamarl.app.tasks import arithmetic as tasks
 from llamarl.app.control import transport
-from llamarl.app.config import TrainerConfig
-from llamarl.app.errors import DataError
-from llamarl.app.model.policy import build_tokenizer, encode_prompts
+from llamarl.app.config import GeneratorConfig, TrainerConfig
+from llamarl.app.errors import ConfigError, DataError
+from llamarl.app.model.policy import build_tokenizer, encode_prompts, save_policy
 from data_files import GSM8K, MATH, MATH_ROWS, gsm8k_rows, write_jsonl, write_parquet
 from role_processes import TEST_SECRET
+from tiny_models import tiny_llama  # max_position_embeddings=64
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +191,24 @@ def test_long_prompts_are_skipped_and_counted_never_truncated(tmp_path, tokenize
     with pytest.raises(DataError, match=r"every training prompt is longer than --max-prompt-tokens 3 "
                                         rf"\(the shortest has {min(lengths)} tokens\)"):
         data.load(cfg(dataset=str(path), max_prompt_tokens=3), tokenizer, log=quiet)
+
+
+def test_the_prompt_limit_is_capped_by_the_policys_context(tmp_path, tokenizer):
+    """--max-prompt-tokens 512 with a policy of 64 positions and --max-new-tokens 16: prompts
+    are measured against 48, said once; a policy with room keeps the flag as given."""
+    save_policy(tiny_llama(), tokenizer, tmp_path / "tiny")
+    lines: list[str] = []
+    capped = data.fit_prompt_budget(cfg(max_prompt_tokens=512), GeneratorConfig(max_new_tokens=16),
+                                    tmp_path / "tiny", log=lines.append)
+    assert capped.max_prompt_tokens == 48
+    assert lines == ["--max-prompt-tokens 512 capped to 48: the policy's context is 64 tokens, less "
+                     "--max-new-tokens 16; longer prompts are skipped and counted"]
+    assert data.fit_prompt_budget(cfg(max_prompt_tokens=40), GeneratorConfig(max_new_tokens=16),
+                                  tmp_path / "tiny", log=lines.append).max_prompt_tokens == 40
+    assert len(lines) == 1
+    with pytest.raises(ConfigError, match="--max-new-tokens 64 leaves no room for a prompt in the policy's "
+                                          "context of 64 tokens"):
+        data.fit_prompt_budget(cfg(), GeneratorConfig(max_new_tokens=64), tmp_path / "tiny", log=quiet)
 
 
 # --------------------------------------------------------------------------- order

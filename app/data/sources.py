@@ -54,10 +54,11 @@ from llamarl.app import names
 from llamarl.app.control import runtime
 from llamarl.app.tasks import arithmetic as tasks
 from llamarl.app.control import transport
-from llamarl.app.config import TrainerConfig, parse_levels
+from llamarl.app.config import GeneratorConfig, TrainerConfig, parse_levels
 from llamarl.app.data.datafile import FieldMap, read_problems
+from llamarl.app import errors
 from llamarl.app.errors import DataError
-from llamarl.app.model.policy import check_causal_lm, encode_prompts
+from llamarl.app.model.policy import check_causal_lm, context_length, encode_prompts
 from llamarl.app.tasks.arithmetic import Problem
 from llamarl.app.rl.warmstart import ensure_warmstart
 
@@ -71,6 +72,27 @@ def resolve_policy(spec: str, *, log: Callable[[str], None] = print) -> Path:
         return ensure_warmstart(log=log)
     check_causal_lm(spec)
     return Path(spec)
+
+
+def fit_prompt_budget(cfg: TrainerConfig, gen: GeneratorConfig, policy: str | Path, *,
+                      log: Callable[[str], None] = print) -> TrainerConfig:
+    """``cfg`` with ``--max-prompt-tokens`` capped by the policy's context less
+    ``--max-new-tokens``: a prompt that fits the flag but not the model would be trained on
+    past the positions the model knows. Said once when it caps; the prompts left out are
+    counted by ``prepare`` like any too long. Trainer replica 0 publishes the capped config,
+    so every role measures prompts against the same limit."""
+    context = context_length(policy)
+    if context is None:
+        return cfg
+    room = context - gen.max_new_tokens
+    if room < 1:
+        raise errors.ConfigError(f"--max-new-tokens {gen.max_new_tokens} leaves no room for a prompt in the "
+                                 f"policy's context of {context} tokens ({policy})")
+    if cfg.max_prompt_tokens <= room:
+        return cfg
+    log(f"--max-prompt-tokens {cfg.max_prompt_tokens} capped to {room}: the policy's context is {context} "
+        f"tokens, less --max-new-tokens {gen.max_new_tokens}; longer prompts are skipped and counted")
+    return dataclasses.replace(cfg, max_prompt_tokens=room)
 
 
 def absolute_paths(cfg: TrainerConfig) -> TrainerConfig:

@@ -114,6 +114,15 @@ def save_policy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path
     return path
 
 
+def context_length(path: str | Path) -> int | None:
+    """The longest sequence the policy at ``path`` was built for (``max_position_embeddings``,
+    or what the architecture calls it); None when its config does not say."""
+    from transformers import AutoConfig
+
+    value = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of the policy directory ``path``, padding on the left, with a pad
     token (EOS stands in when it has none)."""

@@ -49,7 +49,9 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
     device = devices.choose_device(cfg.device)
     dtype = devices.train_dtype(cfg.train_precision, device)
     sources = data.read(cfg, log=log)  # a bad dataset stops here, before the warm start
-    model, tokenizer = load_policy(data.resolve_policy(cfg.policy, log=log), device=device)
+    policy = data.resolve_policy(cfg.policy, log=log)
+    cfg = data.fit_prompt_budget(cfg, gen, policy, log=log)
+    model, tokenizer = load_policy(policy, device=device)
     prompts = data.prepare(sources, cfg, tokenizer, log=log)
     ref_model = copy.deepcopy(model).eval() if cfg.kl_coef > 0 else None
     # Below fp32, rollouts come from a quantized copy, refreshed from the trained weights
