@@ -16,20 +16,48 @@ does the same for its batch script.
 import os
 import sys
 from types import TracebackType
-from typing import Any, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
-from torchx.schedulers.api import AppDryRunInfo
+from torchx.schedulers.api import AppDryRunInfo, DescribeAppResponse
 from torchx.schedulers.local_scheduler import CWDImageProvider, LocalOpts, LocalScheduler, PopenRequest, SignalException
-from torchx.specs import AppDef
+from torchx.specs import NONE, AppDef, AppState
 
 from llamarl.components.dryrun import hide_secret
 
+TRAINER_ROLE = "trainer"  # roles[0] of llamarl.components.llamarl
+
 
 class LlamarlLocalScheduler(LocalScheduler):
-    """torchx's local scheduler whose dry run hides the app's secret (``components.dryrun``)."""
+    """torchx's local scheduler whose dry run hides the app's secret (``components.dryrun``)
+    and whose final state is the run's: SUCCEEDED when the trainer finished it, even if a
+    generator or reward executor was lost on the way (``describe``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._survived: Dict[str, str] = {}
+        """App id -> what was lost in an app whose trainer finished the run."""
 
     def _submit_dryrun(self, app: AppDef, cfg: LocalOpts) -> AppDryRunInfo[PopenRequest]:
         return hide_secret(app, super()._submit_dryrun(app, cfg))
+
+    def describe(self, app_id: str) -> Optional[DescribeAppResponse]:
+        """torchx calls an app FAILED when any replica exited non-zero. A llamarl app
+        survives a lost generator or reward executor, and its trainer exits 0 only when it
+        finished every step: then the app SUCCEEDED, and the message names who was lost
+        (``torchx run``'s exit code and ``torchx status`` tell a finished run from a failed one)."""
+        resp = super().describe(app_id)
+        if resp is not None and resp.state == AppState.FAILED:
+            replicas = self._apps[app_id].role_replicas
+            trainer = replicas.get(TRAINER_ROLE, [])
+            if trainer and not any(r.is_alive() or r.failed() for r in trainer):
+                lost = [f"{r.role_name}/{r.replica_id} (exit code {r.proc.returncode})"
+                        for role in replicas.values() for r in role if r.failed()]
+                self._apps[app_id].set_state(AppState.SUCCEEDED)
+                self._survived[app_id] = ("the trainer finished the run; lost on the way and survived: "
+                                          + ", ".join(lost))
+        if resp is not None and app_id in self._survived:
+            resp.state, resp.msg, resp.structured_error_msg = AppState.SUCCEEDED, self._survived[app_id], NONE
+        return resp
 
 
 def create_scheduler(session_name: str, extra_paths: Optional[List[str]] = None, cache_size: int = 100,

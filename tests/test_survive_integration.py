@@ -38,9 +38,11 @@ def test_a_killed_generator_is_survived_and_its_groups_regenerated(tiny_policy, 
         kill(app, f"llamarl.app.roles.generator .*--app-id {app.app_id} --replica 1")
         state = app.wait()
         trainer_log = app.log("trainer")
-        # local_cwd has no replica retry, and the killed replica exited non-zero: TorchX
-        # calls the app FAILED although the run finished (docs/failures.md#losing-a-generator-or-a-reward-executor).
-        assert state in (AppState.SUCCEEDED, AppState.FAILED), app.logs_tail()
+        # The killed replica exited non-zero, but the trainer finished the run: local_llamarl
+        # calls the app SUCCEEDED and names the lost replica (torchx's own would say FAILED).
+        assert state == AppState.SUCCEEDED, app.logs_tail()
+        status = app.runner.status(app.handle)
+        assert "lost on the way and survived: generator/1 (exit code -9)" in status.msg, status
         assert f"finished {STEPS} steps" in trainer_log, app.logs_tail()
         assert "generator/1 is gone" in trainer_log
         assert "weight plane epoch 2: generators [0]" in trainer_log
