@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -60,16 +59,17 @@ from llamarl.app.metrics import events as metrics
 from llamarl.app import names
 from llamarl.app.rl import step as rl
 from llamarl.app.control import runtime
+from llamarl.app.control import slots
 from llamarl.app.rl import sharding
 from llamarl.app.rl import steps
 from llamarl.app.state import train_state
 from llamarl.app.control import transport
 from llamarl.app.weights import digest as weight_digest
 from llamarl.app.config import GeneratorConfig, TrainerConfig
-from llamarl.app.rl.contract import Rejections, RolloutGroup
+from llamarl.app.rl.contract import Rejections
 from llamarl.app.model.policy import load_policy, load_tokenizer
 from llamarl.app.rewards import build_reward, parse_spec
-from llamarl.app.control.seen_groups import REPLAY, TOO_OLD, SeenIds, taken_by_other_ranks
+from llamarl.app.control.seen_groups import REPLAY, SeenIds
 from llamarl.app.sampling.precision import check_precision
 from llamarl.app.metrics.tensorboard import TensorBoardMirror, summary_writer_class
 from llamarl.app.weights.plane import elastic_sender
@@ -96,18 +96,12 @@ class Trainer:
         self.timeline = metrics.Timeline("trainer", rank,
                                          busy_ends=functools.partial(devices.synchronize, self.device))
         self.version = 0
-        self.dropped = 0
         self.guard = steps.SkipGuard()
         self.rejections = Rejections(f"trainer/{rank}")
         self.seen_batches = SeenIds()  # the metrics batches written (replica 0)
-        self.trained_elsewhere = SeenIds()  # groups the other trainer ranks trained
         self.tensorboard: TensorBoardMirror | None = None  # replica 0 with --tensorboard
-        self.ledger = train_state.SlotLedger()  # the slots consumed, the same on every rank
-        self._stale: list[tuple[RolloutGroup, int]] = []  # dropped as stale, not yet settled
         self.start_step = 0  # the checkpoint's step after a resume
-        self.duplicates = 0  # groups for a slot already consumed: dropped
-        self.freed_slots = 0  # slots this rank gave back, net (``_free_slots``)
-        self._freed_lock = threading.Lock()
+        self.resumed_dropped = self.resumed_freed = 0  # replica 0: the checkpoint's slot counters
         self.membership: membership.Membership | None = None  # replica 0
 
     # --- setup ---------------------------------------------------------------------------
@@ -153,7 +147,10 @@ class Trainer:
         self.attempt = runtime.run_attempt(rt)  # this start's: groups and metrics batches of another are refused
         resumed = rt.wait_key(names.RESUME_KEY, 60.0, "resume point")
         self.start_step = self.version = resumed["step"]
-        self.ledger = train_state.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger"))
+        self.slots = slots.Settlement(
+            rt.signed, rank=self.rank, world=self.world, max_staleness=cfg.max_staleness,
+            ledger=slots.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger")),
+            rejections=self.rejections, emit=rt.emit, dropped=self.resumed_dropped, freed=self.resumed_freed)
         # The KL reference is a whole copy on every rank, never sharded: it runs forward
         # passes only, no collective.
         self.ref_model = copy.deepcopy(self.model).eval() if cfg.kl_coef > 0 else None
@@ -200,7 +197,7 @@ class Trainer:
             reward_timeout_s=cfg.reward_timeout_s, groups_per_batch=cfg.prompts_per_step // self.world,
             ranks=self.world,
             max_staleness=cfg.max_staleness, current_version=lambda: self.version,
-            on_drop=self._on_drop, normalize_std=cfg.normalize_std, should_stop=rt.should_stop,
+            on_drop=self.slots.on_drop, normalize_std=cfg.normalize_std, should_stop=rt.should_stop,
             timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,
             health=lambda: health.check_health(rt.control),
             admit=incarnations.admission(rt.signed, self.attempt, current_version=lambda: self.version,
@@ -250,7 +247,7 @@ class Trainer:
         except (KeyError, ValueError) as e:
             raise train_state.ResumeError(f"checkpoint {resume.path}: another prompt order than this "
                                           f"run's ({e})") from None
-        self.dropped = resume.state["dropped"]
+        self.resumed_dropped = resume.state["dropped"]
         self.guard.skipped = resume.state["skipped"]
         train_state.set_rng_state(resume.state["rng"])
 
@@ -259,7 +256,7 @@ class Trainer:
         after its checkpoint deleted; the staleness-slot counters the generators share."""
         cfg, signed = self.cfg, self.rt.signed
         state = resume.state if resume is not None else {}
-        ledger = train_state.SlotLedger.from_state(state.get("ledger", train_state.SlotLedger().state_dict()))
+        ledger = slots.SlotLedger.from_state(state.get("ledger", slots.SlotLedger().state_dict()))
         self.run_dir = resume.run_dir if resume else metrics.new_run_dir(cfg.runs_dir, cfg.run_id, self._config_dict())
         runtime.log_to_run_dir(str(self.run_dir), "trainer", 0)
         self.writer = metrics.MetricsWriter(self.run_dir, run_id=self.run_dir.name, config=self._config_dict())
@@ -271,9 +268,8 @@ class Trainer:
         self.tensorboard = TensorBoardMirror(self.run_dir) if cfg.tensorboard else None
         # Signed records (llamarl.app.control.signed); the ledger and the resume point are re-published if
         # anyone overwrites them.
-        signed.put(names.RESERVED_KEY, {"count": ledger.count})
-        self._free_slots(state.get("dropped_groups", 0))  # their slots were refilled
-        signed.put(names.SLOTS_DONE_KEY, ledger.state_dict(), keep=True)
+        self.resumed_freed = state.get("dropped_groups", 0)  # their slots were refilled
+        slots.publish_start(signed, ledger, self.resumed_freed)
         signed.put(names.RESUME_KEY, {
             "step": resume.step if resume else 0,
             "train_state": str(resume.train_state) if resume and resume.train_state else ""}, keep=True)
@@ -284,80 +280,6 @@ class Trainer:
                 "trainer_ranks": self.world, **cli.to_dict(self.cfg), **cli.to_dict(self.gen)}
 
     # --- the loop ----------------------------------------------------------------------
-    def _settle(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
-        """The step's slots in the ledger: the groups dropped as stale since the last step,
-        then the batch's groups, decided alike on every trainer rank
-        (``SlotLedger.consume_across_ranks``); the groups to train. A group for a slot
-        already consumed, on any rank, is dropped and counted: an executor lost just after
-        it passed the group on, which was then regenerated (``llamarl.app.control.membership``); it held
-        no place in the generators' budget, so the one it used is taken back
-        (``train_state.slots_taken_back``)."""
-        stale, self._stale = self._stale, []
-        fresh = self.ledger.consume_across_ranks([g.slot for g, _ in stale] + [g.slot for g in groups])
-        stale_fresh, batch_fresh = fresh[:len(stale)], fresh[len(stale):]
-        for (group, lag), first in zip(stale, stale_fresh):
-            if not first:
-                self._duplicate(group)
-                continue
-            self.dropped += 1
-            self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
-        kept = []
-        for group, first in zip(groups, batch_fresh):
-            if first:
-                kept.append(group)
-            else:
-                self._duplicate(group)
-        # The generators' budget (train_state.slots_taken_back); a group that filled no
-        # slot holds no place in it.
-        self._free_slots(-train_state.slots_taken_back(
-            [f for (g, _), f in zip(stale, stale_fresh) if g.slot is not None],
-            [f for g, f in zip(groups, batch_fresh) if g.slot is not None]))
-        return kept
-
-    def _duplicate(self, group: RolloutGroup) -> None:
-        log.warning("group %s fills slot %d, already consumed: dropped (a lost executor's group and its "
-                    "regenerated twin)", group.group_id, group.slot)
-        self.duplicates += 1
-
-    def _without_replays_across_ranks(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
-        """Several trainer ranks: a group another rank trained, or has in this step's batch
-        too, is a replay here (``seen_groups.taken_by_other_ranks``; every rank's batch
-        ids are exchanged before each step): dropped, counted, and its place in the batch
-        given back like a duplicate's."""
-        mine = torch.tensor([[g.group_id.generator, g.group_id.seq] for g in groups], dtype=torch.int64)
-        batches = [ids.view(-1, 2).tolist() for ids in train_state.all_gather_ids(mine.view(-1))]
-        refused = taken_by_other_ranks(batches, self.rank, self.trained_elsewhere)
-        for gid in refused:
-            self.rejections(REPLAY, f"group {gid} was also taken by another trainer rank")
-            self._free_slots(-1)  # a place in this rank's batch, and no counted slot: as a duplicate's
-        return [g for g in groups if (g.group_id.generator, g.group_id.seq) not in refused]
-
-    def _on_drop(self, group: RolloutGroup, lag: int) -> None:
-        """A group too stale to train: settled with the next batch (``_settle``), where
-        every rank learns of its slot; its place in the generators' budget is given back
-        now (with max_staleness 0 they may need it to fill the batch the trainer waits
-        for; taken back at the settling if it was a second copy). Counted under
-        ``security/rejected_frames/too_old``
-        too (the Security tab shows every version outside the trainable window), though
-        with asynchronous generators it is usually ordinary staleness, not an attack."""
-        self.rejections.counted(TOO_OLD, f"group {tuple(group.group_id)} of policy version {group.version} "
-                                         f"is {lag} versions behind, over max_staleness {self.cfg.max_staleness}")
-        self._stale.append((group, lag))
-        if group.slot is not None:  # a group that filled no slot holds no place
-            self._free_slots(1)
-
-    def _free_slots(self, n: int) -> None:
-        """This rank's net count of slots given back, a signed record the generators add
-        to their bound (``generator.SlotBudget``): +1 for a counted group dropped untrained
-        (stale), -1 for each second copy of a slot (a duplicate, a replay another rank
-        trained; ``train_state.slots_taken_back``). May go below zero. Called from the
-        rollout pipeline's thread (stale drops) and the training loop."""
-        if not n:
-            return
-        with self._freed_lock:
-            self.freed_slots += n
-            self.rt.signed.put(names.dropped_key(names.member("trainer", self.rank)), self.freed_slots)
-
     def _sync(self) -> None:
         """Every rank: its shard of the current version to every generator; its bytes and
         seconds are the dashboard's per-sender row (``trainer/<rank>``). With the digest
@@ -426,7 +348,7 @@ class Trainer:
         directory, deletes the oldest beyond ``keep_last`` and names it in config.json and
         the metrics DB."""
         t0 = time.time()
-        ledger = self.ledger  # every rank's (consume_across_ranks)
+        ledger = self.slots.ledger  # every rank's (consume_across_ranks)
         root = self.run_dir / checkpoint.DIR_NAME
         if self.rank != 0:
             dist.barrier()  # replica 0 has made the step's temporary directory
@@ -451,25 +373,17 @@ class Trainer:
         log.info("saved checkpoint %s in %.2f s%s", path, seconds,
                  f" (deleted {', '.join(p.name for p in pruned)})" if pruned else "")
 
-    def _train_state(self, step: int, ledger: train_state.SlotLedger) -> dict:
+    def _train_state(self, step: int, ledger: slots.SlotLedger) -> dict:
         """Replica 0: what ``state.json`` holds besides the model and optimizer."""
         self.data.order.position = ledger.frontier
         return {"step": step, "version": self.version, "ledger": ledger.state_dict(),
                 "order": self.data.order.state_dict(), "data_fingerprint": self.data.fingerprint,
-                "dropped": self.dropped,
-                "dropped_groups": self._dropped_groups(),
+                "dropped": self.slots.dropped,
+                "dropped_groups": slots.given_back(self.rt.signed, [names.member("trainer", r)
+                                                                    for r in range(self.world)]),
                 "skipped": self.guard.skipped, "fingerprint": train_state.fingerprint(self.full_model),
                 "parameter_shapes": train_state.parameter_shapes(self.full_model),
                 "rng": train_state.rng_state(), "config": self._config_dict()}
-
-    def _dropped_groups(self) -> int:
-        """Every trainer rank's dropped groups (their signed counters)."""
-        total = 0
-        for r in range(self.world):
-            m = names.member("trainer", r)
-            n = self.rt.signed.get(names.dropped_key(m), writers=(m,), default=0)
-            total += n if isinstance(n, int) else 0
-        return total
 
     def run(self) -> None:
         cfg = self.cfg
@@ -480,9 +394,7 @@ class Trainer:
         for step in range(self.start_step + 1, cfg.steps + 1):
             with self.timeline.idle("wait_rollouts"):
                 groups = self.stream.next_batch()
-            if self.world > 1:
-                groups = self._without_replays_across_ranks(groups)
-            groups = self._settle(groups)
+            groups = self.slots.settle(groups, self.version)
             t0 = time.time()
             train = None
             # Every rank decides alone: with several ranks, one rank's share may have no
@@ -504,7 +416,7 @@ class Trainer:
             step_s, t_prev = time.time() - t_prev, time.time()
             values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
                                        consumed_version=consumed_version, skipped=self.guard.skipped,
-                                       dropped=self.dropped, idle_fraction=self.timeline.idle_fraction())
+                                       dropped=self.slots.dropped, idle_fraction=self.timeline.idle_fraction())
             values.update(devices.device_metrics(self.device))
             values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
             values.update(self.rejections.metrics())
@@ -532,7 +444,7 @@ class Trainer:
         """Replica 0: losses and the executors alive, for the dashboard's Executors tab."""
         m = self.membership
         values = {names.FAULTS_LOST_GROUPS: m.lost_groups(),
-                  names.FAULTS_DUPLICATE_GROUPS: self.duplicates,
+                  names.FAULTS_DUPLICATE_GROUPS: self.slots.duplicates,
                   names.WEIGHT_REGROUPS: self.sender.regroups,
                   names.members_metric("generator"): len(m.alive("generator"))}
         if self.num_reward:
