@@ -139,12 +139,13 @@ class Trainer:
             rt.queue(names.ROLLOUTS if inline else names.SCORED), reward=self.reward,
             reward_timeout_s=cfg.reward_timeout_s, groups_per_batch=cfg.prompts_per_step // self.world,
             ranks=self.world,
-            max_staleness=cfg.max_staleness, current_version=lambda: self.version,
-            on_drop=self.slots.on_drop, normalize_std=cfg.normalize_std, should_stop=rt.should_stop,
+            max_staleness=cfg.max_staleness, settlement=self.slots, normalize_std=cfg.normalize_std,
+            should_stop=rt.should_stop,
             timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,
             health=lambda: health.check_health(rt.control),
-            admit=incarnations.admission(rt.signed, attempt, current_version=lambda: self.version,
-                                         published_version=rt.control.version),
+            # A version from the future is one above the newest published (replica 0 publishes
+            # each before it sends it): one store read per new version.
+            admit=incarnations.admission(rt.signed, attempt, published_version=rt.control.version),
             vocab_size=self.model.get_input_embeddings().num_embeddings)
 
     def _gather_full_model(self) -> None:
@@ -203,8 +204,7 @@ class Trainer:
         self.duties.before_steps(self.start_step)
         for step in range(self.start_step + 1, cfg.steps + 1):
             with self.timeline.idle("wait_rollouts"):
-                groups = self.stream.next_batch()
-            groups = self.slots.settle(groups, self.version)
+                groups = self.stream.next_batch(self.version)  # settled: what this step trains
             t0 = time.time()
             train = self.train_step(groups, step)
             t_train = time.time() - t0
@@ -213,7 +213,7 @@ class Trainer:
                 self._gather_full_model()  # the whole copy's uses: evaluation and checkpoints
             self.version += 1
             step_s, t_prev = time.time() - t_prev, time.time()
-            values = self._step_values(step, groups, train, t_train, step_s)
+            values = self._record_step(step, groups, train, t_train, step_s)
             self.publish_weights()
             snapshot = (Snapshot(self.model, self.optimizer, self.version, self.slots.ledger, self.slots.dropped,
                                  self.guard.skipped) if save else None)
@@ -230,10 +230,10 @@ class Trainer:
                                  pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model, ranks=self.ranks,
                                  policy_version=self.version) or None  # {}: no rank had a rollout
 
-    def _step_values(self, step: int, groups: list[RolloutGroup], train: dict[str, float] | None,
+    def _record_step(self, step: int, groups: list[RolloutGroup], train: dict[str, float] | None,
                      t_train: float, step_s: float) -> dict[str, float]:
-        """The step's scalars, emitted with its events (the staleness of the groups it
-        trained, consumed at the version before this step's)."""
+        """Emits the step's events (with the timeline's intervals so far) and returns its
+        scalars; the groups it trained were consumed at the version before this step's."""
         values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
                                    consumed_version=self.version - 1, skipped=self.guard.skipped,
                                    dropped=self.slots.dropped, idle_fraction=self.timeline.idle_fraction())
