@@ -37,7 +37,7 @@ POLICY_KEY = _ROOT + "policy_path"
 RESERVED_KEY = _ROOT + "groups_reserved"
 """Staleness-slot counter: group slots generators have reserved (``count token``)."""
 SLOTS_DONE_KEY = _ROOT + "slots_done"
-"""The slot ledger the run starts from (JSON, ``llamarl.app.state.train_state.SlotLedger``): empty for
+"""The slot ledger the run starts from (JSON, ``llamarl.app.control.slots.SlotLedger``): empty for
 a fresh run; after a resume, generators fill the slots it lacks first."""
 RESUME_KEY = _ROOT + "resume"
 """Where trainer replica 0 resumes from (JSON ``{"step", "train_state"}``), for the other

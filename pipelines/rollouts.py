@@ -6,12 +6,18 @@
          attached
       -> Prefetcher (a thread: polling, decoding and scoring overlap the training step)
       -> Mapper: group-relative advantages
-      -> StalenessFilter: drop and count groups older than ``max_staleness``
+      -> StalenessFilter: drop and count groups older than ``max_staleness`` (their slots
+         go to the settlement: ``llamarl.app.control.slots.Settlement.on_drop``)
       -> Batcher: ``groups_per_batch`` groups make one training batch
+      -> the batch settled (``Settlement.settle``): what ``next_batch`` returns is what
+         the step trains, each slot consumed once on every trainer rank
 
 A group is the G completions of one prompt; generators send each group as one message,
 so a group never straddles two batches. The staleness filter runs in the consumer's
-thread, after the prefetcher, so the lag it checks is the lag at which the batch trains.
+thread, after the prefetcher, so the lag it checks is the lag at which the batch trains:
+``next_batch(version)`` is given the version the batch trains at. The pipeline calls
+nothing of the trainer's: it hands drops and batches to the slot settlement, and asks
+the runtime (``should_stop``, ``health``) and the admission (``admit``) only.
 
 The prefetcher's thread is a daemon that torchdata gives no public way to stop. A daemon
 thread still inside native code (a store call, say) when the
@@ -45,6 +51,7 @@ from torchdata.nodes import BaseNode, Batcher, Mapper, Prefetcher
 from llamarl.app.rl import step as rl
 from llamarl.app.rl.contract import Admit, Rejections, RolloutGroup
 from llamarl.app.rewards import CompositeReward
+from llamarl.app.control.slots import Settlement
 from llamarl.app.control.transport import StoreQueue, Stopped
 
 HEALTH_CHECK_S = 0.5
@@ -237,20 +244,21 @@ class StalenessFilter(BaseNode[RolloutGroup]):
 
 
 class RolloutStream:
-    """The graph above; ``next_batch()`` gives a batch: a list of ``groups_per_batch``
-    groups; ``ranks``: how many trainer ranks pop the same queue, each with a stream of
-    its own. Call ``close()`` before the process exits (see the module docstring).
+    """The graph above; ``next_batch(version)`` gives a settled batch: the groups of
+    ``groups_per_batch`` that ``settlement`` keeps; ``ranks``: how many trainer ranks pop
+    the same queue, each with a stream of its own. Call ``close()`` before the process
+    exits (see the module docstring).
     ``rejections`` counts the messages dropped on receipt; ``admit`` refuses replays and
     versions from the future (``QueueSource``); ``checks`` bound what a message may hold
     (``vocab_size``, ``group_size``: see ``llamarl.app.rl.contract.from_message``)."""
 
     def __init__(self, queue: StoreQueue, *, reward: CompositeReward | None, reward_timeout_s: float | None,
-                 groups_per_batch: int, max_staleness: int, current_version: Callable[[], int],
-                 on_drop: Callable[[RolloutGroup, int], None], normalize_std: bool,
+                 groups_per_batch: int, max_staleness: int, settlement: Settlement, normalize_std: bool,
                  should_stop: Callable[[], bool], timeout_s: float, rejections: Rejections,
                  prefetch: int = 2, health: Callable[[], None] | None = None, ranks: int = 1,
                  admit: Admit | None = None, **checks: Any) -> None:
-        self.gate = Gate()
+        self.gate, self.settlement = Gate(), settlement
+        self._version = 0  # the version the batch being taken trains at (``next_batch``)
         self.close_timeout_s = (reward_timeout_s or 0.0) + 30.0
         # One rank alone takes all it can see: the more it sees, the better its oldest-first
         # order. Several share the queue, so each holds at most its share (module docstring).
@@ -267,9 +275,9 @@ class RolloutStream:
         def dropped_stale(group: RolloutGroup, lag: int) -> None:
             if self.holding is not None:
                 self.holding.release()
-            on_drop(group, lag)
+            settlement.on_drop(group, lag)
 
-        node = StalenessFilter(node, max_staleness=max_staleness, current_version=current_version,
+        node = StalenessFilter(node, max_staleness=max_staleness, current_version=lambda: self._version,
                                on_drop=dropped_stale)
         self.root = Batcher(node, batch_size=groups_per_batch, drop_last=False)
 
@@ -278,9 +286,12 @@ class RolloutStream:
             self.holding.release()
         return group
 
-    def next_batch(self) -> list[RolloutGroup]:
-        """The next batch; the pipeline's stop becomes ``Stopped`` for the caller, and an
-        error in the worker thread is raised as it was raised there."""
+    def next_batch(self, version: int) -> list[RolloutGroup]:
+        """The next batch, to train at policy ``version``, settled (with several trainer
+        ranks, a collective: ``Settlement.settle``); the pipeline's stop becomes
+        ``Stopped`` for the caller, and an error in the worker thread is raised as it was
+        raised there."""
+        self._version = version
         if self.gate.is_closed():
             raise Stopped("the rollout stream is closed")
         if self.holding is not None:
@@ -298,7 +309,7 @@ class RolloutStream:
                 raise self.gate.error from None
             raise
         self._last_batch = len(batch)
-        return batch
+        return self.settlement.settle(batch, version)
 
     def close(self) -> None:
         """Stop the worker thread's stages and wait until none is inside a store call or a

@@ -1,4 +1,4 @@
-"""The generators' staleness budget (``llamarl.app.roles.generator.SlotBudget``) over a real TCPStore.
+"""The generators' staleness budget (``llamarl.app.control.slots.SlotBudget``) over a real TCPStore.
 
 Slot n (0-based) trains at step n // B + 1, so a generator holding weights of version v
 may fill slots below (v + 1 + max_staleness) * B (+ the groups the trainer dropped) and
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from llamarl.app import names
-from llamarl.app.state import train_state
-from llamarl.app.roles.generator import SlotBudget, batch_seed
-from llamarl.app.state.train_state import SlotLedger
+from llamarl.app.control import slots
+from llamarl.app.control.slots import SlotBudget, SlotLedger
+from llamarl.app.roles.generator import batch_seed
 from llamarl.app.control.transport import connect_store, host_store
 from role_processes import control, signed
 
@@ -110,7 +110,7 @@ def test_a_twin_in_a_batch_leaves_no_group_too_many_in_flight(store, max_stalene
             else:
                 batch.append(slot)
         first = ledger.consume_across_ranks(stale + batch)
-        net -= train_state.slots_taken_back(first[:len(stale)], first[len(stale):])
+        net -= slots.slots_taken_back(first[:len(stale)], first[len(stale):])
         drop(store, net)
         trained += sum(first[len(stale):])
         if step > 6:
@@ -206,15 +206,15 @@ def test_slots_lost_with_an_executor_come_back_outside_the_counter(store):
 
     budget = SlotBudget(generator(store), groups_per_step=B, max_staleness=0)
     assert budget.reserve(100, version=0) == range(0, 4)
-    dead = membership.HeldSlots(generator(store, 1))
+    dead = slots.HeldSlots(generator(store, 1))
     dead.take([2, 3])
     assert budget.reserve(1, version=0) == range(0), "the step's slots are all reserved"
     watch = membership.Membership(signed(store), {"generator": 2})  # takes generator/1 out:
-    assert watch._return_held("generator/1") == 2
-    assert membership.lost_slots_waiting(store) == 2
+    assert slots.return_held(watch.signed, "generator/1") == 2
+    assert slots.lost_slots_waiting(store) == 2
     survivor = generator(store, 0)
-    assert membership.take_lost_slots(survivor, 8) == [2, 3]
-    assert membership.take_lost_slots(survivor, 8) == []
+    assert slots.take_lost_slots(survivor, 8) == [2, 3]
+    assert slots.take_lost_slots(survivor, 8) == []
     assert budget.reserve(1, version=0) == range(0), "the counter did not move"
 
 

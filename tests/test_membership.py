@@ -9,6 +9,7 @@ import pytest
 
 from llamarl.app.control import health
 from llamarl.app.control import membership
+from llamarl.app.control import slots
 from llamarl.app import names
 from role_processes import control, loopback_store, signed
 
@@ -36,7 +37,7 @@ def _beat(store, *members: str) -> None:
 def test_a_silent_generator_is_taken_out_and_its_held_slots_go_back(store):
     trainer = control(store)
     _register(store, generator=2, trainer=1)
-    held = membership.HeldSlots(signed(store, "generator/1"))
+    held = slots.HeldSlots(signed(store, "generator/1"))
     held.take([7, 8, 9])
     held.passed(8)  # its group is in the queue: not lost
     watch = membership.Membership(signed(store), {"generator": 2, "reward": 0}, gone_after_s=GONE_S)
@@ -46,10 +47,10 @@ def test_a_silent_generator_is_taken_out_and_its_held_slots_go_back(store):
     assert watch.poll() == ["generator/1"]
     assert watch.gone() == {"generator/1"} and watch.tolerated("generator/1")
     assert watch.alive("generator") == ["generator/0"] and watch.lost_groups() == 2
-    assert membership.lost_slots_waiting(store) == 2
+    assert slots.lost_slots_waiting(store) == 2
     survivor = signed(store, "generator/0")
-    assert membership.take_lost_slots(survivor, 8) == [7, 9]
-    assert membership.take_lost_slots(survivor, 8) == []
+    assert slots.take_lost_slots(survivor, 8) == [7, 9]
+    assert slots.take_lost_slots(survivor, 8) == []
     # The health check of every trainer rank skips it from now on; the app is healthy.
     health.check_health(trainer, timeout_s=GONE_S)
 
@@ -90,7 +91,7 @@ def test_an_unreadable_held_list_regenerates_nothing(store):
     time.sleep(GONE_S + 0.1)
     _beat(store, "reward/0")
     watch.poll()
-    assert membership.take_lost_slots(signed(store, "reward/0"), 8) == [3]  # only the well-formed slot id
+    assert slots.take_lost_slots(signed(store, "reward/0"), 8) == [3]  # only the well-formed slot id
 
 
 def test_the_watcher_thread_takes_a_member_out(store):

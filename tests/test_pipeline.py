@@ -12,6 +12,8 @@ from torchdata.nodes import IterableWrapper
 from llamarl.app.rl.contract import GroupId, Rejections, Rollout, RolloutGroup, to_message
 from llamarl.app.rewards import build_reward
 from llamarl.app.control.seen_groups import Admission
+from llamarl.app.control.signed import SignedStore
+from llamarl.app.control.slots import Settlement, SlotLedger
 from llamarl.app.control.transport import Stopped, StoreQueue, host_store
 from llamarl.pipelines.rollouts import Gate, Holding, QueueSource, RolloutStream, StalenessFilter
 
@@ -49,6 +51,14 @@ def never() -> bool:
     return False
 
 
+def settlement(queue: StoreQueue, max_staleness: int, rejections: Rejections,
+               emitted: list[dict] | None = None) -> Settlement:
+    """One trainer rank's slot settlement, its records in the queue's store."""
+    return Settlement(SignedStore(queue.store, SECRET, "trainer/0"), rank=0, world=1, ledger=SlotLedger(),
+                      max_staleness=max_staleness, rejections=rejections,
+                      emit=(emitted if emitted is not None else []).extend)
+
+
 @pytest.fixture()
 def stream_over():
     """Makes rollout streams over a queue and closes every one after the test: a stream's
@@ -56,11 +66,12 @@ def stream_over():
     made: list[RolloutStream] = []
 
     def make(queue, *, rejections: Rejections | None = None, **overrides) -> RolloutStream:
+        rejections = rejections or Rejections("test")
         kwargs = dict(reward=build_reward("math_verifier"), reward_timeout_s=10.0, groups_per_batch=2,
-                      max_staleness=1, current_version=lambda: 0, on_drop=lambda g, lag: None,
-                      normalize_std=False, should_stop=never, timeout_s=5.0,
-                      rejections=rejections or Rejections("test"))
-        made.append(RolloutStream(queue, **{**kwargs, **overrides}))
+                      max_staleness=1, normalize_std=False, should_stop=never, timeout_s=5.0, rejections=rejections)
+        kwargs.update(overrides)
+        kwargs.setdefault("settlement", settlement(queue, kwargs["max_staleness"], rejections))
+        made.append(RolloutStream(queue, **kwargs))
         return made[-1]
 
     yield make
@@ -109,7 +120,7 @@ def test_the_stream_checks_health_while_it_waits_and_raises_its_error_as_it_was(
 
     stream = stream_over(queue, health=health, timeout_s=600.0)
     with pytest.raises(ProducerGone) as caught:
-        stream.next_batch()
+        stream.next_batch(0)
     assert str(caught.value) == "no heartbeat for 10 s from reward/0"
     assert len(checks) == 3
 
@@ -119,7 +130,7 @@ def test_the_stream_does_not_check_health_while_rollouts_flow(queue, stream_over
     for slot in range(2):
         queue.push(message(slot, 0), timeout_s=5)
     stream = stream_over(queue, health=lambda: calls.append(1))
-    assert len(stream.next_batch()) == 2
+    assert len(stream.next_batch(0)) == 2
     assert calls == []
 
 
@@ -153,22 +164,23 @@ def test_staleness_filter_reads_the_version_when_the_group_is_taken():
 
 # --------------------------------------------------------------------------- the full stream
 
-def test_rollout_stream_scores_batches_and_filters(queue, stream_over):
-    version = {"now": 2}
-    dropped: list[tuple[int, int]] = []
+def test_rollout_stream_scores_settles_batches_and_filters(queue, stream_over):
+    emitted: list[dict] = []
     sent = [message(0, 2, n_correct=1), message(1, 0, n_correct=2),  # seq 1: too stale
             message(2, 1, n_correct=3), message(3, 2, answer=None),  # seq 3: every reward raises
             message(4, 2, n_correct=0), message(5, 1, n_correct=4, replica=1)]
     for msg in sent:
         queue.push(msg, timeout_s=5)
-    stream = stream_over(queue, current_version=lambda: version["now"],
-                         on_drop=lambda g, lag: dropped.append((g.group_id.seq, lag)))
-    batches = [stream.next_batch() for _ in range(2)]
+    rejections = Rejections("test")
+    settled = settlement(queue, 1, rejections, emitted)
+    stream = stream_over(queue, rejections=rejections, settlement=settled)
+    batches = [stream.next_batch(2) for _ in range(2)]
     assert all(len(b) == 2 for b in batches), "groups_per_batch groups per batch"
     groups = {g.group_id.seq: g for b in batches for g in b}
     # Oldest version first: seq 1 (v0, dropped), seq 2 and 5 (v1), then seq 0 and 3.
     assert [[g.group_id for g in b] for b in batches] == [[(0, 2), (1, 5)], [(0, 0), (0, 3)]]
-    assert dropped == [(1, 2)]
+    assert settled.dropped == 1, "seq 1, settled as dropped with the first batch"
+    assert [(e["step"], e["version"], e["staleness"]) for e in emitted] == [(3, 0, 2)] * G
     for seq, g in groups.items():
         assert len(g.rollouts) == G and {r.group_id for r in g.rollouts} == {g.group_id}
         if seq == 3:  # quarantined: no reward, no advantage, so the trainer leaves them out
@@ -185,6 +197,22 @@ def test_rollout_stream_scores_batches_and_filters(queue, stream_over):
     assert len(trained) == 3 * G
 
 
+def test_a_batch_comes_settled_without_a_second_copy_of_a_consumed_slot(queue, stream_over):
+    """Slot 9 was trained; its twin (a lost executor's group that got out, and the
+    regenerated one) arrives with slot 10's group: the batch the trainer gets holds slot
+    10 only, and the twin is counted."""
+    rejections = Rejections("test")
+    settled = settlement(queue, 1, rejections)
+    settled.ledger.consume(9)
+    for seq, slot in enumerate([9, 10]):
+        group = make_group(seq, 0, ["#### 7"] * G)
+        group.slot = slot
+        queue.push(to_message(group), timeout_s=5)
+    stream = stream_over(queue, rejections=rejections, settlement=settled)
+    assert [g.slot for g in stream.next_batch(0)] == [10]
+    assert settled.duplicates == 1 and settled.ledger.state_dict() == {"frontier": 0, "done": [9, 10]}
+
+
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_two_ranks_on_one_queue_each_get_their_share_of_a_step(queue, stream_over, max_staleness):
     """Two trainer ranks pop the same queue, 2 groups each per step. In a synchronous run
@@ -196,9 +224,9 @@ def test_two_ranks_on_one_queue_each_get_their_share_of_a_step(queue, stream_ove
         queue.push(message(seq, 0), timeout_s=5)
     first, second = (stream_over(queue, groups_per_batch=2, max_staleness=max_staleness, ranks=2,
                                  timeout_s=3.0) for _ in range(2))
-    got_first = first.next_batch()
+    got_first = first.next_batch(0)
     time.sleep(0.5)  # the first rank's prefetch thread runs on: it must stop at its cap
-    got_second = second.next_batch()
+    got_second = second.next_batch(0)
     seqs = [g.group_id.seq for g in got_first + got_second]
     assert len(seqs) == 4 and len(set(seqs)) == 4
 
@@ -219,7 +247,7 @@ def test_rollout_stream_reads_scores_attached_by_a_reward_executor(queue, stream
     queue.push(to_message(group), timeout_s=5)
     stream = stream_over(queue, reward=None, reward_timeout_s=None, groups_per_batch=1,
                          max_staleness=0, normalize_std=True)
-    (got,) = stream.next_batch()
+    (got,) = stream.next_batch(0)
     assert [r.reward for r in got.rollouts] == [1.0, 1.0, 0.0, 0.0]
     # normalize_std: (r - mean) / std with the population std (0.5 here)
     assert [r.advantage for r in got.rollouts] == pytest.approx([1.0, 1.0, -1.0, -1.0], abs=1e-4)
@@ -244,7 +272,7 @@ def test_rollout_stream_drops_and_counts_bad_messages_and_goes_on(queue, stream_
     queue.push(unscored_ok, timeout_s=5)
     rejections = Rejections("test")
     stream = stream_over(queue, rejections=rejections, groups_per_batch=2, max_staleness=0)
-    (first, second) = stream.next_batch()
+    (first, second) = stream.next_batch(0)
     assert [first.group_id.seq, second.group_id.seq] == [0, 4]
     assert dict(rejections.counts) == {"missing_field": 1, "wrong_type": 1, "wrong_length": 1,
                                        "malformed_frame": 1, "bad_tag": 1}
@@ -258,14 +286,14 @@ def test_rollout_stream_refuses_a_replay_and_a_future_version_before_batching(qu
     rejections = Rejections("test")
     stream = stream_over(queue, rejections=rejections, groups_per_batch=2, max_staleness=0,
                          admit=Admission(current_version=lambda: 0))
-    assert [g.group_id.seq for g in stream.next_batch()] == [0, 2]
+    assert [g.group_id.seq for g in stream.next_batch(0)] == [0, 2]
     assert dict(rejections.counts) == {"replay": 1, "future_version": 1}
 
 
 def test_rollout_stream_surfaces_a_silent_queue(queue, stream_over):
     stream = stream_over(queue, timeout_s=0.3)
     with pytest.raises(TimeoutError, match="rollouts"):
-        stream.next_batch()
+        stream.next_batch(0)
 
 
 def test_rejected_messages_do_not_reset_the_silence_deadline(queue, stream_over):
@@ -281,7 +309,7 @@ def test_rejected_messages_do_not_reset_the_silence_deadline(queue, stream_over)
     feeder.start()
     try:
         with pytest.raises(TimeoutError, match="rollouts"):
-            stream_over(queue, timeout_s=0.5).next_batch()
+            stream_over(queue, timeout_s=0.5).next_batch(0)
     finally:
         stop.set()
         feeder.join(5)
@@ -295,14 +323,14 @@ def test_closing_the_stream_stops_its_worker_thread_polling_the_store(queue, str
     stream = stream_over(queue, reward_timeout_s=1.0, groups_per_batch=1, max_staleness=0,
                          timeout_s=600.0)
     queue.push(message(0, 0, n_correct=1), timeout_s=5)
-    stream.next_batch()  # the worker thread now waits on the empty queue for up to 600 s
+    stream.next_batch(0)  # the worker thread now waits on the empty queue for up to 600 s
     stream.close()
     stream.close()  # twice is fine
     queue.push(message(1, 0, n_correct=1), timeout_s=5)
     time.sleep(0.3)  # ample time for a live poller (it polls every <= 10 ms) to take it
     assert queue.depth() == 1, "a closed stream popped a message"
     with pytest.raises(Stopped, match="closed"):
-        stream.next_batch()
+        stream.next_batch(0)
 
 
 def test_gate_waits_for_the_stage_inside_it_and_then_stays_shut():

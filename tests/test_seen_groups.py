@@ -132,7 +132,7 @@ def test_a_regenerated_lost_slot_is_not_a_replay_and_a_replay_never_reaches_the_
     regenerated the slot: a new group (new id) for the same slot. Admission takes both; the
     slot ledger keeps the first and calls the second a duplicate. A replayed copy of the
     first is refused by admission, so the ledger never counts it."""
-    from llamarl.app.state.train_state import SlotLedger
+    from llamarl.app.control.slots import SlotLedger
 
     original, regenerated = group(0, 5), group(1, 30)
     original.slot = regenerated.slot = 17

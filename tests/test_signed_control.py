@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from llamarl.app.control import membership
 from llamarl.app import names
-from llamarl.app.roles.generator import SlotBudget
+from llamarl.app.control import slots
+from llamarl.app.control.slots import SlotBudget
 from llamarl.app.control.signed import USER, SignedStore, key_kind
 from llamarl.app.control.transport import Control, EVERY_INTERFACE, connect_store, host_store
 from role_processes import control, loopback_store, signed
@@ -136,12 +137,12 @@ def test_lost_slots_and_held_lists_take_signed_records_only(store):
     store.queue_push(queue, item)
     store.queue_push(queue, item)  # replayed
     gen = signed(store, "generator/0")
-    assert membership.take_lost_slots(gen, 8) == [6]
+    assert slots.take_lost_slots(gen, 8) == [6]
     assert counts(gen) == {"security/rejected_writes/lost_slots": 2.0}
     # A held list forged for a member returns nothing to regenerate when it is lost.
     store.set(names.held_key("generator/1"), b"[1, 2, 3]")
     watch = membership.Membership(controller, {"generator": 2})
-    assert watch._return_held("generator/1") == 0
+    assert slots.return_held(watch.signed, "generator/1") == 0
     assert counts(controller) == {"security/rejected_writes/held": 1.0}
 
 

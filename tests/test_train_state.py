@@ -14,7 +14,8 @@ from llamarl.app.state import checkpoint
 from llamarl.app.model import policy
 from llamarl.app.state import train_state
 from llamarl.app.metrics.events import DB_NAME
-from llamarl.app.state.train_state import Resume, ResumeError, SlotLedger, find_resume
+from llamarl.app.control.slots import SlotLedger
+from llamarl.app.state.train_state import Resume, ResumeError, find_resume
 from llamarl.app.weights.layout import flatten_parameters_
 from role_processes import loopback_store, run_roles
 

@@ -8,11 +8,10 @@ regenerated, and the run goes on. The last generator or the last reward executor
 not tolerated: it is marked failed with a line that says so, which stops the run.
 
 What an executor holds is in the store: the slots it reserved (a generator) or the
-groups it popped (a reward executor) and has not yet passed on, under
-``names.held_key(member)``, a record it signs (``llamarl.app.control.signed``); it rewrites that list as
-it takes and passes groups. On a loss the watcher pushes those slot ids, each a record
-signed by the controller, to the ``LOST_SLOTS`` queue, where generators take
-them before reserving new slots: the prompts are regenerated, none is skipped. A group
+groups it popped (a reward executor) and has not yet passed on (``slots.HeldSlots``). On
+a loss the watcher returns those slots (``slots.return_held``: the slot lifecycle's
+*lose*, ``llamarl.app.control.slots``), and generators regenerate them before reserving
+new slots: none is skipped. A group
 that did get out just before its executor died arrives twice (the original and the
 regenerated one); the trainer's slot ledger drops the second (``faults/duplicate_groups``):
 nothing is trained twice.
@@ -34,11 +33,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
 from llamarl.app.control import health
+from llamarl.app.control import slots
 from llamarl.app import names
-from llamarl.app.control.signed import CONTROLLER, SignedStore
+from llamarl.app.control.signed import SignedStore
 from llamarl.app.control.transport import Control
 
 log = logging.getLogger("llamarl")
@@ -150,7 +148,7 @@ class Membership:
                 self.control.mark_failed(role, int(replica), (
                     f"{why}, and it was the last {what}: no {what} is left to go on with"))
             return False
-        groups = self._return_held(member)
+        groups = slots.return_held(self.signed, member)
         with self._lock:
             self._gone.add(member)
             self.losses.append(Loss(member, time.time(), groups))
@@ -158,18 +156,6 @@ class Membership:
         log.error("%s is %s: the run goes on with %s; %d group(s) it held go back to be regenerated",
                   member, why, ", ".join(survivors), groups)
         return True
-
-    def _return_held(self, member: str) -> int:
-        """Push the slots ``member`` held to the lost-slots queue; how many."""
-        key = names.held_key(member)
-        held = self.signed.get(key, writers=(member,), default=[])
-        slots = [s for s in held if isinstance(s, int) and not isinstance(s, bool) and s >= 0] \
-            if isinstance(held, list) else []
-        queue = names.queue_key(names.LOST_SLOTS)
-        for slot in slots:
-            self.signed.store.queue_push(queue, self.signed.seal(queue, slot))
-        self.signed.store.delete_key(key)
-        return len(slots)
 
     def start(self) -> None:
         """Watch every ``WATCH_EVERY_S`` on a daemon thread until ``stop``."""
@@ -188,52 +174,3 @@ class Membership:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10.0)
-
-
-# --------------------------------------------------------------------------- executors
-
-
-class HeldSlots:
-    """What one executor holds, mirrored in the store for the watcher (``names.held_key``),
-    signed by that executor (``signed.writer``)."""
-
-    def __init__(self, signed: SignedStore) -> None:
-        self.signed, self.key = signed, names.held_key(signed.writer)
-        self.slots: list[int] = []
-
-    def take(self, slots: list[int]) -> None:
-        self.slots = self.slots + [s for s in slots if s is not None]
-        self.signed.put(self.key, self.slots)
-
-    def passed(self, slot: int | None) -> None:
-        """Called after the group of ``slot`` is in the next queue."""
-        if slot is None or slot not in self.slots:
-            return
-        self.slots.remove(slot)
-        self.signed.put(self.key, self.slots)
-
-
-def take_lost_slots(signed: SignedStore, max_n: int) -> list[int]:
-    """Up to ``max_n`` slot ids lost with a dead executor, to regenerate before new ones:
-    only the controller's records, each taken once (a replayed one is ignored, counted)."""
-    out: list[int] = []
-    key = names.queue_key(names.LOST_SLOTS)
-    while len(out) < max_n:
-        try:
-            raw = signed.store.queue_pop(key, block=False)
-        except dist.QueueEmptyError:
-            break
-        rec = signed.open(key, raw, writers=(CONTROLLER,), once=True)
-        if rec is None:
-            continue
-        if isinstance(rec.value, int) and not isinstance(rec.value, bool) and rec.value >= 0:
-            out.append(rec.value)
-        else:
-            log.error("dropped a malformed lost slot id %r", str(rec.value)[:40])
-    return out
-
-
-def lost_slots_waiting(store: dist.Store) -> int:
-    """How many lost slots wait to be regenerated (a generator at its staleness bound
-    stops waiting for newer weights for them: a synchronous step needs them)."""
-    return int(store.queue_len(names.queue_key(names.LOST_SLOTS)))

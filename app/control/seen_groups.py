@@ -17,7 +17,7 @@ lookahead of 64 and its ranks), so a genuine group ``window`` behind its generat
 newest is no longer trainable anyway (far past any staleness bound). 4096 ids are a few
 hundred KiB per generator process.
 
-Not the slot ledger's job and not replaced by it (``llamarl.app.state.train_state.SlotLedger``): the
+Not the slot ledger's job and not replaced by it (``llamarl.app.control.slots.SlotLedger``): the
 ledger records *slots* (prompts) consumed, and a regenerated lost slot is a new group
 with a new id filling a slot another group may already have filled (a duplicate, counted
 under ``faults/duplicate_groups``, not a replay). A replay refused here never reaches

@@ -7,8 +7,10 @@ through the control store, so all roles agree by construction. Weights arrive on
 weight plane in a background thread and are swapped in between decode batches.
 
 Staleness bound: before sampling, a generator reserves group slots from a global
-counter (a signed record, replaced by compare-and-set: ``llamarl.app.control.signed``) (which a resumed run restarts at the number of slots its checkpoint consumed; the
-slots it lacks are filled first: ``llamarl.app.state.train_state.SlotLedger``). Slot n (1-based) trains at step ceil(n / B) (B groups per step), so weights of
+counter (``llamarl.app.control.slots.SlotBudget``: a signed record, replaced by
+compare-and-set), which a resumed run restarts at the number of slots its checkpoint
+consumed (the slots it lacks are filled first). Slot n (1-based) trains at step
+ceil(n / B) (B groups per step), so weights of
 version v may fill slots up to (v + 1 + max_staleness) * B (plus the groups the trainer
 dropped). Past that the generator waits for newer weights: it never runs more than
 ``max_staleness`` versions ahead, and ``max_staleness = 0`` is the synchronous baseline.
@@ -34,82 +36,19 @@ from llamarl.app.data import sources as data
 from llamarl.app import devices
 from llamarl.app.control import health
 from llamarl.app.control import incarnations
-from llamarl.app.control import membership
 from llamarl.app.metrics import events as metrics
 from llamarl.app import names
 from llamarl.app.rl import step as rl
 from llamarl.app.control import runtime
+from llamarl.app.control import slots
 from llamarl.app.control import transport
 from llamarl.app.config import GeneratorConfig, TrainerConfig
 from llamarl.app.rl.contract import to_message
 from llamarl.app.model.policy import load_policy
 from llamarl.app.control.seen_groups import first_seq
-from llamarl.app.control.signed import CONTROLLER, SignedStore
-from llamarl.app.control.transport import Control
-from llamarl.app.state.train_state import SlotLedger
 from llamarl.app.weights.subscriber import Subscriber
 
 log = logging.getLogger("llamarl")
-
-
-def _may_reserve(writer: str) -> bool:
-    """The slot counter is written by the controller (its start) and by generators."""
-    return writer == CONTROLLER or writer.startswith("generator/")
-
-
-class SlotBudget:
-    """Reserves group slots so no rollout can be more than ``max_staleness`` stale.
-
-    The counter is a signed record ``{"count": n}`` (``names.RESERVED_KEY``), replaced by
-    compare-and-set of its exact bytes, so reservations stay atomic across generators. A
-    value that is not authentic is ignored (the last authentic count stands) and replaced
-    by the next reservation; a count below one this generator saw is a replay, and the
-    highest seen stands. The trainer's dropped groups are one signed counter per trainer
-    rank (``names.dropped_key``), added up here.
-    """
-
-    def __init__(self, signed: SignedStore, *, groups_per_step: int, max_staleness: int,
-                 ledger: SlotLedger | None = None) -> None:
-        self.signed, self.B, self.K = signed, groups_per_step, max_staleness
-        self.ledger = ledger or SlotLedger()
-        self.control = Control(signed)
-        self._highest = 0  # the highest count seen or reserved here
-
-    def dropped(self) -> int:
-        """Slots every trainer rank gave back so far, net: stale groups dropped (+1 each:
-        their places may be filled again) less batch places taken by second copies of
-        trained slots (-1 each: those places were used). Can be negative."""
-        total = 0
-        for m in self.control.members():
-            if m.startswith("trainer/"):
-                n = self.signed.get(names.dropped_key(m), writers=(m,), default=0)
-                total += n if isinstance(n, int) and not isinstance(n, bool) else 0
-        return total
-
-    def slot_ids(self, reserved: range) -> list[int]:
-        """The slots (prompt-order positions) of counter values ``reserved``: after a
-        resume, those the trainer's ledger lacks come first (rollouts lost in flight)."""
-        return self.ledger.slot_ids(reserved)
-
-    def reserve(self, want: int, version: int) -> range:
-        """Slots (0-based) this generator may fill with weights of ``version``; empty when
-        it must wait for newer weights. Atomic across generators (compare-and-set)."""
-        key = names.RESERVED_KEY
-        while True:
-            cap = (version + 1 + self.K) * self.B + self.dropped()
-            seen = self.signed.store.get(key) if self.signed.store.check([key]) else b""
-            rec = self.signed.open(key, seen, writers=_may_reserve) if seen else None
-            rec = rec or self.signed.last(key)
-            count = rec.value.get("count") if rec is not None and isinstance(rec.value, dict) else None
-            start = self._highest = max(self._highest, count if isinstance(count, int) else 0)
-            take = min(want, cap - start)
-            if take <= 0:
-                return range(0)
-            # Each record is unique (its counter), so winning the compare-and-set is ours.
-            won, _ = self.signed.compare_set(key, seen, {"count": start + take})
-            if won:
-                self._highest = start + take
-                return range(start, start + take)
 
 
 def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceChoice = "auto") -> None:
@@ -140,13 +79,13 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
                       prompts: data.RunData, trainer_cfg: TrainerConfig, gen_cfg: GeneratorConfig,
                       timeline: metrics.Timeline) -> None:
     device = next(model.parameters()).device
-    ledger = SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger"))
-    budget = SlotBudget(rt.signed, groups_per_step=trainer_cfg.prompts_per_step,
+    ledger = slots.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger"))
+    budget = slots.SlotBudget(rt.signed, groups_per_step=trainer_cfg.prompts_per_step,
                         max_staleness=trainer_cfg.max_staleness, ledger=ledger)
     out_queue = rt.queue(names.ROLLOUTS)
     sampling = gen_cfg.sampling()
     rng = devices.seeded_generator(device, gen_cfg.gen_seed)  # reseeded per batch: batch_seed
-    held = membership.HeldSlots(rt.signed)
+    held = slots.HeldSlots(rt.signed)
     version: int | None = None
     # The sequence half of this generator's group ids: a process of its own, registered
     # under this attempt, so no id is ever used twice and readers take only this
@@ -164,14 +103,14 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
             continue  # a receive began writing staging since waiting(): wait for it
         # Slots lost with a dead executor first (outside the counter: it counted them
         # already), then new ones within the staleness bound.
-        slot_ids = membership.take_lost_slots(rt.signed, gen_cfg.gen_batch_prompts)
+        slot_ids = slots.take_lost_slots(rt.signed, gen_cfg.gen_batch_prompts)
         if not slot_ids:
-            slots = budget.reserve(gen_cfg.gen_batch_prompts, version)
-            if not slots:
+            reserved = budget.reserve(gen_cfg.gen_batch_prompts, version)
+            if not reserved:
                 with timeline.idle("staleness_bound"):
                     _wait_for_weights_or_lost_slots(rt, subscriber, version)
                 continue
-            slot_ids = budget.slot_ids(slots)
+            slot_ids = budget.slot_ids(reserved)
         held.take(slot_ids)
         rng.manual_seed(batch_seed(gen_cfg.gen_seed, slot_ids[0]))
         t0 = time.time()
@@ -221,7 +160,7 @@ def _wait_for_weights_or_lost_slots(rt: runtime.Runtime, subscriber: Subscriber,
         if rt.should_stop():
             raise transport.Stopped("stop requested")
         if time.monotonic() >= next_poll:
-            if membership.lost_slots_waiting(rt.store):
+            if slots.lost_slots_waiting(rt.store):
                 return
             if refused := subscriber.new_refusals():
                 rt.emit(metrics.scalars(refused, role="generator", replica=rt.replica), flush=True)

@@ -26,7 +26,7 @@ import torch
 from llamarl.app import devices
 from llamarl.app.control import health
 from llamarl.app.control import incarnations
-from llamarl.app.control import membership
+from llamarl.app.control import slots
 from llamarl.app.metrics import events as metrics
 from llamarl.app import names
 from llamarl.app.rl import step as rl
@@ -51,7 +51,7 @@ def run(rt: runtime.Runtime, *, config_timeout_s: float, device: devices.DeviceC
     admit = incarnations.admission(rt.signed, runtime.run_attempt(rt), published_version=rt.control.version)
     timeline = metrics.Timeline("reward", rt.replica)
     reported: dict[str, float] = {}
-    held = membership.HeldSlots(rt.signed)
+    held = slots.HeldSlots(rt.signed)
     try:
         while True:
             with timeline.idle("wait_rollouts"):

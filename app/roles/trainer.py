@@ -3,26 +3,27 @@
     python -m llamarl.app.roles.launch --nproc-per-node 1 --store-port 29600 --app-id APP \\
         --num-generators 2 --num-reward 0 [TrainerConfig and GeneratorConfig flags]
 
-The loop this module drives (one message per rollout group; app/rl/contract.py)::
+The loop every trainer rank runs (one message per rollout group; app/rl/contract.py)::
 
     generator/i --(queue "rollouts")--> [reward/j --(queue "scored")-->] trainer pipeline
         ^                                                                      |
         |                  pipelines/rollouts.py: poll -> contract check -> score (inline)
         |                  -> advantages -> staleness filter -> batch          |
+        |                                       slots settled (app/control/slots.py)
         |                                                                      v
         |                                                 rl.train_step (AIPO), version += 1
         |                                                                      |
         +-------- weight plane: broadcast of version v+1 (gloo / NCCL) <-------+
+                                                                               |
+                                               controller hook (app/roles/controller.py)
 
-Replica 0 is the single controller: it hosts the control store, publishes the run's
-config and policy, is the only writer of the metrics database, sends weights to the
-generators after every step, watches every role's health, and ends the run. With
-``nproc_per_node > 1`` the policy is sharded over the trainer ranks with FSDP2
-(``llamarl.app.rl.sharding``); each rank pulls its share of groups from the same queue, and a step
-is the one a single process would take on all the ranks' groups. Every rank sends its
-own shard straight to every generator after every step (``llamarl.app.weights.publisher``). Replica 0
-also keeps a whole copy of the policy, gathered from the shards on the steps that need
-it: what it evaluates and saves as the Hugging Face policy.
+Replica 0 is also the app's single controller (``llamarl.app.roles.controller.Controller``:
+run directory, config, metrics, membership, evaluation, checkpoints, the end of the app);
+the other ranks hold a ``Follower`` in its place. With ``nproc_per_node > 1`` the policy
+is sharded over the trainer ranks with FSDP2 (``llamarl.app.rl.sharding``); each rank
+pulls its share of groups from the same queue, and a step is the one a single process
+would take on all the ranks' groups. Every rank sends its own shard straight to every
+generator after every step (``llamarl.app.weights.publisher``).
 
 Checkpoints (``--save-every``) hold the policy and the training state
 (``llamarl.app.state.train_state``); ``--resume`` continues a run from its newest one. The run's
@@ -36,42 +37,25 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
 import logging
 import os
 import sys
-import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from llamarl.app import errors
-from llamarl.app.state import checkpoint
-from llamarl.app import cli
-from llamarl.app.data import sources as data
-from llamarl.app import devices
-from llamarl.app.control import frames
-from llamarl.app.control import health
-from llamarl.app.control import incarnations
-from llamarl.app.control import membership
-from llamarl.app.metrics import events as metrics
-from llamarl.app import names
-from llamarl.app.rl import step as rl
-from llamarl.app.control import runtime
-from llamarl.app.rl import sharding
-from llamarl.app.rl import steps
-from llamarl.app.state import train_state
-from llamarl.app.control import transport
+from llamarl.app import cli, devices, errors, names
 from llamarl.app.config import GeneratorConfig, TrainerConfig
-from llamarl.app.rl.contract import Rejections, RolloutGroup
-from llamarl.app.model.policy import load_policy, load_tokenizer
+from llamarl.app.control import frames, health, incarnations, runtime, slots, transport
+from llamarl.app.metrics import events as metrics
+from llamarl.app.model.policy import load_policy
 from llamarl.app.rewards import build_reward, parse_spec
-from llamarl.app.control.seen_groups import REPLAY, TOO_OLD, SeenIds, taken_by_other_ranks
-from llamarl.app.sampling.precision import check_precision
-from llamarl.app.metrics.tensorboard import TensorBoardMirror, summary_writer_class
-from llamarl.app.weights.layout import flatten_parameters_
+from llamarl.app.rl import sharding, steps
+from llamarl.app.rl import step as rl
+from llamarl.app.rl.contract import Rejections, RolloutGroup
+from llamarl.app.roles.controller import Controller, Follower, Snapshot, StepDone, expected_members
+from llamarl.app.state import train_state
 from llamarl.app.weights.publisher import Publisher
 from llamarl.pipelines.rollouts import RolloutStream
 
@@ -82,6 +66,10 @@ RANK_CONNECT_TIMEOUT_S = 60.0
 
 
 class Trainer:
+    """One trainer rank: ``start`` (the policy, the optimizer, the weight plane, the
+    rollout stream), ``run`` (the loop), ``close``. ``duties``: replica 0's
+    ``Controller``, a ``Follower`` on the other ranks."""
+
     def __init__(self, rt: runtime.Runtime, cfg: TrainerConfig, gen: GeneratorConfig, *,
                  num_generators: int, num_reward: int, rank: int, world: int) -> None:
         self.rt, self.cfg, self.gen = rt, cfg, gen
@@ -89,459 +77,162 @@ class Trainer:
         self.rank, self.world = rank, world
         self.device = devices.choose_device(cfg.device)
         self.dtype = devices.train_dtype(cfg.train_precision, self.device)
-        log.info("trainer rank %d on %s, training in %s", rank, devices.describe(self.device),
-                 "bf16 autocast over fp32 weights" if self.dtype == torch.bfloat16 else "fp32")
         # On a GPU a busy interval ends when the GPU is done: idle time is GPU idle time.
         self.timeline = metrics.Timeline("trainer", rank,
                                          busy_ends=functools.partial(devices.synchronize, self.device))
-        self.version = 0
-        self.dropped = 0
-        self.guard = steps.SkipGuard()
         self.rejections = Rejections(f"trainer/{rank}")
-        self.seen_batches = SeenIds()  # the metrics batches written (replica 0)
-        self.trained_elsewhere = SeenIds()  # groups the other trainer ranks trained
-        self.tensorboard: TensorBoardMirror | None = None  # replica 0 with --tensorboard
-        self.ledger = train_state.SlotLedger()  # the slots consumed, the same on every rank
-        self._stale: list[tuple[RolloutGroup, int]] = []  # dropped as stale, not yet settled
-        self.start_step = 0  # the checkpoint's step after a resume
-        self.duplicates = 0  # groups for a slot already consumed: dropped
-        self.freed_slots = 0  # slots this rank gave back, net (``_free_slots``)
-        self._freed_lock = threading.Lock()
-        self.membership: membership.Membership | None = None  # replica 0
+        counts = dict(num_generators=num_generators, num_reward=num_reward, world=world)
+        self.duties: Controller | Follower = (
+            Controller(rt, cfg, gen, timeline=self.timeline, rejections=self.rejections, **counts) if rank == 0
+            else Follower(rt, **counts))
+        self.guard = steps.SkipGuard()
+        self.version = self.start_step = 0  # the checkpoint's step after a resume
+        self.reward_names: list[str] = []
+        self.reward = None  # inline scoring (no reward executors)
+        self.model = self.tokenizer = self.ref_model = self.optimizer = None
+        self.ranks: sharding.Ranks | None = None  # several ranks: the policy is sharded
+        self.slots: slots.Settlement | None = None
+        self.publisher: Publisher | None = None  # the weight plane (``publish_weights``)
+        self.stream: RolloutStream | None = None
 
     # --- setup ---------------------------------------------------------------------------
     def start(self) -> None:
         cfg, rt = self.cfg, self.rt
+        log.info("trainer rank %d on %s, training in %s", self.rank, devices.describe(self.device),
+                 "bf16 autocast over fp32 weights" if self.dtype == torch.bfloat16 else "fp32")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         # A bad reward spec (an unknown name, bad options) fails first, in a second; the
         # reward executors resolve their own copy.
         self.reward_names = [c.name for c in parse_spec(cfg.rewards)]
         self.reward = build_reward(cfg.rewards, timeout_s=cfg.reward_timeout_s) if self.num_reward == 0 else None
-        if self.rank == 0:
-            # Bad input stops the run here, before the warm start and before anything trains;
-            # the store is up, so the error is the app's failure cause for every role.
-            cfg = self.cfg = data.absolute_paths(cfg)
-            # The generators' precision, against this machine's kind of device; each
-            # generator checks its own device again before it loads weights.
-            check_precision(self.gen.gen_precision, "cuda" if torch.cuda.is_available() else "cpu")
-            if cfg.tensorboard:
-                summary_writer_class()  # a missing package fails here, before the run directory
-            resume = train_state.find_resume(cfg.runs_dir, cfg.run_id, cfg.resume)
-            if resume is not None:
-                resume.check(self._config_dict(), steps=cfg.steps)
-            elif cfg.resume:
-                log.info("--resume auto: no run to resume in %s; starting run %s", cfg.runs_dir, cfg.run_id)
-            policy = data.resolve_policy(cfg.policy, log=log.info)
-            sources = data.read(cfg, log=log.info)
-            self.data = data.prepare(sources, cfg, load_tokenizer(policy), log=log.info)
-            self.model, self.tokenizer = load_policy(policy, device=self.device)
-            if resume is not None:  # every check before the run directory is touched
-                self._check_resume(resume)
-            self._open_run_dir(resume)
-            data.publish(rt.signed, self.data)  # before the config: generators read it after
-            runtime.publish_config(rt.signed, cfg, self.gen, policy_path=str(policy.resolve()),
-                                   run_dir=str(self.run_dir.resolve()))
-            if self.start_step == 0:
-                rt.emit(metrics.scalars(self.data.counts, role="trainer", step=0))
-            log.info("run directory %s", self.run_dir)
-        else:
-            _, _, policy = runtime.read_config(rt, 900.0)
-            self.run_dir = Path(rt.signed.get(names.CONFIG_KEY)["run_dir"])
-            self.model, self.tokenizer = load_policy(policy, device=self.device)
-        self.attempt = runtime.run_attempt(rt)  # this start's: groups and metrics batches of another are refused
+        policy = self.duties.prepare()
+        self.model, self.tokenizer = load_policy(policy, device=self.device)
+        # The KL reference is a whole copy on every rank, never sharded: it runs forward
+        # passes only, no collective. Made before a resumed state loads: the KL stays to
+        # the starting policy.
+        self.ref_model = copy.deepcopy(self.model).eval() if cfg.kl_coef > 0 else None
+        carried = self.duties.open_run(self.model, self.tokenizer)
+        self.guard.skipped = carried.skipped
+        attempt = runtime.run_attempt(rt)  # this start's: groups of another are refused
         resumed = rt.wait_key(names.RESUME_KEY, 60.0, "resume point")
         self.start_step = self.version = resumed["step"]
-        self.ledger = train_state.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger"))
-        # The KL reference is a whole copy on every rank, never sharded: it runs forward
-        # passes only, no collective.
-        self.ref_model = copy.deepcopy(self.model).eval() if cfg.kl_coef > 0 else None
-        self._shard()
+        self.slots = slots.Settlement(
+            rt.signed, rank=self.rank, world=self.world, max_staleness=cfg.max_staleness,
+            ledger=slots.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger")),
+            rejections=self.rejections, emit=rt.emit, dropped=carried.dropped, freed=carried.given_back)
+        if self.world > 1:  # replica 0 keeps a whole copy (``Controller.open_run``)
+            self.ranks = sharding.Ranks(next(self.model.parameters()).device)
+            sharding.shard(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        if resumed["train_state"]:  # after the reference copy: the KL stays to the starting policy
+        if resumed["train_state"]:
             train_state.load(resumed["train_state"], self.model, self.optimizer)
             self._gather_full_model()
             log.info("resumed from %s at step %d", resumed["train_state"], self.start_step)
-        inline = self.num_reward == 0
         if self.reward is not None:
             self.reward.load()
-        expected = {"generator": self.num_generators, "reward": self.num_reward, "trainer": self.world}
-        if self.rank == 0:
-            # A generator or reward executor killed before it registers is lost from here,
-            # survivable while others of its role are alive (llamarl.app.control.membership); not waited for.
-            self.membership = membership.Membership(rt.signed, {"generator": self.num_generators,
-                                                               "reward": self.num_reward},
-                                                    watch_heartbeats=False)
-            self.membership.start()
-        # A member that fails or dies while the others start is named at once, not after 900 s.
-        alive = functools.partial(health.check_health, rt.control)
-        rt.control.wait_for_members(expected, timeout_s=900.0, should_stop=rt.should_stop, health=alive)
-        if self.rank == 0:
-            data.wait_for_checks(rt, [names.member("generator", i) for i in range(self.num_generators)],
-                                 timeout_s=900.0, health=alive)
-            # From here a silent generator or reward executor is lost too (survivable while
-            # others of its role are alive); the weight plane regroups without it.
-            self.membership.watch_heartbeats = True
-        # Every trainer rank sends its own shard straight to every generator (no gather);
-        # rank 0 leads the plane's epochs; each signs its shard's digest (llamarl.app.weights.publisher).
-        self.publisher = Publisher(rt, list(self.model.named_parameters()), rank=self.rank, ranks=self.world,
-                                   num_generators=self.num_generators, timeout_s=cfg.weight_sync_timeout_s,
-                                   digest=cfg.weight_digest, gone=self.membership.gone if self.membership else None,
-                                   timeline=self.timeline)
-        self.publisher.start()
-        self._sync()
+        self.duties.wait_for_members()
+        self._open_weight_plane()
+        inline = self.num_reward == 0
         self.stream = RolloutStream(
             rt.queue(names.ROLLOUTS if inline else names.SCORED), reward=self.reward,
             reward_timeout_s=cfg.reward_timeout_s, groups_per_batch=cfg.prompts_per_step // self.world,
             ranks=self.world,
-            max_staleness=cfg.max_staleness, current_version=lambda: self.version,
-            on_drop=self._on_drop, normalize_std=cfg.normalize_std, should_stop=rt.should_stop,
+            max_staleness=cfg.max_staleness, settlement=self.slots, normalize_std=cfg.normalize_std,
+            should_stop=rt.should_stop,
             timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,
             health=lambda: health.check_health(rt.control),
-            admit=incarnations.admission(rt.signed, self.attempt, current_version=lambda: self.version,
-                                         published_version=rt.control.version),
+            # A version from the future is one above the newest published (replica 0 publishes
+            # each before it sends it): one store read per new version.
+            admit=incarnations.admission(rt.signed, attempt, published_version=rt.control.version),
             vocab_size=self.model.get_input_embeddings().num_embeddings)
-
-    def _shard(self) -> None:
-        """One rank trains the model itself. Several shard it with FSDP2, and replica 0
-        first keeps a whole copy (``full_model``), refreshed from the shards on the steps
-        that evaluate or save (``_gather_full_model``): it is what held-out evaluation
-        samples from (so no rank waits in a sharded forward pass that the others never
-        run) and what the Hugging Face policy of a checkpoint is written from. It costs
-        replica 0 one more copy of the weights (not of gradients or optimizer state); the
-        weight sync does not use it: every rank sends its own shard. The whole model's
-        parameters are views of one flat buffer per dtype (with one rank, the weight sync
-        sends each as one broadcast with no packing)."""
-        self.ranks: sharding.Ranks | None = None
-        if self.world == 1:
-            self.full_model = self.model
-        else:
-            self.full_model = copy.deepcopy(self.model) if self.rank == 0 else None
-            self.ranks = sharding.Ranks(next(self.model.parameters()).device)
-            sharding.shard(self.model)
-        if self.full_model is not None:
-            flatten_parameters_(self.full_model)
 
     def _gather_full_model(self) -> None:
         """Every rank (a collective with several): the shards' current values into replica
-        0's whole copy (``sharding.gather_full_weights``)."""
+        0's whole copy (``sharding.gather_full_weights``), what it evaluates and saves."""
         if self.world == 1:
             return
+        full = self.duties.full_model
         with self.timeline.busy("weight_gather"):
-            sharding.gather_full_weights(
-                self.model, None if self.full_model is None else list(self.full_model.parameters()))
+            sharding.gather_full_weights(self.model, None if full is None else list(full.parameters()))
 
-    def _check_resume(self, resume: train_state.Resume) -> None:
-        """Replica 0: the checkpoint's model and prompt order are this run's, or
-        ``ResumeError``; then the counters continue from it."""
-        resume.check_model(self.model)
-        if resume.path is None:
-            return
-        try:
-            self.data.order.load_state_dict(resume.state["order"])
-            if self.cfg.dataset and resume.state["data_fingerprint"] != self.data.fingerprint:
-                raise ValueError(f"the prompts' fingerprint was {resume.state['data_fingerprint'][:16]}, "
-                                 f"it is {self.data.fingerprint[:16]} now: the dataset file changed")
-        except (KeyError, ValueError) as e:
-            raise train_state.ResumeError(f"checkpoint {resume.path}: another prompt order than this "
-                                          f"run's ({e})") from None
-        self.dropped = resume.state["dropped"]
-        self.guard.skipped = resume.state["skipped"]
-        train_state.set_rng_state(resume.state["rng"])
+    # --- the weight plane ------------------------------------------------------------------
+    def _open_weight_plane(self) -> None:
+        """Every trainer rank sends its own shard straight to every generator (no gather);
+        rank 0 leads the plane's epochs; each signs its shard's digest
+        (``llamarl.app.weights.publisher``); then the first version goes out."""
+        self.publisher = Publisher(self.rt, list(self.model.named_parameters()), rank=self.rank, ranks=self.world,
+                                   num_generators=self.num_generators, timeout_s=self.cfg.weight_sync_timeout_s,
+                                   digest=self.cfg.weight_digest, gone=self.duties.gone, timeline=self.timeline)
+        self.duties.watch_weight_plane(self.publisher)
+        self.publisher.start()
+        self.publish_weights()
 
-    def _open_run_dir(self, resume: train_state.Resume | None) -> None:
-        """Replica 0: a new run directory, or the resumed one with the metrics recorded
-        after its checkpoint deleted; the staleness-slot counters the generators share."""
-        cfg, signed = self.cfg, self.rt.signed
-        state = resume.state if resume is not None else {}
-        ledger = train_state.SlotLedger.from_state(state.get("ledger", train_state.SlotLedger().state_dict()))
-        self.run_dir = resume.run_dir if resume else metrics.new_run_dir(cfg.runs_dir, cfg.run_id, self._config_dict())
-        runtime.log_to_run_dir(str(self.run_dir), "trainer", 0)
-        self.writer = metrics.MetricsWriter(self.run_dir, run_id=self.run_dir.name, config=self._config_dict())
-        if resume is not None:
-            # No checkpoint (step 0): nothing of the earlier attempt is kept.
-            self.writer.resume_at(resume.step if resume.path else -1, state.get("saved_at", 0.0))
-            log.info("resuming run %s at step %d (%d groups consumed, %d lost in flight to regenerate first)",
-                     self.run_dir.name, resume.step, ledger.count, ledger.missing)
-        self.tensorboard = TensorBoardMirror(self.run_dir) if cfg.tensorboard else None
-        # Signed records (llamarl.app.control.signed); the ledger and the resume point are re-published if
-        # anyone overwrites them.
-        signed.put(names.RESERVED_KEY, {"count": ledger.count})
-        self._free_slots(state.get("dropped_groups", 0))  # their slots were refilled
-        signed.put(names.SLOTS_DONE_KEY, ledger.state_dict(), keep=True)
-        signed.put(names.RESUME_KEY, {
-            "step": resume.step if resume else 0,
-            "train_state": str(resume.train_state) if resume and resume.train_state else ""}, keep=True)
-
-    def _config_dict(self) -> dict:
-        return {"mode": "async" if self.cfg.max_staleness > 0 else "sync",
-                "num_generators": self.num_generators, "num_reward": self.num_reward,
-                "trainer_ranks": self.world, **cli.to_dict(self.cfg), **cli.to_dict(self.gen)}
-
-    # --- the loop ----------------------------------------------------------------------
-    def _settle(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
-        """The step's slots in the ledger: the groups dropped as stale since the last step,
-        then the batch's groups, decided alike on every trainer rank
-        (``SlotLedger.consume_across_ranks``); the groups to train. A group for a slot
-        already consumed, on any rank, is dropped and counted: an executor lost just after
-        it passed the group on, which was then regenerated (``llamarl.app.control.membership``); it held
-        no place in the generators' budget, so the one it used is taken back
-        (``train_state.slots_taken_back``)."""
-        stale, self._stale = self._stale, []
-        fresh = self.ledger.consume_across_ranks([g.slot for g, _ in stale] + [g.slot for g in groups])
-        stale_fresh, batch_fresh = fresh[:len(stale)], fresh[len(stale):]
-        for (group, lag), first in zip(stale, stale_fresh):
-            if not first:
-                self._duplicate(group)
-                continue
-            self.dropped += 1
-            self.rt.emit([metrics.staleness(self.version + 1, r.version, lag, False) for r in group.rollouts])
-        kept = []
-        for group, first in zip(groups, batch_fresh):
-            if first:
-                kept.append(group)
-            else:
-                self._duplicate(group)
-        # The generators' budget (train_state.slots_taken_back); a group that filled no
-        # slot holds no place in it.
-        self._free_slots(-train_state.slots_taken_back(
-            [f for (g, _), f in zip(stale, stale_fresh) if g.slot is not None],
-            [f for g, f in zip(groups, batch_fresh) if g.slot is not None]))
-        return kept
-
-    def _duplicate(self, group: RolloutGroup) -> None:
-        log.warning("group %s fills slot %d, already consumed: dropped (a lost executor's group and its "
-                    "regenerated twin)", group.group_id, group.slot)
-        self.duplicates += 1
-
-    def _without_replays_across_ranks(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
-        """Several trainer ranks: a group another rank trained, or has in this step's batch
-        too, is a replay here (``seen_groups.taken_by_other_ranks``; every rank's batch
-        ids are exchanged before each step): dropped, counted, and its place in the batch
-        given back like a duplicate's."""
-        mine = torch.tensor([[g.group_id.generator, g.group_id.seq] for g in groups], dtype=torch.int64)
-        batches = [ids.view(-1, 2).tolist() for ids in train_state.all_gather_ids(mine.view(-1))]
-        refused = taken_by_other_ranks(batches, self.rank, self.trained_elsewhere)
-        for gid in refused:
-            self.rejections(REPLAY, f"group {gid} was also taken by another trainer rank")
-            self._free_slots(-1)  # a place in this rank's batch, and no counted slot: as a duplicate's
-        return [g for g in groups if (g.group_id.generator, g.group_id.seq) not in refused]
-
-    def _on_drop(self, group: RolloutGroup, lag: int) -> None:
-        """A group too stale to train: settled with the next batch (``_settle``), where
-        every rank learns of its slot; its place in the generators' budget is given back
-        now (with max_staleness 0 they may need it to fill the batch the trainer waits
-        for; taken back at the settling if it was a second copy). Counted under
-        ``security/rejected_frames/too_old``
-        too (the Security tab shows every version outside the trainable window), though
-        with asynchronous generators it is usually ordinary staleness, not an attack."""
-        self.rejections.counted(TOO_OLD, f"group {tuple(group.group_id)} of policy version {group.version} "
-                                         f"is {lag} versions behind, over max_staleness {self.cfg.max_staleness}")
-        self._stale.append((group, lag))
-        if group.slot is not None:  # a group that filled no slot holds no place
-            self._free_slots(1)
-
-    def _free_slots(self, n: int) -> None:
-        """This rank's net count of slots given back, a signed record the generators add
-        to their bound (``generator.SlotBudget``): +1 for a counted group dropped untrained
-        (stale), -1 for each second copy of a slot (a duplicate, a replay another rank
-        trained; ``train_state.slots_taken_back``). May go below zero. Called from the
-        rollout pipeline's thread (stale drops) and the training loop."""
-        if not n:
-            return
-        with self._freed_lock:
-            self.freed_slots += n
-            self.rt.signed.put(names.dropped_key(names.member("trainer", self.rank)), self.freed_slots)
-
-    def _sync(self) -> None:
+    def publish_weights(self) -> None:
         """Every rank: its shard of the current version to every generator, with its signed
         digest and metrics (``llamarl.app.weights.publisher``)."""
         self.publisher.publish(self.version)
 
-    def _drain_metrics(self) -> None:
-        """Replica 0 writes its own events directly and everyone else's from the queue."""
-        self._record(self.rt.take_metrics() + self.timeline.drain())
-        queue = self.rt.queue(names.METRICS)
-        while msgs := queue.pop_many(256, timeout_s=0.0, on_reject=self.rejections):
-            events = []
-            for m in msgs:
-                try:
-                    source, seq, batch = metrics.checked_batch(m)
-                except metrics.MalformedEvents as e:  # signed, yet not ours: dropped, counted
-                    self.rejections(e.reason, f"queue {names.METRICS!r}: {e}", "events")
-                    continue
-                if source[2] != self.attempt:  # captured before a resume: its events were written then
-                    self.rejections(REPLAY, f"queue {names.METRICS!r}: batch {seq} of {source[0]} of another attempt")
-                    continue
-                if not self.seen_batches.add(source, seq):
-                    self.rejections(REPLAY, f"queue {names.METRICS!r}: batch {seq} of {source[0]} again")
-                    continue
-                self.rejections.accepted()
-                events += batch
-            self._record(events)
-
-    def _record(self, events: list[dict]) -> None:
-        self.writer.write(events)
-        if self.tensorboard is not None:
-            self.tensorboard.write(events)
-
-    def evaluate(self, step: int) -> dict[str, float]:
-        if not self.data.held_out:  # a dataset without --eval-dataset or --eval-fraction
-            return {}
-        with self.timeline.busy("eval"):
-            m = steps.evaluate(self.full_model, self.tokenizer, self.data.held_out, self.gen, step,
-                               self.data.format_prompt)
-        self.rt.emit(steps.eval_events(m, step=step, role="trainer"))
-        log.info("step %d held-out accuracy %.3f (greedy), %.3f (sampled)", step, m["accuracy"],
-                 m["sampled_accuracy"])
-        return m
-
-    def save_checkpoint(self, step: int) -> None:
-        """Every rank (the training state is a collective): the policy and the training
-        state after ``step`` steps to ``checkpoints/step-<step>/``. Replica 0 writes the
-        directory, deletes the oldest beyond ``keep_last`` and names it in config.json and
-        the metrics DB."""
-        t0 = time.time()
-        ledger = self.ledger  # every rank's (consume_across_ranks)
-        root = self.run_dir / checkpoint.DIR_NAME
-        if self.rank != 0:
-            dist.barrier()  # replica 0 has made the step's temporary directory
-            train_state.save(checkpoint.partial_path(root, step) / train_state.DIR_NAME, self.model,
-                             self.optimizer, None)
-            return
-
-        def with_train_state(partial: Path) -> None:
-            if self.world > 1:
-                dist.barrier()
-            train_state.save(partial / train_state.DIR_NAME, self.model, self.optimizer,
-                             self._train_state(step, ledger))
-
-        with self.timeline.busy("checkpoint"):
-            path = checkpoint.save(self.full_model, self.tokenizer, root, step, extra=with_train_state).resolve()
-            pruned = checkpoint.prune(root, self.cfg.keep_last)
-            checkpoint.record_latest(self.run_dir / "config.json", step, path)
-        seconds = time.time() - t0
-        self.writer.set_meta(metrics.LAST_CHECKPOINT, json.dumps({"step": step, "path": str(path)}))
-        self.rt.emit(metrics.scalars({names.CHECKPOINT_SAVE_S: seconds, names.CHECKPOINT_STEP: step,
-                                      names.DATA_SLOT: ledger.frontier}, role="trainer", step=step))
-        log.info("saved checkpoint %s in %.2f s%s", path, seconds,
-                 f" (deleted {', '.join(p.name for p in pruned)})" if pruned else "")
-
-    def _train_state(self, step: int, ledger: train_state.SlotLedger) -> dict:
-        """Replica 0: what ``state.json`` holds besides the model and optimizer."""
-        self.data.order.position = ledger.frontier
-        return {"step": step, "version": self.version, "ledger": ledger.state_dict(),
-                "order": self.data.order.state_dict(), "data_fingerprint": self.data.fingerprint,
-                "dropped": self.dropped,
-                "dropped_groups": self._dropped_groups(),
-                "skipped": self.guard.skipped, "fingerprint": train_state.fingerprint(self.full_model),
-                "parameter_shapes": train_state.parameter_shapes(self.full_model),
-                "rng": train_state.rng_state(), "config": self._config_dict()}
-
-    def _dropped_groups(self) -> int:
-        """Every trainer rank's dropped groups (their signed counters)."""
-        total = 0
-        for r in range(self.world):
-            m = names.member("trainer", r)
-            n = self.rt.signed.get(names.dropped_key(m), writers=(m,), default=0)
-            total += n if isinstance(n, int) else 0
-        return total
-
+    # --- the loop ----------------------------------------------------------------------
     def run(self) -> None:
-        cfg = self.cfg
-        step_cfg = cfg.step_config(self.gen)
-        if self.rank == 0 and self.start_step == 0:
-            self.evaluate(0)
-        t_prev = time.time()
+        """next batch (settled) -> train step -> publish weights -> controller hook."""
+        cfg, t_prev = self.cfg, time.time()
+        self.duties.before_steps(self.start_step)
         for step in range(self.start_step + 1, cfg.steps + 1):
             with self.timeline.idle("wait_rollouts"):
-                groups = self.stream.next_batch()
-            if self.world > 1:
-                groups = self._without_replays_across_ranks(groups)
-            groups = self._settle(groups)
+                groups = self.stream.next_batch(self.version)  # settled: what this step trains
             t0 = time.time()
-            train = None
-            # Every rank decides alone: with several ranks, one rank's share may have no
-            # usable rollout while another's has; it still takes part in the sharded step.
-            if not self.guard.should_skip(groups, step) or self.world > 1:
-                with self.timeline.busy("train"), devices.autocast(self.device, self.dtype):
-                    train = rl.train_step(self.model, self.optimizer, steps.usable(groups), step_cfg,
-                                          pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model,
-                                          ranks=self.ranks,
-                                          policy_version=self.version) or None  # {}: no rank had a rollout
+            train = self.train_step(groups, step)
             t_train = time.time() - t0
-            save = (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
-            # The whole copy's uses: evaluation and checkpoints (the weight sync and its
-            # digest are per shard).
+            save = bool(cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
             if step % cfg.eval_every == 0 or step == cfg.steps or save:
-                self._gather_full_model()
-            consumed_version = self.version
+                self._gather_full_model()  # the whole copy's uses: evaluation and checkpoints
             self.version += 1
             step_s, t_prev = time.time() - t_prev, time.time()
-            values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
-                                       consumed_version=consumed_version, skipped=self.guard.skipped,
-                                       dropped=self.dropped, idle_fraction=self.timeline.idle_fraction())
-            values.update(devices.device_metrics(self.device))
-            values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
-            values.update(self.rejections.metrics())
-            values.update(self.rt.security_metrics())
-            events, values = steps.step_events(step, groups, values, consumed_version=consumed_version,
-                                               reward_names=self.reward_names, role="trainer",
-                                               replica=self.rank)
-            if self.rank != 0:  # the other ranks' events travel to replica 0 in batches
-                self.rt.emit(events + self.timeline.drain())
-                self._sync()
-                if save:
-                    self.save_checkpoint(step)
-                continue
-            self.rt.emit(events + self._membership_events(step))
-            self._sync()
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                self.evaluate(step)
-            if save:
-                self.save_checkpoint(step)
-            health.check_health(self.rt.control)
-            self._drain_metrics()
-            log.info("%s", steps.summary(step, cfg.steps, groups, values))
+            values = self._record_step(step, groups, train, t_train, step_s)
+            self.publish_weights()
+            snapshot = (Snapshot(self.model, self.optimizer, self.version, self.slots.ledger, self.slots.dropped,
+                                 self.guard.skipped) if save else None)
+            self.duties.after_step(StepDone(step, self.version, groups, values, self.slots.duplicates, snapshot))
 
-    def _membership_events(self, step: int) -> list[dict]:
-        """Replica 0: losses and the executors alive, for the dashboard's Executors tab."""
-        m = self.membership
-        values = {names.FAULTS_LOST_GROUPS: m.lost_groups(),
-                  names.FAULTS_DUPLICATE_GROUPS: self.duplicates,
-                  names.WEIGHT_REGROUPS: self.publisher.regroups,
-                  names.members_metric("generator"): len(m.alive("generator"))}
-        if self.num_reward:
-            values[names.members_metric("reward")] = len(m.alive("reward"))
-        return metrics.scalars(values, role="trainer", step=step)
+    def train_step(self, groups: list[RolloutGroup], step: int) -> dict[str, float] | None:
+        """One optimizer step on ``groups`` (None: skipped). Every rank decides alone: with
+        several ranks, one rank's share may have no usable rollout while another's has;
+        it still takes part in the sharded step."""
+        if self.guard.should_skip(groups, step) and self.world == 1:
+            return None
+        with self.timeline.busy("train"), devices.autocast(self.device, self.dtype):
+            return rl.train_step(self.model, self.optimizer, steps.usable(groups), self.cfg.step_config(self.gen),
+                                 pad_id=self.tokenizer.pad_token_id, ref_model=self.ref_model, ranks=self.ranks,
+                                 policy_version=self.version) or None  # {}: no rank had a rollout
+
+    def _record_step(self, step: int, groups: list[RolloutGroup], train: dict[str, float] | None,
+                     t_train: float, step_s: float) -> dict[str, float]:
+        """Emits the step's events (with the timeline's intervals so far) and returns its
+        scalars; the groups it trained were consumed at the version before this step's."""
+        values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
+                                   consumed_version=self.version - 1, skipped=self.guard.skipped,
+                                   dropped=self.slots.dropped, idle_fraction=self.timeline.idle_fraction())
+        values.update(devices.device_metrics(self.device))
+        values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
+        values.update(self.rejections.metrics())
+        values.update(self.rt.security_metrics())
+        events, values = steps.step_events(step, groups, values, consumed_version=self.version - 1,
+                                           reward_names=self.reward_names, role="trainer", replica=self.rank)
+        self.rt.emit(events + self.timeline.drain())
+        return values
 
     def close(self, reason: str, *, failed: bool = False) -> None:
-        """Every rank: stop the rollout stream's thread. Replica 0 then asks every role to
-        stop, keeps the store up until they acknowledge, and writes the last metrics."""
-        if hasattr(self, "stream"):
+        """Every rank: stop the rollout stream's thread and the reward workers; then
+        replica 0 ends the app (``Controller.close``)."""
+        if self.stream is not None:
             try:
                 self.stream.close()
             except TimeoutError as e:
                 log.error("%s", e)
-        if getattr(self, "reward", None) is not None:
+        if self.reward is not None:
             self.reward.close()  # its worker processes
-        if self.rank != 0:
-            return
-        if self.membership is not None:
-            self.membership.stop()
-        runtime.end_app(self.rt, expected_members(self.num_generators, self.num_reward, self.world), reason,
-                        failed=failed)
-        if hasattr(self, "writer"):
-            try:
-                self._drain_metrics()
-                # What was refused after the last step (frames, control writes) is counted too.
-                if counts := {**self.rejections.metrics(), **self.rt.security_metrics()}:
-                    self._record(metrics.scalars(counts, role="trainer", step=self.version))
-            finally:
-                self.writer.close(finished=not failed)
-                if self.tensorboard is not None:
-                    self.tensorboard.close()
-            log.info("run %s: %s; run directory %s", "failed" if failed else "finished", reason, self.run_dir)
+        self.duties.close(reason, failed=failed)
 
 
 def trainer_parser() -> argparse.ArgumentParser:
@@ -577,13 +268,6 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str], world: int):
     if cfg.prompts_per_step % world:
         raise errors.ConfigError("llamarl.app.roles.trainer: prompts_per_step must be divisible by the number of trainer ranks")
     return args, cfg, gen
-
-
-def expected_members(num_generators: int, num_reward: int, world: int) -> list[str]:
-    """Every member of the app, whether it has registered yet or not."""
-    return ([names.member("generator", i) for i in range(num_generators)]
-            + [names.member("reward", i) for i in range(num_reward)]
-            + [names.member("trainer", r) for r in range(world)])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,20 +10,17 @@ of a run from it.
   change at a resume (``RESUMABLE``: ``trainer_ranks``): DCP reshards as it loads, so a
   state saved by 1 rank loads on 2 and one saved by 2 loads on 1, model and optimizer
   alike (``tests/test_train_state.py``);
-- ``state.json``: the step, the policy version, the slot ledger (which staleness slots
-  were trained or dropped), the prompt order's position, the model's fingerprint and
+- ``state.json``: the step, the policy version, the slot ledger (which slots were
+  trained or dropped: ``llamarl.app.control.slots.SlotLedger``), the prompt order's position, the model's fingerprint and
   parameter shapes, the RNG states of trainer rank 0, the counters (dropped, skipped
   batches) and the run's config.
 
 Not saved: the generators' sampling RNG (a resumed run samples other completions for the
 same prompts), rollouts in flight (regenerated: the ledger), and the queues' contents.
 
-Slots: slot n is the n-th group the generators fill, and it is always sampled for prompt
-``order.problem(n)``. A ``SlotLedger`` records the slots the trainer consumed (trained or
-dropped as stale): everything below ``frontier`` and the ``done`` ids above it (groups
-from several generators arrive out of order). On resume the generators fill the slots
-the ledger lacks first, then fresh ones: what was in flight at the crash is generated
-again, what was trained is never trained twice.
+On resume the generators fill the slots the ledger lacks first, then fresh ones
+(``llamarl.app.control.slots``): what was in flight at the crash is generated again, what
+was trained is never trained twice.
 """
 
 from __future__ import annotations
@@ -66,96 +63,6 @@ class ResumeError(RuntimeError):
     """A run cannot be resumed as asked; the message says why and what to do."""
 
 
-# --------------------------------------------------------------------------- slots
-
-@dataclass
-class SlotLedger:
-    """The staleness slots the trainer has consumed: ``[0, frontier)`` and ``done``."""
-
-    frontier: int = 0
-    done: set[int] = field(default_factory=set)
-
-    def consume(self, slot: int) -> None:
-        if slot < self.frontier or slot in self.done:
-            raise ValueError(f"slot {slot} consumed twice")
-        self.done.add(slot)
-        while self.frontier in self.done:
-            self.done.remove(self.frontier)
-            self.frontier += 1
-
-    @property
-    def missing(self) -> int:
-        """Slots below the highest consumed one that were not consumed (lost in flight)."""
-        return max(self.done) + 1 - self.count if self.done else 0
-
-    @property
-    def count(self) -> int:
-        """How many slots were consumed: where the generators' counter restarts."""
-        return self.frontier + len(self.done)
-
-    def slot_ids(self, counts: range) -> list[int]:
-        """The slot ids of counter values ``counts`` (each >= ``count``): the ids the
-        ledger lacks, lowest first; for a fresh ledger the counter values themselves."""
-        holes = [s for s in range(self.frontier, max(self.done, default=-1)) if s not in self.done]
-        fresh = max(self.done, default=self.frontier - 1) + 1
-        out = []
-        for c in counts:
-            k = c - self.count
-            if k < 0:
-                raise ValueError(f"counter value {c} is below the ledger's count {self.count}")
-            out.append(holes[k] if k < len(holes) else fresh + k - len(holes))
-        return out
-
-    def consume_across_ranks(self, slots: list[int | None]) -> list[bool]:
-        """Consume this trainer rank's ``slots`` (its groups of one step) and every other
-        rank's, in rank order, the same on every rank: a collective (with several ranks),
-        after which every rank holds the same ledger. Whether each of this rank's slots was
-        consumed for the first time (``None``, a group that filled no slot: ``True``).
-        ``False``: consumed already, at an earlier step on any rank, or in this step by a
-        lower rank, which keeps its group. So the two copies of a regenerated slot are
-        trained once whichever ranks they reach. Slot ids travel as int64 tensors, never
-        pickled."""
-        ids = [-1 if s is None else s for s in slots]
-        if _distributed() and dist.get_world_size() > 1:
-            parts, rank = [p.tolist() for p in all_gather_ids(torch.tensor(ids, dtype=torch.int64))], dist.get_rank()
-        else:
-            parts, rank = [ids], 0
-        mine = []
-        for r, part in enumerate(parts):
-            for slot in part:
-                fresh = slot < 0 or not (slot < self.frontier or slot in self.done)
-                if fresh and slot >= 0:
-                    self.consume(slot)
-                if r == rank:
-                    mine.append(fresh)
-        return mine
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"frontier": self.frontier, "done": sorted(self.done)}
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> "SlotLedger":
-        frontier, done = state.get("frontier"), state.get("done")
-        if not isinstance(frontier, int) or frontier < 0 or not isinstance(done, list) or not all(
-                isinstance(s, int) and s > frontier for s in done):
-            raise ValueError(f"bad slot ledger {state!r}")
-        return cls(frontier, set(done))
-
-
-def slots_taken_back(stale_first: list[bool], batch_first: list[bool]) -> int:
-    """How many places the generators' staleness budget loses at one step's settling
-    (``SlotLedger.consume_across_ranks`` flags: whether each group was its slot's first).
-    Every group the trainer drops as stale gave its place back at once (the generators
-    may need it to fill the batch the trainer waits for), but only a slot's first copy
-    holds a place in the counter. A second copy (a lost executor's group that got out,
-    and its regeneration) holds none: dropped as stale, the place it gave back is taken
-    back; in a batch, it used a place there, and the step trains one counted slot fewer.
-    Either way one place is taken back, or one group too many stays in flight, turns
-    stale again and again and is regenerated for the rest of the run. (Groups that
-    filled no slot are not passed in.)"""
-    return sum(not first for first in stale_first) + sum(not first for first in batch_first)
-
-
 # --------------------------------------------------------------------------- model identity
 
 def parameter_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -194,17 +101,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- save and load
-
-def all_gather_ids(ids: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's 1-d int64 ``ids`` (of any length), by rank: a collective over the
-    default group. Ids travel as tensors, never pickled."""
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([len(ids)]))
-    longest = int(max(s.item() for s in sizes))
-    parts = [torch.zeros(longest, dtype=torch.int64) for _ in sizes]
-    dist.all_gather(parts, torch.cat([ids, torch.zeros(longest - len(ids), dtype=torch.int64)]))
-    return [p[:int(n.item())] for p, n in zip(parts, sizes)]
-
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
