@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from llamarl.app.errors import ConfigError
-from llamarl.app.control.replica_lock import ERROR_FILE_ENV, sibling_replica_dirs
+from llamarl.app.control.replica_lock import ERROR_FILE_ENV, REPLICA_ERROR_FILE_ENV, sibling_replica_dirs  # noqa: F401 (read as health.*)
 from llamarl.app.control.replica_lock import released as lock_released
 from llamarl.app.control.transport import Control
 
