@@ -48,7 +48,7 @@ from llamarl.app.rl import steps
 from llamarl.app.rl.contract import Rejections, RolloutGroup
 from llamarl.app.sampling.precision import check_precision
 from llamarl.app.state import checkpoint, train_state
-from llamarl.app.weights.sync import flatten_parameters_
+from llamarl.app.weights.layout import flatten_parameters_
 
 log = logging.getLogger("llamarl")
 
