@@ -283,3 +283,19 @@ def test_one_ranks_state_resumes_on_two_sharded_ranks_and_back(tmp_path):
     fresh, fresh_opt = _tiny_trainer(1, seed=1)  # other weights: all of them must be loaded
     train_state.load(two, fresh, fresh_opt)
     _assert_same_state(_whole_state(fresh, fresh_opt), torch.load(f"{out}-saved", weights_only=True))
+
+
+def test_one_run_directory_has_one_live_trainer(tmp_path):
+    """Two --resume of one run: the second trainer is refused at once, naming the first,
+    before it writes anything; once the first lets go (it ended), the run can be resumed."""
+    from llamarl.app.state.train_state import ResumeError, hold_run_dir
+
+    run_dir = tmp_path / "run-1"
+    run_dir.mkdir()
+    first = hold_run_dir(run_dir, "app llamarl-first (pid 1 on host)")
+    with pytest.raises(ResumeError, match=r"run run-1 is being trained now by app llamarl-first \(pid 1 on host\)"):
+        hold_run_dir(run_dir, "app llamarl-second (pid 2 on host)")
+    first.close()
+    second = hold_run_dir(run_dir, "app llamarl-second (pid 2 on host)")
+    assert (run_dir / ".trainer.lock").read_text() == "app llamarl-second (pid 2 on host)"
+    second.close()

@@ -30,7 +30,10 @@ import copy
 import dataclasses
 import json
 import logging
+import os
+import socket
 import time
+from typing import IO
 from pathlib import Path
 
 import torch
@@ -125,6 +128,7 @@ class Controller:
         self.tokenizer = None
         self.run_dir: Path | None = None
         self.writer: metrics.MetricsWriter | None = None
+        self.run_lock: IO[str] | None = None  # the run directory's (``train_state.hold_run_dir``)
         self.tensorboard: TensorBoardMirror | None = None
         self.weight_plane = None  # this rank's sender, the plane's leader (``watch_weight_plane``)
         self.attempt = ""  # this start's: metrics batches of another are refused
@@ -146,6 +150,8 @@ class Controller:
         if cfg.tensorboard:
             summary_writer_class()  # a missing package fails here, before the run directory
         self.resume = train_state.find_resume(cfg.runs_dir, cfg.run_id, cfg.resume)
+        if self.resume is not None:  # before anything of the run is read or written
+            self.run_lock = train_state.hold_run_dir(self.resume.run_dir, self._holder())
         policy = data.resolve_policy(cfg.policy, log=log.info)
         # Capped before it is checked against a resumed run's config and published.
         cfg = self.cfg = data.fit_prompt_budget(cfg, self.gen, policy, log=log.info)
@@ -203,6 +209,8 @@ class Controller:
         state = resume.state if resume is not None else {}
         ledger = slots.SlotLedger.from_state(state.get("ledger", slots.SlotLedger().state_dict()))
         self.run_dir = resume.run_dir if resume else metrics.new_run_dir(cfg.runs_dir, cfg.run_id, self._config_dict())
+        if self.run_lock is None:  # a new run: a --resume of it while it runs is refused
+            self.run_lock = train_state.hold_run_dir(self.run_dir, self._holder())
         runtime.log_to_run_dir(str(self.run_dir), "trainer", 0)
         self.writer = metrics.MetricsWriter(self.run_dir, run_id=self.run_dir.name, config=self._config_dict())
         if resume is not None:
@@ -231,6 +239,12 @@ class Controller:
         data.wait_for_checks(self.rt, [names.member("generator", i) for i in range(self.num_generators)],
                              timeout_s=START_TIMEOUT_S, health=lambda: health.check_health(self.rt.control))
         self.membership.watch_heartbeats = True
+
+    def _holder(self) -> str:
+        where = f"pid {os.getpid()} on {socket.gethostname()}"
+        if not self.rt.store.check([names.APP_ID_KEY]):  # a store made by hand, without an app
+            return f"a trainer ({where})"
+        return f"app {self.rt.store.get(names.APP_ID_KEY).decode(errors='replace')} ({where})"
 
     def watch_weight_plane(self, sender) -> None:
         """Replica 0's sender leads the weight plane: its regroups are the Executors tab's."""
@@ -355,6 +369,8 @@ class Controller:
             self.writer.close(finished=not failed)
             if self.tensorboard is not None:
                 self.tensorboard.close()
+            if self.run_lock is not None:
+                self.run_lock.close()
         log.info("run %s: %s; run directory %s", "failed" if failed else "finished", reason, self.run_dir)
 
 
@@ -379,6 +395,12 @@ class Follower:
 
     def wait_for_members(self) -> None:
         wait_for_members(self.rt, self.num_generators, self.num_reward, self.world)
+
+    def _holder(self) -> str:
+        where = f"pid {os.getpid()} on {socket.gethostname()}"
+        if not self.rt.store.check([names.APP_ID_KEY]):  # a store made by hand, without an app
+            return f"a trainer ({where})"
+        return f"app {self.rt.store.get(names.APP_ID_KEY).decode(errors='replace')} ({where})"
 
     def watch_weight_plane(self, sender) -> None:
         pass

@@ -26,6 +26,7 @@ was trained is never trained twice.
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import json
 import random
@@ -35,7 +36,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,31 @@ _SAFE_RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 class ResumeError(RuntimeError):
     """A run cannot be resumed as asked; the message says why and what to do."""
+
+
+LOCK_NAME = ".trainer.lock"
+"""In a run directory: held (``flock``) by the trainer that writes it, and naming it."""
+
+
+def hold_run_dir(run_dir: Path, holder: str) -> IO[str]:
+    """An exclusive lock on ``run_dir`` for as long as the returned file stays open (the
+    process's end lets go of it too): one run directory, one live trainer. A second trainer
+    (two ``--resume`` of one run) is refused at once, naming ``holder`` of the first,
+    before it writes anything."""
+    lock = open(Path(run_dir) / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        first = lock.read().strip() or "another process"
+        lock.close()
+        raise ResumeError(f"run {Path(run_dir).name} is being trained now by {first}: one run directory has one "
+                          "live trainer (stop that app, or resume this run once it has ended)") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(holder)
+    lock.flush()
+    return lock
 
 
 # --------------------------------------------------------------------------- model identity
