@@ -74,7 +74,10 @@ def _sharded_step(store, rank: int, world_size: int, share: str, trainer_pass: s
         torch.set_num_threads(1)
         model = _model()
         full = copy.deepcopy(model) if rank == 0 else None
-        sharding.shard(model)
+        total = sum(p.numel() for p in model.parameters())
+        said = sharding.shard(model)  # what the trainer logs once
+        local = sum(p.to_local().numel() for p in model.parameters())
+        assert 0 < local < total and f"over {world_size} ranks on cpu; rank {rank} holds {local:,} of {total:,}" in said, said
         # SGD: the update is the gradient itself, so the parameters compare the gradients.
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         groups = _groups(6)

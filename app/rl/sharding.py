@@ -51,11 +51,14 @@ def _contains(outer: nn.Module, module: nn.Module) -> bool:
     return any(m is module for m in outer.modules())
 
 
-def shard(model: nn.Module) -> None:
+def shard(model: nn.Module) -> str:
     """FSDP2 over the default process group, in place: every decoder layer, then the root,
     on the device the model is on (``--device``): FSDP2's default mesh is CUDA whenever a
-    GPU exists, and would move a trainer forced onto the CPU there."""
+    GPU exists, and would move a trainer forced onto the CPU there. Returns what was done,
+    for the log: the units, the ranks, this rank's share of the parameters, their dtype."""
     layers = decoder_layers(model)
+    total = sum(p.numel() for p in model.parameters())
+    dtype = next(model.parameters()).dtype
     mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for layer in layers:
         fully_shard(layer, mesh=mesh)
@@ -65,6 +68,11 @@ def shard(model: nn.Module) -> None:
         unit.set_gradient_divide_factor(1.0)  # summed: see the module's docstring
         # A plain SUM (no NCCL PreMulSum, which gloo lacks; scaling by 1 is then a no-op).
         unit.set_force_sum_reduction_for_comms(True)
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    return (f"FSDP2: {len(layers)} decoder layers and the root sharded over {dist.get_world_size()} ranks on "
+            f"{mesh.device_type}; rank {dist.get_rank()} holds {local:,} of {total:,} parameters "
+            f"({100 * local / max(total, 1):.1f}%), kept in {str(dtype).removeprefix('torch.')} (no FSDP mixed "
+            "precision: --train-precision bf16 autocasts the forward); gradients reduce-scattered as sums")
 
 
 def is_sharded(model: nn.Module) -> bool:

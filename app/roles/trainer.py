@@ -123,7 +123,7 @@ class Trainer:
             rejections=self.rejections, emit=rt.emit, dropped=carried.dropped, freed=carried.given_back)
         if self.world > 1:  # replica 0 keeps a whole copy (``Controller.open_run``)
             self.ranks = sharding.Ranks(next(self.model.parameters()).device)
-            sharding.shard(self.model)
+            log.info(sharding.shard(self.model))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         if resumed["train_state"]:
             train_state.load(resumed["train_state"], self.model, self.optimizer)
