@@ -52,6 +52,8 @@ def test_the_named_policy_is_the_file_its_package_ships(source):
     name, path = gguf_policy.gguf_file(NAME)
     assert name == NAME and path == source
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.read_bytes()[:4] == b"GGUF"
+    # the same file as gguf:<path> converts into a directory named after it
+    assert gguf_policy.gguf_file(f"gguf:{path}") == ("SmolLM2-135M-Instruct.Q4_1", path)
 
 
 def test_a_missing_package_is_a_one_line_refusal_naming_what_to_install(monkeypatch):
