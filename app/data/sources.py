@@ -58,6 +58,7 @@ from llamarl.app.config import GeneratorConfig, TrainerConfig, parse_levels
 from llamarl.app.data.datafile import FieldMap, read_problems
 from llamarl.app import errors
 from llamarl.app.errors import DataError
+from llamarl.app.model import gguf_policy
 from llamarl.app.model.policy import check_causal_lm, context_length, encode_prompts
 from llamarl.app.tasks.arithmetic import Problem
 from llamarl.app.rl.warmstart import ensure_warmstart
@@ -67,9 +68,13 @@ TOKENIZE_CHUNK = 1024  # prompts tokenized at once when measuring lengths
 
 
 def resolve_policy(spec: str, *, log: Callable[[str], None] = print) -> Path:
-    """``warmstart`` (the embedded policy, warm-started once and cached) or a directory."""
+    """``warmstart`` (the embedded policy, warm-started once and cached), a GGUF file
+    (``gguf:<path>`` or a named one such as ``smollm2-135m-instruct``, converted once into
+    ``checkpoints/<name>/``) or a directory."""
     if spec == "warmstart":
         return ensure_warmstart(log=log)
+    if gguf_policy.is_gguf_policy(spec):
+        return gguf_policy.ensure_converted(spec, log=log)
     check_causal_lm(spec)
     return Path(spec)
 
