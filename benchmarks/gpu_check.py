@@ -285,8 +285,8 @@ def check_generator(t: Target) -> dict[str, Any]:
     devices.synchronize(device)
     seconds = time.perf_counter() - t0
     rollouts = [r for g in groups for r in g.rollouts]
-    logprobs = [lp for r in rollouts for lp in r.behaviour_logprobs]
-    if not all(lp <= 0 and lp == lp for lp in logprobs):
+    logprobs = torch.cat([r.behaviour_logprobs for r in rollouts])
+    if not bool(((logprobs <= 0) & (logprobs == logprobs)).all()):
         raise AssertionError("a behaviour log-prob is NaN or positive")
     tokens = sum(len(r.completion_ids) for r in rollouts)
     return {"device": devices.describe(device), "sequences": len(rollouts), "tokens": tokens,

@@ -62,10 +62,10 @@ SECRET = bytes(range(32))
 def _group(seq: int, group_size: int, tokens: int) -> RolloutGroup:
     g = torch.Generator().manual_seed(seq)
     gid = GroupId(0, seq)
-    prompt = torch.randint(0, 32000, (128,), generator=g).tolist()
+    prompt = torch.randint(0, 32000, (128,), generator=g)
     return RolloutGroup(group_id=gid, version=3, slot=seq, rollouts=[
-        Rollout(prompt_ids=prompt, completion_ids=torch.randint(0, 32000, (tokens,), generator=g).tolist(),
-                behaviour_logprobs=(-torch.rand(tokens, generator=g)).tolist(), version=3, group_id=gid,
+        Rollout(prompt_ids=prompt, completion_ids=torch.randint(0, 32000, (tokens,), generator=g),
+                behaviour_logprobs=-torch.rand(tokens, generator=g), version=3, group_id=gid,
                 prompt="p" * 400, completion="c" * 4 * tokens, task={"answer": 42.0})
         for _ in range(group_size)])
 

@@ -171,7 +171,7 @@ class QueueSource(BaseNode[RolloutGroup]):
             for group in self.rejections.decode(msgs, self.admit, **self.checks):
                 if self.holding is not None:
                     self.holding.take(1)
-                heapq.heappush(self._waiting, (group.version, self._arrivals, group))
+                heapq.heappush(self._waiting, (group.oldest_version, self._arrivals, group))
                 self._arrivals += 1
             if self._waiting:
                 return heapq.heappop(self._waiting)[2]
@@ -214,7 +214,7 @@ def with_advantages(normalize_std: bool) -> Callable[[RolloutGroup | None], Roll
 
 
 class StalenessFilter(BaseNode[RolloutGroup]):
-    """Passes groups whose lag (trainer version now - group version) is within bound;
+    """Passes groups whose lag (trainer version now - the group's oldest version) is within bound;
     hands the others to ``on_drop`` (for counting and metrics) and moves on. Skips the
     ``None`` that an upstream stage leaves for a group it dropped."""
 
@@ -234,7 +234,7 @@ class StalenessFilter(BaseNode[RolloutGroup]):
             group = next(self.source)
             if group is None:
                 continue
-            lag = self.current_version() - group.version
+            lag = self.current_version() - group.oldest_version
             if lag <= self.max_staleness:
                 return group
             self.on_drop(group, lag)

@@ -39,12 +39,75 @@ def test_a_group_round_trips_exactly_through_the_wire_format():
     got = from_message(wire(sent), vocab_size=32, group_size=3)
     assert (got.group_id, got.version, got.sent_at) == (GroupId(2, 17), 5, 123.5)
     for a, b in zip(sent.rollouts, got.rollouts):
-        assert b.prompt_ids == a.prompt_ids and b.completion_ids == a.completion_ids
+        assert torch.equal(b.prompt_ids, a.prompt_ids) and torch.equal(b.completion_ids, a.completion_ids)
         # float32 on the wire: exactly what the sampler recorded (itself float32).
-        assert b.behaviour_logprobs == torch.tensor(a.behaviour_logprobs, dtype=torch.float32).tolist()
+        assert b.behaviour_logprobs.dtype == torch.float32 and torch.equal(b.behaviour_logprobs, a.behaviour_logprobs)
+        assert b.policy_mask.all() and b.segment_versions.tolist() == [5] and b.oldest_version == 5
         assert (b.prompt, b.completion, b.task) == (a.prompt, a.completion, a.task)
         assert b.result == a.result and b.reward == a.reward
         assert b.group_id == GroupId(2, 17) and b.advantage is None
+
+
+def test_rollouts_hold_tensors_and_from_message_hands_back_the_decoded_ones():
+    r = make_group().rollouts[1]  # built from lists: converted once
+    assert (r.prompt_ids.dtype, r.completion_ids.dtype, r.behaviour_logprobs.dtype, r.policy_mask.dtype) == (
+        torch.int64, torch.int64, torch.float32, torch.bool)
+    ids = torch.tensor([10, 11], dtype=torch.int64)
+    assert Rollout(prompt_ids=ids, completion_ids=ids, behaviour_logprobs=[-1.0, -1.0], version=0).completion_ids is ids
+    msg = wire(make_group())
+    got = from_message(msg)
+    assert all(r.prompt_ids is msg["prompt_ids"] for r in got.rollouts)  # one tensor for the group's prompt
+    assert all(r.completion_ids is ids and r.behaviour_logprobs is lp
+               for r, ids, lp in zip(got.rollouts, msg["completion_ids"], msg["logprobs"]))
+
+
+def make_episode(version: int = 5, versions: tuple[int, int] = (3, 5)) -> RolloutGroup:
+    """One rollout of two policy turns around an environment's answer (tokens 2..4)."""
+    gid = GroupId(2, 18)
+    mask = torch.tensor([True, True, False, False, False, True, True])
+    return RolloutGroup(group_id=gid, version=version, rollouts=[
+        Rollout(prompt_ids=[5, 6, 7], completion_ids=[10, 11, 20, 21, 22, 12, 13],
+                behaviour_logprobs=[-0.5, -0.25, 0.0, 0.0, 0.0, -1.0, -2.0], policy_mask=mask,
+                segment_versions=list(versions), version=version, group_id=gid)])
+
+
+def test_an_episode_of_several_segments_round_trips_and_counts_its_oldest_segment():
+    sent = make_episode()
+    msg = wire(sent)
+    assert msg["policy_mask"][0].dtype == torch.bool and msg["segment_versions"][0].tolist() == [3, 5]
+    got = from_message(msg, vocab_size=32).rollouts[0]
+    assert torch.equal(got.policy_mask, sent.rollouts[0].policy_mask)
+    assert got.segment_versions.tolist() == [3, 5] and got.oldest_version == 3 and got.policy_tokens == 4
+    assert got.token_versions().tolist() == [3, 3, 3, 3, 3, 5, 5]
+    assert from_message(msg).oldest_version == 3 and from_message(msg).version == 5
+    # A single-turn group sends neither field: absent means one policy segment of "version".
+    assert not {"policy_mask", "segment_versions"} & set(wire(make_group()))
+    # One segment at an older version: the versions travel without a mask.
+    old = from_message(wire(RolloutGroup(group_id=GroupId(1, 1), version=4, rollouts=[
+        Rollout(prompt_ids=[1], completion_ids=[2], behaviour_logprobs=[-1.0], segment_versions=[2], version=4,
+                group_id=GroupId(1, 1))])))
+    assert old.rollouts[0].segment_versions.tolist() == [2] and old.oldest_version == 2
+
+
+@pytest.mark.parametrize("edit, reason, field", [
+    (lambda m: m["policy_mask"].__setitem__(0, m["policy_mask"][0][:-1]), "wrong_length", "policy_mask[0]"),
+    (lambda m: m["policy_mask"].__setitem__(0, m["policy_mask"][0].long()), "wrong_type", "policy_mask[0]"),
+    (lambda m: m["policy_mask"][0].fill_(False), "bad_value", "policy_mask[0]"),
+    (lambda m: m.update(policy_mask=[]), "wrong_length", "policy_mask"),
+    (lambda m: m["segment_versions"].__setitem__(0, m["segment_versions"][0][:1]), "wrong_length",
+     "segment_versions[0]"),
+    (lambda m: m["segment_versions"].__setitem__(0, m["segment_versions"][0].int()), "wrong_type",
+     "segment_versions[0]"),
+    (lambda m: m["segment_versions"][0].fill_(6), "bad_value", "segment_versions[0]"),
+    (lambda m: m["segment_versions"][0].fill_(-1), "bad_value", "segment_versions[0]"),
+    (lambda m: m.pop("policy_mask"), "wrong_length", "segment_versions[0]"),  # 2 versions for 1 segment
+])
+def test_an_episode_that_breaks_the_contract_is_refused_naming_the_field(edit, reason, field):
+    msg = wire(make_episode())
+    edit(msg)
+    with pytest.raises(MalformedMessage) as err:
+        from_message(msg, vocab_size=32)
+    assert (err.value.reason, err.value.field) == (reason, field)
 
 
 def test_the_slot_travels_when_the_generator_set_one():

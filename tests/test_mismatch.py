@@ -91,7 +91,7 @@ def test_train_step_reports_mismatch_by_lag(tiny_model):
     with torch.no_grad():
         own_BT, _ = rl.completion_logprobs(tiny_model, rollouts, pad_id=0)
     for r, own_T in zip(rollouts, own_BT):
-        r.behaviour_logprobs = (own_T - (math.log(2.0) if r.version == 2 else 0.0)).tolist()
+        r.behaviour_logprobs = own_T - (math.log(2.0) if r.version == 2 else 0.0)
     model = copy.deepcopy(tiny_model)
     m = rl.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), rollouts,
                       rl.StepConfig(rho_max=1.5, micro_batch=3), pad_id=0, policy_version=3)
@@ -116,7 +116,7 @@ def test_a_step_without_signal_still_measures_the_mismatch(tiny_model):
     with torch.no_grad():
         own_BT, _ = rl.completion_logprobs(tiny_model, rollouts, pad_id=0)
     for r, own_T in zip(rollouts, own_BT):
-        r.behaviour_logprobs = own_T.tolist()
+        r.behaviour_logprobs = own_T
     model = copy.deepcopy(tiny_model)
     m = rl.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), rollouts, rl.StepConfig(),
                       pad_id=0, policy_version=0)

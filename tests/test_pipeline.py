@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 from torchdata.nodes import IterableWrapper
 
 from llamarl.app.rl.contract import GroupId, Rejections, Rollout, RolloutGroup, to_message
@@ -145,6 +146,18 @@ def test_staleness_filter_drops_and_reports_groups_over_the_bound():
     kept = [g.group_id.seq for g in node]
     assert kept == [0, 2, 4]  # versions 3, 2, 3: lag <= 1
     assert dropped == [(1, 2), (3, 3)]
+
+
+def test_staleness_filter_counts_an_episodes_oldest_segment():
+    """An episode of version 3 whose first turn was sampled at version 1 is 2 behind at 3."""
+    episode = make_group(0, 3, ["#### 7"] * G)
+    for r in episode.rollouts:
+        r.segment_versions = torch.tensor([1])
+    dropped: list[int] = []
+    node = StalenessFilter(IterableWrapper([episode, make_group(1, 3, ["#### 7"] * G)]), max_staleness=1,
+                           current_version=lambda: 3, on_drop=lambda g, lag: dropped.append(lag))
+    node.reset()
+    assert [g.group_id.seq for g in node] == [1] and dropped == [2]
 
 
 def test_staleness_filter_reads_the_version_when_the_group_is_taken():

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from llamarl.app.rl import losses
 from llamarl.app.rl import step as rl
 from llamarl.app.tasks import arithmetic as tasks
 from llamarl.app.model.policy import create_default_policy
@@ -39,7 +40,7 @@ def _ragged_rollouts(n: int = 5, seed: int = 0) -> list[rl.Rollout]:
 
 def _hand_logprobs(model, r: rl.Rollout, temperature: float) -> list[float]:
     """One unpadded sequence at a time: the logit at position p-1+t predicts token t."""
-    ids = torch.tensor([r.prompt_ids + r.completion_ids])
+    ids = torch.cat([r.prompt_ids, r.completion_ids])[None]
     with torch.no_grad():
         logp_LV = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, dim=-1)
     p = len(r.prompt_ids)
@@ -74,7 +75,7 @@ def test_shared_prompts_run_once_with_the_same_values_and_gradients(tiny_model):
     model.zero_grad()
     total = 0.0
     for b, r in enumerate(rollouts):
-        ids = torch.tensor([r.prompt_ids + r.completion_ids])
+        ids = torch.cat([r.prompt_ids, r.completion_ids])[None]
         logp_LV = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
         p = len(r.prompt_ids)
         hand = torch.stack([logp_LV[p - 1 + t, tok] for t, tok in enumerate(r.completion_ids)])
@@ -111,6 +112,66 @@ def test_train_step_micro_batches_equal_one_full_batch(tiny_model, normaliser, l
     assert m_micro["grad_norm"] == pytest.approx(m_full["grad_norm"], rel=1e-4)
     assert m_micro["ratio_max"] == pytest.approx(m_full["ratio_max"], rel=1e-4)
     assert m_full["response_len"] == pytest.approx(sum(len(r.completion_ids) for r in rollouts) / 5)
+
+
+def _episodes(tiny_model) -> list[rl.Rollout]:
+    """Rollouts of two policy turns around an environment's tokens (mask False there),
+    sampled at versions 3 then 5: behaviour log-probs are the model's own minus log 2 on
+    the version-3 turn, its own on the version-5 turn, and absurd (-1e4) on the
+    environment's tokens, which must be ignored."""
+    out = []
+    for i, r in enumerate(_ragged_rollouts(6, seed=7)):
+        c = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(i))
+        env = 2 + i % 3  # the environment's tokens: 2..4 of them, from position 2
+        mask = torch.ones(8, dtype=torch.bool)
+        mask[2: 2 + env] = False
+        out.append(rl.Rollout(prompt_ids=r.prompt_ids, completion_ids=c, behaviour_logprobs=torch.zeros(8),
+                              policy_mask=mask, segment_versions=[3, 5], version=5, group_id=r.group_id,
+                              advantage=r.advantage))
+    with torch.no_grad():
+        own_BT = torch.stack([torch.tensor(_hand_logprobs(tiny_model, r, 1.0)) for r in out])
+    for r, own_T in zip(out, own_BT):
+        first_turn_T = torch.arange(8) < 2
+        r.behaviour_logprobs = torch.where(r.policy_mask, own_T - first_turn_T * torch.log(torch.tensor(2.0)),
+                                           torch.tensor(-1e4))
+    return out
+
+
+@pytest.mark.parametrize("trainer_pass", ["packed", "padded"])
+@pytest.mark.parametrize("normaliser", ["token", "sequence"])
+def test_environment_tokens_carry_no_loss_and_no_log_prob(tiny_model, trainer_pass, normaliser):
+    """An episode with an environment segment in the middle: the step's loss and update
+    are those of ``losses.aipo_loss`` on the policy's tokens alone, computed by hand one
+    unpadded sequence at a time with the environment's positions masked out; the
+    mismatch counts each turn at its own lag (version 3: lag 2, r = 2; version 5: lag 0)."""
+    rollouts = _episodes(tiny_model)
+    cfg = rl.StepConfig(normaliser=normaliser, rho_max=1.5, max_grad_norm=1e9, trainer_pass=trainer_pass)
+    model = copy.deepcopy(tiny_model)
+    m = rl.train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), rollouts, cfg, pad_id=PAD,
+                      policy_version=5)
+
+    reference = copy.deepcopy(tiny_model)
+    rows = []
+    for r in rollouts:
+        ids = torch.cat([r.prompt_ids, r.completion_ids])[None]
+        logp_LV = torch.log_softmax(reference(input_ids=ids).logits[0].float(), dim=-1)
+        p = len(r.prompt_ids)
+        rows.append(logp_LV[p - 1 + torch.arange(8), r.completion_ids])
+    mask_BT = torch.stack([r.policy_mask for r in rollouts]).float()
+    logp_BT = torch.stack(rows) * mask_BT
+    mu_BT = torch.stack([r.behaviour_logprobs for r in rollouts]).masked_fill(mask_BT == 0, 0.0)
+    adv_B = torch.tensor([r.advantage for r in rollouts])
+    loss, _ = losses.aipo_loss(logp_BT, mu_BT, adv_B, mask_BT, rho_max=1.5, normaliser=normaliser)
+    loss.backward()
+
+    assert m["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
+    for (name, p), before in zip(model.named_parameters(), tiny_model.parameters()):
+        torch.testing.assert_close(before - p.detach(), dict(reference.named_parameters())[name].grad,
+                                   rtol=1e-4, atol=1e-6)
+    assert m["response_len"] == pytest.approx(mask_BT.sum().item() / 6)
+    assert m["mismatch/lag0/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["mismatch/lag2/ratio_mean"] == pytest.approx(2.0, rel=1e-4)
+    assert "mismatch/lag1/ratio_mean" not in m
 
 
 @pytest.mark.parametrize("normaliser", ["token", "sequence"])

@@ -53,7 +53,8 @@ def test_a_slot_goes_from_reserved_to_consumed_and_a_lost_one_is_regenerated_onc
     assert slots.take_lost_slots(gen1, 8) == [1] and slots.take_lost_slots(gen1, 8) == []
     # consume: slot 0 and the regenerated slot 1 are trained.
     settle = trainer_side(store, ledger, events)
-    assert settle.settle([group(1, 0), group(2, 1)], version=0) == [group(1, 0), group(2, 1)]
+    batch = [group(1, 0), group(2, 1)]
+    assert settle.settle(batch, version=0) == batch
     assert ledger.state_dict() == {"frontier": 2, "done": []}
     assert settle.freed == 0 and budget.dropped() == 0 and events == []
 

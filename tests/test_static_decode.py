@@ -253,7 +253,7 @@ def test_generators_decode_as_gen_decoder_says(tokenizer):  # noqa: F811
         groups = rl.generate_groups(model, tokenizer, problems, group_size=2, params=gen.sampling(), version=0,
                                     rng=torch.Generator().manual_seed(0), decoder=gen.gen_decoder)
         assert hasattr(model, static_decode._ATTACHED[False]) == (decoder == "static")
-        assert all(r.behaviour_logprobs and max(r.behaviour_logprobs) <= 0 for g in groups for r in g.rollouts)
+        assert all(len(r.behaviour_logprobs) and r.behaviour_logprobs.max() <= 0 for g in groups for r in g.rollouts)
     with pytest.raises(ValueError, match="gen_decoder"):
         GeneratorConfig(gen_decoder="graphs")  # type: ignore[arg-type]
     assert GeneratorConfig(gen_decoder="compiled", gen_precision="bf16").gen_decoder == "compiled"

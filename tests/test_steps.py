@@ -65,3 +65,12 @@ def test_step_values_name_every_scalar_and_skip_throughput_for_a_skipped_step():
                                         reward_names=["v"], role="trainer")
     assert not [e for e in events if e["type"] == "staleness"] and names.STALENESS_MEAN not in skipped
     assert "skipped" in steps.summary(8, 10, [group(2, [None])], skipped)
+
+
+def test_staleness_counts_a_rollouts_oldest_policy_segment():
+    (single,) = group(0, [1.0], version=4).rollouts
+    episode = Rollout(prompt_ids=[1, 2], completion_ids=[3, 9, 9, 4], behaviour_logprobs=[-1.0, 0.0, 0.0, -1.0],
+                      policy_mask=[True, False, False, True], segment_versions=[2, 4], version=4)
+    rows, values = steps.staleness([single, episode], consumed_version=5, step=6)
+    assert [(row["version"], row["staleness"]) for row in rows] == [(4, 1), (2, 3)]
+    assert values == {names.STALENESS_MEAN: 2.0, names.STALENESS_MAX: 3}

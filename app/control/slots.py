@@ -340,7 +340,7 @@ class Settlement:
         ``security/rejected_frames/too_old`` too (the Security tab shows every version
         outside the trainable window), though with asynchronous generators it is usually
         ordinary staleness, not an attack. Called from the pipeline's thread."""
-        self.rejections.counted(TOO_OLD, f"group {tuple(group.group_id)} of policy version {group.version} "
+        self.rejections.counted(TOO_OLD, f"group {tuple(group.group_id)} of policy version {group.oldest_version} "
                                          f"is {lag} versions behind, over max_staleness {self.max_staleness}")
         self._stale.append((group, lag))
         if group.slot is not None:  # a group that filled no slot holds no place
@@ -363,7 +363,7 @@ class Settlement:
                 self._duplicate(group)
                 continue
             self.dropped += 1
-            self.emit([metrics.staleness(version + 1, r.version, lag, False) for r in group.rollouts])
+            self.emit([metrics.staleness(version + 1, r.oldest_version, lag, False) for r in group.rollouts])
         kept = []
         for group, first in zip(groups, batch_fresh):
             if first:

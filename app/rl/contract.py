@@ -10,10 +10,18 @@ builds and reads that message here, with ``to_message`` and ``from_message``:
      "sent_at": float, "prompt": str, "prompt_ids": int64[P], "task": {...JSON...},
      "completions": [str] * G, "completion_ids": [int64[T_i]] * G,
      "logprobs": [float32[T_i]] * G, "results": [RewardResult dict] * G  (scored only),
-     "slot": int  (optional)}
+     "slot": int  (optional),
+     "policy_mask": [bool[T_i]] * G  (optional: absent, every completion token is the policy's),
+     "segment_versions": [int64[S_i]] * G  (optional: absent, every policy segment is of "version")}
 
-Token ids and log-probs travel as raw tensor bytes (``llamarl.app.control.transport``'s frames): exact,
-and 4 to 8 bytes a number instead of ~20 as JSON text.
+Token ids and log-probs travel as raw tensor bytes (``llamarl.app.control.transport``'s frames),
+exact, and stay tensors: a ``Rollout`` holds 1-D CPU tensors from the sampler to the
+trainer's pass (``from_message`` hands back the tensors it decoded).
+
+Episodes: ``policy_mask`` says which completion tokens the policy produced (the others
+are an environment's: no loss, their log-probs ignored); each run of policy tokens is a
+*policy segment* sampled at one version, ``segment_versions`` (<= the group's
+``version``, the newest); staleness counts the oldest (``Rollout.oldest_version``).
 
 ``from_message`` trusts nothing: a message with a missing field, a wrong type, log-probs
 whose length differs from the tokens, a token id outside the vocabulary or a log-prob that
@@ -59,16 +67,43 @@ class GroupId(NamedTuple):
     seq: int
 
 
-@dataclass(kw_only=True)
-class Rollout:
-    """One sampled completion and everything the trainer needs to learn from it."""
+def _segment_starts(policy_mask_T: torch.Tensor) -> torch.Tensor:
+    starts_T = policy_mask_T.clone()
+    starts_T[1:] &= ~policy_mask_T[:-1]
+    return starts_T
 
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    behaviour_logprobs: list[float]
-    """log mu(y_t) recorded by the generator, one per completion token."""
+
+def policy_segments(policy_mask_T: torch.Tensor) -> int:
+    """How many policy segments (maximal runs of True) ``policy_mask_T`` has."""
+    return int(_segment_starts(policy_mask_T).sum())
+
+
+def _as_vector(value: Any, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``value`` (a tensor or a list) as a 1-D CPU tensor of ``dtype``; no copy when it is one."""
+    t = torch.as_tensor(value, dtype=dtype, device="cpu")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    return t
+
+
+@dataclass(kw_only=True, eq=False)
+class Rollout:
+    """One sampled completion and everything the trainer needs to learn from it. Token
+    data are 1-D CPU tensors (given as lists, converted once)."""
+
+    prompt_ids: torch.Tensor
+    """int64[P]."""
+    completion_ids: torch.Tensor
+    """int64[T]: the policy's tokens (and, in an episode, the environment's)."""
+    behaviour_logprobs: torch.Tensor
+    """float32[T]: log mu(y_t) recorded by the generator, one per completion token
+    (ignored where ``policy_mask`` is False)."""
     version: int
-    """Policy version of the weights that sampled it."""
+    """Policy version of the group: the newest weights that sampled any of it."""
+    policy_mask: torch.Tensor | None = None
+    """bool[T]: which completion tokens the policy produced; None: all of them."""
+    segment_versions: torch.Tensor | None = None
+    """int64[S]: the version of each policy segment, in order; None: ``version`` each."""
     group_id: GroupId = GroupId(0, 0)
     """The prompt's group: the G rollouts of one prompt share it."""
     prompt: str = ""
@@ -80,6 +115,37 @@ class Rollout:
     """The reward components' scores, once scored."""
     advantage: float | None = None
 
+    def __post_init__(self) -> None:
+        self.prompt_ids = _as_vector(self.prompt_ids, torch.int64, "prompt_ids")
+        self.completion_ids = _as_vector(self.completion_ids, torch.int64, "completion_ids")
+        self.behaviour_logprobs = _as_vector(self.behaviour_logprobs, torch.float32, "behaviour_logprobs")
+        T = len(self.completion_ids)
+        mask = torch.ones(T, dtype=torch.bool) if self.policy_mask is None else self.policy_mask
+        self.policy_mask = _as_vector(mask, torch.bool, "policy_mask")
+        S = policy_segments(self.policy_mask)
+        versions = torch.full((S,), self.version) if self.segment_versions is None else self.segment_versions
+        self.segment_versions = _as_vector(versions, torch.int64, "segment_versions")
+        if (len(self.policy_mask), S) != (T, len(self.segment_versions)):
+            raise ValueError(f"{len(self.policy_mask)} policy_mask flags for {T} completion tokens, "
+                             f"{len(self.segment_versions)} segment_versions for {S} policy segments")
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of its oldest policy segment: what its staleness counts."""
+        return int(self.segment_versions.min()) if len(self.segment_versions) else self.version
+
+    @property
+    def policy_tokens(self) -> int:
+        """Completion tokens the policy produced: those that carry loss."""
+        return int(self.policy_mask.sum())
+
+    def token_versions(self) -> torch.Tensor:
+        """int64[T]: each completion token's policy version (an environment token gets
+        its preceding segment's, or the first's; it carries no loss)."""
+        if not len(self.segment_versions):
+            return torch.full_like(self.completion_ids, self.version)
+        return self.segment_versions[(_segment_starts(self.policy_mask).cumsum(0) - 1).clamp(min=0)]
+
     @property
     def reward(self) -> float | None:
         """The weighted total; None before scoring and for a quarantined rollout."""
@@ -90,7 +156,7 @@ class Rollout:
         return Sample(prompt=self.prompt, completion=self.completion, meta=self.task)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class RolloutGroup:
     """The G rollouts of one prompt, sampled with one policy version."""
 
@@ -106,11 +172,16 @@ class RolloutGroup:
     def __post_init__(self) -> None:
         if not self.rollouts:
             raise ValueError("a rollout group needs at least one rollout")
+        prompt = self.rollouts[0].prompt_ids
         for r in self.rollouts:
-            if (r.group_id, r.version, r.prompt_ids) != (self.group_id, self.version,
-                                                         self.rollouts[0].prompt_ids):
+            if (r.group_id, r.version) != (self.group_id, self.version) or not torch.equal(r.prompt_ids, prompt):
                 raise ValueError(f"group {self.group_id}: every rollout must share the group's id, "
                                  "version and prompt")
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest policy version any of its rollouts was sampled with: its staleness."""
+        return min(r.oldest_version for r in self.rollouts)
 
     @property
     def scored(self) -> bool:
@@ -131,11 +202,15 @@ def to_message(group: RolloutGroup) -> dict[str, Any]:
     msg: dict[str, Any] = {
         "kind": KIND, "generator": group.group_id.generator, "seq": group.group_id.seq,
         "version": group.version, "sent_at": group.sent_at, "prompt": first.prompt,
-        "prompt_ids": torch.tensor(first.prompt_ids, dtype=torch.int64), "task": first.task,
+        "prompt_ids": first.prompt_ids, "task": first.task,
         "completions": [r.completion for r in group.rollouts],
-        "completion_ids": [torch.tensor(r.completion_ids, dtype=torch.int64) for r in group.rollouts],
-        "logprobs": [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) for r in group.rollouts],
+        "completion_ids": [r.completion_ids for r in group.rollouts],
+        "logprobs": [r.behaviour_logprobs for r in group.rollouts],
     }
+    if not all(bool(r.policy_mask.all()) for r in group.rollouts):
+        msg["policy_mask"] = [r.policy_mask for r in group.rollouts]
+    if not all(bool(r.segment_versions.eq(group.version).all()) for r in group.rollouts):
+        msg["segment_versions"] = [r.segment_versions for r in group.rollouts]
     if group.slot is not None:
         msg["slot"] = group.slot
     if group.scored:
@@ -184,13 +259,32 @@ def _list_of(msg: dict, name: str, n: int | None) -> list:
     return value
 
 
-def _token_ids(value: Any, name: str, vocab_size: int | None, *, min_len: int) -> list[int]:
+def _token_ids(value: Any, name: str, vocab_size: int | None, *, min_len: int) -> torch.Tensor:
     ids = _vector(value, name, torch.int64)
     if len(ids) < min_len:
         raise MalformedMessage(WRONG_LENGTH, name, f"{len(ids)} tokens, at least {min_len} needed")
     if len(ids) and (int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size)):
         raise MalformedMessage(BAD_VALUE, name, f"token id outside [0, {vocab_size or 'inf'})")
-    return ids.tolist()
+    return ids
+
+
+def _segments(mask: Any, versions: Any, i: int, T: int, version: int) -> tuple[Any, Any]:
+    """Rollout ``i``'s ``policy_mask`` (bool[T], a policy token at least) and
+    ``segment_versions`` (one per policy segment, in [0, version]), each None if absent."""
+    if mask is not None:
+        mask = _vector(mask, f"policy_mask[{i}]", torch.bool)
+        if len(mask) != T:
+            raise MalformedMessage(WRONG_LENGTH, f"policy_mask[{i}]", f"{len(mask)} flags for {T} tokens")
+        if not bool(mask.any()):
+            raise MalformedMessage(BAD_VALUE, f"policy_mask[{i}]", "a completion needs a policy token")
+    if versions is not None:
+        versions = _vector(versions, f"segment_versions[{i}]", torch.int64)
+        S = policy_segments(mask) if mask is not None else 1
+        if len(versions) != S:
+            raise MalformedMessage(WRONG_LENGTH, f"segment_versions[{i}]", f"{len(versions)} for {S} segments")
+        if int(versions.min()) < 0 or int(versions.max()) > version:
+            raise MalformedMessage(BAD_VALUE, f"segment_versions[{i}]", f"versions must be in [0, {version}]")
+    return mask, versions
 
 
 def _result(d: Any, name: str) -> RewardResult:
@@ -240,7 +334,8 @@ def from_message(msg: dict[str, Any], *, vocab_size: int | None = None,
     G = len(texts)
     ids = _list_of(msg, "completion_ids", G)
     logprobs = _list_of(msg, "logprobs", G)
-    results = _list_of(msg, "results", G) if "results" in msg else [None] * G
+    results, masks, versions = (_list_of(msg, k, G) if k in msg else [None] * G
+                                for k in ("results", "policy_mask", "segment_versions"))
     group_id = GroupId(generator, seq)
     rollouts = []
     for i in range(G):
@@ -253,9 +348,11 @@ def from_message(msg: dict[str, Any], *, vocab_size: int | None = None,
                                    f"{len(lp)} log-probs for {len(tokens)} tokens")
         if not bool(torch.isfinite(lp).all()) or float(lp.max()) > _LOGPROB_SLACK:
             raise MalformedMessage(BAD_VALUE, f"logprobs[{i}]", "log-probs must be finite and <= 0")
+        mask, segment_versions = _segments(masks[i], versions[i], i, len(tokens), version)
         rollouts.append(Rollout(
-            prompt_ids=prompt_ids, completion_ids=tokens, behaviour_logprobs=lp.tolist(),
-            version=version, group_id=group_id, prompt=prompt, completion=texts[i], task=task,
+            prompt_ids=prompt_ids, completion_ids=tokens, behaviour_logprobs=lp, policy_mask=mask,
+            segment_versions=segment_versions, version=version, group_id=group_id, prompt=prompt,
+            completion=texts[i], task=task,
             result=None if results[i] is None else _result(results[i], f"results[{i}]")))
     return RolloutGroup(group_id=group_id, version=version, rollouts=rollouts, sent_at=sent_at, slot=slot)
 
@@ -347,4 +444,4 @@ class Rejections:
 
 
 __all__ = ["FLOOD_FRAMES", "FrameFlood", "GroupId", "MalformedMessage", "Rejections", "Rollout", "RolloutGroup", "from_message",
-           "to_message"]
+           "policy_segments", "to_message"]

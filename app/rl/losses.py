@@ -2,7 +2,8 @@
 
 Pure functions of tensors; no process groups. Each loss returns ``(loss, metrics)`` where
 metrics are detached Python floats ready for logging. Shapes: B sequences, T completion
-tokens; ``mask_BT`` is 1 on completion tokens and 0 on padding.
+tokens; ``mask_BT`` is 1 on the tokens that carry loss (the policy's completion tokens)
+and 0 on padding and on an environment's tokens.
 """
 
 from __future__ import annotations

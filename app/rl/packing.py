@@ -27,6 +27,7 @@ and ``sdpa`` do; ``flash_attention_2`` does not: use ``--trainer-pass padded``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -54,6 +55,34 @@ class PackedRows:
     """Tokens fed that are not padding."""
 
 
+def prompt_key(r: Rollout) -> bytes:
+    """``r``'s prompt as a hashable key, read from its tensor: equal keys are equal
+    prompts, and prompts of one length sort by key as their id lists do (big-endian bytes
+    of ids >= 0)."""
+    return r.prompt_ids.numpy().astype(">i8").tobytes()
+
+
+def right_padded(rows: Sequence[torch.Tensor], T: int, fill: float | int | bool) -> torch.Tensor:
+    """1-D ``rows`` (each at most ``T`` long) as one ``(len(rows), T)`` tensor, each row
+    right-padded with ``fill``: one concatenation and one masked write."""
+    lengths_B = torch.tensor([len(r) for r in rows])
+    out = torch.full((len(rows), T), fill, dtype=rows[0].dtype)
+    out[torch.arange(T) < lengths_B[:, None]] = torch.cat(list(rows))
+    return out
+
+
+def completion_rows(rollouts: list[Rollout], T: int, *, pad_id: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(targets_BT, real_BT, mask_BT)`` of ``rollouts``' completions right-padded to
+    ``T``: the token ids (``pad_id`` after the end), where a token is (bool: what the
+    model attends to) and where a token carries loss (float 1/0: the policy's tokens,
+    ``policy_mask``; an environment's token is fed and attended to, never scored)."""
+    targets_BT = right_padded([r.completion_ids for r in rollouts], T, pad_id)
+    real_BT = torch.arange(T) < torch.tensor([len(r.completion_ids) for r in rollouts])[:, None]
+    mask_BT = right_padded([r.policy_mask for r in rollouts], T, False).float()
+    return targets_BT.to(device), real_BT.to(device), mask_BT.to(device)
+
+
 def _rows(lengths: list[int]) -> list[list[int]]:
     """Prompt blocks (by index) into rows as long as the longest block, first fit in
     order of decreasing length: short blocks share a row instead of each padding one."""
@@ -74,11 +103,12 @@ def _rows(lengths: list[int]) -> list[list[int]]:
 def pack(rollouts: list[Rollout], *, pad_id: int, device: torch.device) -> PackedRows:
     """A *block* per distinct prompt of ``rollouts`` (the prompt, then its completions),
     blocks placed into rows by ``_rows``."""
-    blocks: dict[tuple[int, ...], list[int]] = {}
+    blocks: dict[bytes, list[int]] = {}
     for b, r in enumerate(rollouts):
-        blocks.setdefault(tuple(r.prompt_ids), []).append(b)
-    prompts = list(blocks)
-    lengths = [len(p) + sum(len(rollouts[b].completion_ids) - 1 for b in blocks[p]) for p in prompts]
+        blocks.setdefault(prompt_key(r), []).append(b)
+    members = list(blocks.values())
+    prompts = [rollouts[bs[0]].prompt_ids for bs in members]
+    lengths = [len(p) + sum(len(rollouts[b].completion_ids) - 1 for b in bs) for p, bs in zip(prompts, members)]
     rows = _rows(lengths)
     R, L = len(rows), max(lengths)
     T = max(len(r.completion_ids) for r in rollouts)
@@ -93,17 +123,17 @@ def pack(rollouts: list[Rollout], *, pad_id: int, device: torch.device) -> Packe
         for j in row:
             prompt = prompts[j]
             P, first = len(prompt), start
-            ids[u, start: start + P] = torch.tensor(prompt)
+            ids[u, start: start + P] = prompt
             position[u, start: start + P] = torch.arange(P)
             block[u, start: start + lengths[j]] = j
             segment[u, start: start + P] = 0
             keep[u, start + P - 1] = True
             start += P
-            for b in blocks[prompt]:
+            for b in members[j]:
                 fed = rollouts[b].completion_ids[:-1]
                 n = len(fed)
                 completions += 1
-                ids[u, start: start + n] = torch.tensor(fed, dtype=torch.long)
+                ids[u, start: start + n] = fed
                 position[u, start: start + n] = torch.arange(P, P + n)
                 segment[u, start: start + n] = completions
                 keep[u, start: start + n] = True
@@ -135,19 +165,14 @@ def packed_completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], 
                                temperature: float = 1.0, top_p: float = 1.0
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``rl.completion_logprobs`` returns, ``(logp_BT, mask_BT)`` right-padded to the
-    longest completion, from one forward pass over packed rows (see the module)."""
+    longest completion (``mask_BT``: the policy's tokens), from one forward pass over
+    packed rows (see the module)."""
     param = next(model.parameters())
     rows = pack(rollouts, pad_id=pad_id, device=param.device)
     mask_4d = block_mask(rows, param.dtype if param.dtype.is_floating_point else torch.float32)
     kept_NV = model(input_ids=rows.ids_RL, attention_mask=mask_4d, position_ids=rows.position_RL,
                     logits_to_keep=rows.keep_RL, use_cache=False).logits.reshape(-1, model.config.vocab_size)
-    T = rows.index_BT.shape[1]
-    targets_BT = torch.full((len(rollouts), T), pad_id, dtype=torch.long)
-    mask_BT = torch.zeros((len(rollouts), T), dtype=torch.float32)
-    for b, r in enumerate(rollouts):
-        targets_BT[b, : len(r.completion_ids)] = torch.tensor(r.completion_ids)
-        mask_BT[b, : len(r.completion_ids)] = 1
-    targets_BT, mask_BT = targets_BT.to(param.device), mask_BT.to(param.device)
+    targets_BT, _, mask_BT = completion_rows(rollouts, rows.index_BT.shape[1], pad_id=pad_id, device=param.device)
     logp_BT = token_logprobs(kept_NV[rows.index_BT], targets_BT, temperature, top_p)
     return logp_BT * mask_BT, mask_BT
 
@@ -155,6 +180,6 @@ def packed_completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], 
 def padded_tokens(rollouts: list[Rollout]) -> int:
     """Token slots the padded pass feeds for this micro-batch: its distinct prompts padded
     to the longest, then every completion but its last token padded to the longest."""
-    prompts = {tuple(r.prompt_ids) for r in rollouts}
+    P = max(len(r.prompt_ids) for r in rollouts)
     T = max(2, max(len(r.completion_ids) for r in rollouts))
-    return len(prompts) * max(len(p) for p in prompts) + len(rollouts) * (T - 1)
+    return len({prompt_key(r) for r in rollouts}) * P + len(rollouts) * (T - 1)

@@ -18,7 +18,7 @@ from llamarl.app.rl import losses
 from llamarl.app.rl import mismatch
 from llamarl.app.tasks import arithmetic as tasks
 from llamarl.app.rl.contract import GroupId, Rollout, RolloutGroup
-from llamarl.app.rl.packing import packed_completion_logprobs
+from llamarl.app.rl.packing import completion_rows, packed_completion_logprobs, prompt_key, right_padded
 from llamarl.app.model.policy import encode_prompts
 from llamarl.app.config import StepConfig
 from llamarl.app.rewards import CompositeReward, RewardResult
@@ -31,7 +31,9 @@ def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t | x, y_<t) of each completion token under ``model``, right-padded.
 
-    Returns ``(logp_BT, mask_BT)`` with T the longest completion (at least 2). The log-probs are those
+    Returns ``(logp_BT, mask_BT)`` with T the longest completion (at least 2), ``mask_BT``
+    1 on the policy's tokens (``Rollout.policy_mask``: an environment's tokens are fed,
+    neither scored nor given a log-prob) and 0 elsewhere. The log-probs are those
     of the distribution the sampler draws from (temperature, then top-p), computed by the
     sampler's own ``token_logprobs``; with ``top_p < 1`` a token outside this model's
     nucleus (possible only when the weights moved since sampling) is kept in it, so its
@@ -44,16 +46,20 @@ def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_
     sequence whole.
     """
     device = next(model.parameters()).device
-    unique: dict[tuple[int, ...], int] = {}
-    row_prompt = torch.tensor([unique.setdefault(tuple(r.prompt_ids), len(unique)) for r in rollouts],
-                              device=device)
-    prompts = list(unique)
+    unique: dict[bytes, int] = {}
+    prompts: list[torch.Tensor] = []
+    rows: list[int] = []
+    for r in rollouts:
+        rows.append(unique.setdefault(prompt_key(r), len(unique)))
+        if rows[-1] == len(prompts):
+            prompts.append(r.prompt_ids)
+    row_prompt = torch.tensor(rows, device=device)
     P = max(len(p) for p in prompts)
-    p_ids = torch.full((len(prompts), P), pad_id, dtype=torch.long, device=device)
-    p_mask = torch.zeros_like(p_ids)
-    for u, p in enumerate(prompts):  # left-padded: every prompt ends at column P - 1
-        p_ids[u, P - len(p):] = torch.tensor(p, device=device)
-        p_mask[u, P - len(p):] = 1
+    # Left-padded: every prompt ends at column P - 1.
+    left_UP = torch.arange(P) >= P - torch.tensor([len(p) for p in prompts])[:, None]
+    p_ids = torch.full(left_UP.shape, pad_id, dtype=torch.long)
+    p_ids[left_UP] = torch.cat(prompts)
+    p_ids, p_mask = p_ids.to(device), left_UP.long().to(device)
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)
     cache, cache_arg = DynamicCache(), cache_kwarg(model)
     out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
@@ -64,27 +70,16 @@ def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_
     # completions), which a sharded model's collectives need on every rank; a padded
     # column is masked out.
     T = max(2, max(len(r.completion_ids) for r in rollouts))
-    targets = torch.full((len(rollouts), T), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(rollouts), T), dtype=torch.float32, device=device)
-    for b, r in enumerate(rollouts):
-        targets[b, : len(r.completion_ids)] = torch.tensor(r.completion_ids, device=device)
-        mask[b, : len(r.completion_ids)] = 1
+    targets, real, mask = completion_rows(rollouts, T, pad_id=pad_id, device=device)
     # Completion tokens 0..T-2 predict tokens 1..T-1.
     cache.batch_select_indices(row_prompt)
-    attn = torch.cat([p_mask[row_prompt], mask[:, :-1].long()], dim=-1)
+    attn = torch.cat([p_mask[row_prompt], real[:, :-1].long()], dim=-1)
     pos = p_pos[row_prompt][:, -1:] + 1 + torch.arange(T - 1, device=device)
     rest = model(input_ids=targets[:, :-1], attention_mask=attn, position_ids=pos,
                  use_cache=True, **{cache_arg: cache}).logits
     logits_BTV = torch.cat([first_BV[:, None], rest], dim=1)
     logp_BT = token_logprobs(logits_BTV, targets, temperature, top_p)
     return logp_BT * mask, mask
-
-
-def _padded(rows: list[list[float]], T: int, device: torch.device) -> torch.Tensor:
-    out = torch.zeros((len(rows), T), dtype=torch.float32, device=device)
-    for b, r in enumerate(rows):
-        out[b, : len(r)] = torch.tensor(r, dtype=torch.float32, device=device)
-    return out
 
 
 def _placeholder(pad_id: int) -> Rollout:
@@ -101,18 +96,20 @@ Tokens = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def _logprobs(model: PreTrainedModel, chunk: list[Rollout], cfg: StepConfig, *, pad_id: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp_BT, mu_BT, mask_BT)`` of a micro-batch: pi by ``cfg``'s trainer pass, mu padded alike."""
+    """``(logp_BT, mu_BT, mask_BT)`` of a micro-batch: pi by ``cfg``'s trainer pass, mu padded
+    alike, both 0 where ``mask_BT`` is (padding, an environment's tokens)."""
     logprobs = packed_completion_logprobs if cfg.trainer_pass == "packed" else completion_logprobs
     logp_BT, mask_BT = logprobs(model, chunk, pad_id=pad_id, temperature=cfg.temperature, top_p=cfg.top_p)
-    return logp_BT, _padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], logp_BT.device), mask_BT
+    mu_BT = right_padded([r.behaviour_logprobs for r in chunk], logp_BT.shape[1], 0.0).to(logp_BT.device)
+    return logp_BT, mu_BT.masked_fill_(mask_BT == 0, 0.0), mask_BT
 
 
 def _tokens(chunk: list[Rollout], logp_BT: torch.Tensor, mu_BT: torch.Tensor, mask_BT: torch.Tensor,
             policy_version: int) -> Tokens:
-    """The ``Tokens`` of a micro-batch, lag = ``policy_version`` - the rollout's version."""
-    lag_BT = torch.tensor([policy_version - r.version for r in chunk], device=logp_BT.device)[:, None]
+    """The ``Tokens`` of a micro-batch (the policy's), lag = ``policy_version`` - the token's version."""
+    versions_BT = right_padded([r.token_versions() for r in chunk], mask_BT.shape[1], 0).to(logp_BT.device)
     kept_BT = mask_BT.bool()
-    return logp_BT.detach()[kept_BT], mu_BT[kept_BT], lag_BT.expand_as(mask_BT)[kept_BT]
+    return logp_BT.detach()[kept_BT], mu_BT[kept_BT], policy_version - versions_BT[kept_BT]
 
 
 def _micro_batch_loss(model: PreTrainedModel, chunk: list[Rollout], cfg: StepConfig, *, pad_id: int,
@@ -143,7 +140,7 @@ def micro_batches(rollouts: list[Rollout], cfg: StepConfig) -> list[list[Rollout
     active = rollouts if cfg.kl_coef > 0 else [r for r in rollouts if r.advantage != 0]
     # A group's rollouts stay together (their prompt runs once) and similar prompt lengths
     # share a micro-batch (less padding).
-    active = sorted(active, key=lambda r: (len(r.prompt_ids), r.prompt_ids))
+    active = sorted(active, key=lambda r: (len(r.prompt_ids), prompt_key(r)))
     return [active[i: i + cfg.micro_batch] for i in range(0, len(active), cfg.micro_batch)]
 
 
@@ -179,7 +176,7 @@ def train_step(model: PreTrainedModel, optimizer: torch.optim.Optimizer, rollout
     model.eval()
     optimizer.zero_grad(set_to_none=True)
     chunks = micro_batches(rollouts, cfg)
-    counts = [sum(len(r.completion_ids) for r in rollouts), len(rollouts), sum(map(len, chunks)), len(chunks)]
+    counts = [sum(r.policy_tokens for r in rollouts), len(rollouts), sum(map(len, chunks)), len(chunks)]
     if ranks is not None:
         counts[:3], counts[3:] = ranks.sum(counts[:3]), ranks.max(counts[3:])
     total_tokens, total_rollouts, total_active, n_chunks = counts
@@ -289,18 +286,20 @@ def generate_groups(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     repeated = [ids for ids in prompts for _ in range(group_size)]
     out = sample(model, repeated, params, eos_id=tokenizer.eos_token_id,
                  pad_id=tokenizer.pad_token_id, generator=rng, decoder=decoder)
+    # One copy off the device; every rollout's tokens and log-probs are views of it.
+    tokens_BT, logprobs_BT, lengths = out.tokens_BT.cpu(), out.logprobs_BT.cpu(), out.lengths_B.tolist()
     groups = []
     for g, (p, text, ids) in enumerate(zip(problems, texts, prompts)):
         group_id = GroupId(generator_id, first_seq + g)
-        task = p.meta()
+        task, prompt_ids = p.meta(), torch.tensor(ids, dtype=torch.int64)
         rollouts = []
         for i in range(g * group_size, (g + 1) * group_size):
-            n = int(out.lengths_B[i])
+            n = lengths[i]
             rollouts.append(Rollout(
-                prompt_ids=ids, completion_ids=out.tokens_BT[i, :n].tolist(),
-                behaviour_logprobs=out.logprobs_BT[i, :n].tolist(), version=version,
+                prompt_ids=prompt_ids, completion_ids=tokens_BT[i, :n],
+                behaviour_logprobs=logprobs_BT[i, :n], version=version,
                 group_id=group_id, prompt=text, task=task,
-                completion=tokenizer.decode(out.tokens_BT[i, :n], skip_special_tokens=True)))
+                completion=tokenizer.decode(tokens_BT[i, :n], skip_special_tokens=True)))
         groups.append(RolloutGroup(group_id=group_id, version=version, rollouts=rollouts))
     return groups
 

@@ -63,9 +63,10 @@ class SkipGuard:
 
 
 def staleness(trained: list[Rollout], consumed_version: int, step: int) -> tuple[list[dict], dict]:
-    """One staleness row per trained rollout, and the step's mean and max lag."""
-    lags = [consumed_version - r.version for r in trained]
-    rows = [metrics.staleness(step, r.version, lag, True) for r, lag in zip(trained, lags)]
+    """One staleness row per trained rollout, and the step's mean and max lag; a rollout's
+    lag counts its oldest policy segment (``Rollout.oldest_version``)."""
+    lags = [consumed_version - r.oldest_version for r in trained]
+    rows = [metrics.staleness(step, r.oldest_version, lag, True) for r, lag in zip(trained, lags)]
     if not lags:
         return rows, {}
     return rows, {names.STALENESS_MEAN: sum(lags) / len(lags), names.STALENESS_MAX: max(lags)}
