@@ -98,6 +98,17 @@ class TrainerConfig:
     """Deadline of one weight sync and of the weight group's rendezvous: how long a
     generator that vanished mid-sync can hold the trainer before the survivors regroup;
     also how long a generator waits for a trainer rank's weight digest record."""
+    slot_deadline_s: float = 300.0
+    """A reserved group that no executor holds, that the trainer has not received and
+    that is not waiting to be regenerated, for this many seconds of the trainer's waiting
+    for rollouts, was lost on the way (a message popped by another client of the store):
+    its slot is regenerated and counted (faults/overdue_groups); if the original shows up
+    after all, one copy is dropped as a duplicate. Only waiting time counts, so groups
+    queued behind a slow step, evaluation or checkpoint are never overdue; a healthy group
+    is unaccounted for only while it sits in a queue its reader is draining. 300 s: ten
+    default --reward-timeout-s, room for reward executors working through a backlog of
+    batches; the trainer's rollout silence deadline is at least twice this, so a lost
+    group is regenerated before the trainer gives up on its producers."""
     weight_digest: bool = True
     """Every trainer rank publishes a signed SHA-256 digest of the shard it sends of every
     weight version; generators refuse weights that do not match (altered on the
@@ -197,6 +208,8 @@ class TrainerConfig:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if not self.ratio_correction and self.loss != "aipo":
             raise ValueError("--no-ratio-correction is AIPO's (PPO-clip's ratio is its objective)")
+        if self.slot_deadline_s <= 0:
+            raise ValueError(f"slot_deadline_s must be > 0, got {self.slot_deadline_s}")
         if self.weight_sync_timeout_s <= 0:
             raise ValueError(f"weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")
         if self.kl_coef < 0:

@@ -314,6 +314,9 @@ CHECKPOINT_STEP = "checkpoint/step"
 # Faults (trainer replica 0, every step).
 FAULTS_LOST_GROUPS = "faults/lost_groups"
 """Groups lost with a dead executor and returned for regeneration (cumulative)."""
+FAULTS_OVERDUE_GROUPS = "faults/overdue_groups"
+"""Groups never delivered within ``--slot-deadline-s`` (a message lost on the way) and
+returned for regeneration (cumulative; ``llamarl.app.control.overdue``)."""
 FAULTS_DUPLICATE_GROUPS = "faults/duplicate_groups"
 """Groups that arrived for a slot already consumed (a lost executor's group that got out
 after all, and its regenerated twin): dropped, never trained twice."""

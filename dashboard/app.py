@@ -39,7 +39,7 @@ THROUGHPUT = [names.GEN_TOKENS_PER_S, names.TRAIN_TOKENS_PER_S]
 LEARNING = [names.EVAL_ACCURACY, names.REWARD_TOTAL, names.LOSS, names.KL, names.RESPONSE_LEN]
 AIPO = [names.AIPO_RATIO_MEAN, names.AIPO_RATIO_MAX, names.AIPO_FRAC_TRUNCATED]
 COUNTS = [names.DROPPED_STALE, names.TRAIN_SKIPPED_STEPS]
-LOSSES = [names.FAULTS_LOST_GROUPS, names.FAULTS_DUPLICATE_GROUPS, names.WEIGHT_REGROUPS]
+LOSSES = [names.FAULTS_LOST_GROUPS, names.FAULTS_OVERDUE_GROUPS, names.FAULTS_DUPLICATE_GROUPS, names.WEIGHT_REGROUPS]
 # Scalars drawn by a dedicated view; the "All scalars" tab offers the rest.
 SHOWN = {*THROUGHPUT, *LEARNING, *AIPO, *COUNTS, *LOSSES, names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S,
          names.TRAIN_STEPS_PER_MIN, names.TRAIN_STEP_S, names.IDLE_FRACTION, names.STALENESS_MEAN,
@@ -160,7 +160,7 @@ def executors_tab(run: data.Run) -> None:
     members = run.scalar_series(prefix=names.MEMBERS_PREFIX)
     if not members.empty:  # runs recorded before executors could be lost have none
         chart_pair((charts.line_figure(members, "Executors alive", y_title="replicas"), "exec-members"),
-                   (charts.line_figure(run.scalar_series(LOSSES), "After lost executors (totals so far)",
+                   (charts.line_figure(run.scalar_series(LOSSES), "After lost executors and messages (totals so far)",
                                        y_title="count"),
                     "exec-losses"))
 

@@ -1,7 +1,8 @@
 """The trainer's rollout stream as a ``torchdata.nodes`` graph.
 
     QueueSource (polls the control store with a timeout; checks each message against the
-                 rollout contract, dropping and counting the ones that break it)
+                 rollout contract, dropping and counting the ones that break it; the
+                 groups it takes are this rank's until settled: ``Settlement.received``)
       -> Mapper: score the group (inline rewards), or keep the scores a reward executor
          attached
       -> Prefetcher (a thread: polling, decoding and scoring overlap the training step)
@@ -129,14 +130,16 @@ class QueueSource(BaseNode[RolloutGroup]):
     consumer, not for the producers: the silence deadline starts again after it).
     A silent queue is an error after ``timeout_s``; ``health()`` (which raises when the
     producers are gone) is called every ``HEALTH_CHECK_S`` of waiting. ``checks``:
-    ``from_message``'s bounds (``vocab_size``, ``group_size``)."""
+    ``from_message``'s bounds (``vocab_size``, ``group_size``). ``on_receive``: told of
+    the groups it takes, as they leave the queue."""
 
     def __init__(self, queue: StoreQueue, *, timeout_s: float, should_stop: Callable[[], bool],
                  rejections: Rejections, what: str = "rollouts", lookahead: int = 64,
                  gate: Gate | None = None, health: Callable[[], None] | None = None,
-                 holding: Holding | None = None, admit: Admit | None = None, **checks: Any) -> None:
+                 holding: Holding | None = None, admit: Admit | None = None,
+                 on_receive: Callable[[list[RolloutGroup]], None] | None = None, **checks: Any) -> None:
         super().__init__()
-        self.holding, self.admit = holding, admit
+        self.holding, self.admit, self.on_receive = holding, admit, on_receive
         self.queue, self.timeout_s, self.what, self.health = queue, timeout_s, what, health
         self.rejections, self.checks = rejections, checks
         self.gate = gate or Gate()
@@ -168,7 +171,11 @@ class QueueSource(BaseNode[RolloutGroup]):
                                            on_reject=self.rejections) if room > 0 else []
                 if not msgs and not self._waiting and self.health is not None:
                     self.health()
-            for group in self.rejections.decode(msgs, self.admit, **self.checks):
+            taken = self.rejections.decode(msgs, self.admit, **self.checks)
+            if taken and self.on_receive is not None:
+                with self.gate:
+                    self.on_receive(taken)
+            for group in taken:
                 if self.holding is not None:
                     self.holding.take(1)
                 heapq.heappush(self._waiting, (group.oldest_version, self._arrivals, group))
@@ -266,9 +273,9 @@ class RolloutStream:
         self._last_batch = 0
         node: BaseNode = QueueSource(queue, timeout_s=timeout_s, should_stop=should_stop,
                                      rejections=rejections, gate=self.gate, health=health,
-                                     holding=self.holding, admit=admit, **checks)
+                                     holding=self.holding, admit=admit, on_receive=settlement.received, **checks)
         scored = Scored(reward, rejections, reward_timeout_s, gate=self.gate)
-        node = Mapper(node, lambda group: self._released_if_dropped(scored(group)))
+        node = Mapper(node, lambda group: self._released_if_dropped(group, scored(group)))
         node = Prefetcher(node, prefetch_factor=prefetch)
         node = Mapper(node, with_advantages(normalize_std))
 
@@ -281,10 +288,13 @@ class RolloutStream:
                                on_drop=dropped_stale)
         self.root = Batcher(node, batch_size=groups_per_batch, drop_last=False)
 
-    def _released_if_dropped(self, group: RolloutGroup | None) -> RolloutGroup | None:
-        if group is None and self.holding is not None:  # dropped unscored by ``Scored``
-            self.holding.release()
-        return group
+    def _released_if_dropped(self, group: RolloutGroup, scored: RolloutGroup | None) -> RolloutGroup | None:
+        if scored is None:  # dropped unscored by ``Scored``
+            with self.gate:
+                self.settlement.refused(group)
+            if self.holding is not None:
+                self.holding.release()
+        return scored
 
     def next_batch(self, version: int) -> list[RolloutGroup]:
         """The next batch, to train at policy ``version``, settled (with several trainer

@@ -145,6 +145,7 @@ def test_trainer_and_generator_flags_parse_together():
     (["--rho-max", "-2"], "must be > 0"),
     (["--max-staleness", "-1"], "max_staleness must be >= 0"),
     (["--kl-coef", "-0.1"], "kl_coef must be >= 0"),
+    (["--slot-deadline-s", "0"], "slot_deadline_s must be > 0"),
     (["--levels", "1,4"], "levels must be"),
     (["--loss", "grpo"], "invalid choice"),
     (["--normaliser", "batch"], "invalid choice"),

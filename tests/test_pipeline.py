@@ -13,10 +13,12 @@ from torchdata.nodes import IterableWrapper
 from llamarl.app.rl.contract import GroupId, Rejections, Rollout, RolloutGroup, to_message
 from llamarl.app.rewards import build_reward
 from llamarl.app.control.seen_groups import Admission
-from llamarl.app.control.signed import SignedStore
+from llamarl.app.control import slots
+from llamarl.app.control.signed import CONTROLLER, SignedStore
 from llamarl.app.control.slots import Settlement, SlotLedger
 from llamarl.app.control.transport import Stopped, StoreQueue, host_store
 from llamarl.pipelines.rollouts import Gate, Holding, QueueSource, RolloutStream, StalenessFilter
+from role_processes import wait_until
 
 SECRET = bytes(range(32))
 G = 4  # completions per group
@@ -365,3 +367,30 @@ def test_gate_waits_for_the_stage_inside_it_and_then_stays_shut():
     with pytest.raises(StopIteration):
         with gate:
             pass
+
+
+def test_groups_the_stream_received_are_the_trainer_ranks_until_settled(queue, stream_over):
+    """A batch may wait long for its last group: the groups it has are held by this
+    trainer rank (``names.held_key``), so the overdue watcher leaves them alone; a group
+    dropped unscored is not held any more; settled, none is."""
+    def scored(slot: int, *, with_scores: bool = True) -> dict:
+        group = make_group(slot, 0, ["3 + 4 = 7\n#### 7"] + ["#### 8"] * (G - 1))
+        group.slot = slot
+        if with_scores:
+            group.attach(build_reward("math_verifier").score([r.sample() for r in group.rollouts]))
+        return to_message(group)
+
+    held = lambda: slots.held_by(SignedStore(queue.store, SECRET, CONTROLLER), "trainer/0")  # noqa: E731
+    stream = stream_over(queue, reward=None, reward_timeout_s=None, groups_per_batch=3, max_staleness=0,
+                         timeout_s=60.0)
+    for msg in (scored(0), scored(1), scored(2, with_scores=False)):
+        queue.push(msg, timeout_s=5)
+    batch: list[RolloutGroup] = []
+    waiting = threading.Thread(target=lambda: batch.extend(stream.next_batch(0)), daemon=True)
+    waiting.start()
+    wait_until(lambda: held() == [0, 1] and queue.depth() == 0, "slots 0 and 1 held, slot 2 dropped unscored")
+    assert not batch, "the batch still waits for its third group"
+    queue.push(scored(3), timeout_s=5)
+    waiting.join(timeout=60)
+    assert [g.slot for g in batch] == [0, 1, 3]
+    assert held() == [], "settled: in the ledger, no longer held"

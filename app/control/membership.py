@@ -21,6 +21,9 @@ took on its first line is free) is lost the same way, from the moment the traine
 waiting for the members: it held nothing, and the weight plane's first epoch does not wait
 for it.
 
+The same thread returns the slots whose groups were lost on the way, once overdue
+(``Membership.deadlines``: ``llamarl.app.control.overdue``).
+
 A member whose heartbeat moves again (the scheduler restarted it, same replica id) is
 alive again; a generator rejoins the weight plane at the next weight version
 (``llamarl.app.weights.epochs``).
@@ -34,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 from llamarl.app.control import health
+from llamarl.app.control import overdue
 from llamarl.app.control import slots
 from llamarl.app import names
 from llamarl.app.control.signed import SignedStore
@@ -73,6 +77,9 @@ class Membership:
     registered is taken out from then on) and sets it once every member registered: a
     heartbeat that stalls while a process imports torch and loads the policy is the
     start-up health check's to judge, at its longer ``health.HEARTBEAT_TIMEOUT_S``."""
+    deadlines: overdue.Deadlines | None = None
+    """Set once the trainer's ledger exists: the watcher returns overdue slots too
+    (``llamarl.app.control.overdue``), also while the trainer waits for rollouts."""
     losses: list[Loss] = field(default_factory=list)
     rejoined: list[str] = field(default_factory=list)
     _gone: set[str] = field(default_factory=set)
@@ -166,6 +173,8 @@ class Membership:
         while not self._stop.wait(WATCH_EVERY_S):
             try:
                 self.poll()
+                if self.deadlines is not None:
+                    self.deadlines.poll()
             except Exception as e:  # the store is going away with the run
                 log.debug("membership watcher: %s", e)
                 return

@@ -5,17 +5,17 @@ Slot n is the n-th group the generators fill, and it is always sampled for promp
 store (signed records, ``llamarl.app.control.signed``) or in the trainer's ledger::
 
                  reserve                              pass
-    (free) ----------------------> held ----------------------------> passed
-      ^     SlotBudget.reserve:     |  HeldSlots.take / .passed         |
-      |     the signed counter,     |  (a generator, then a reward      |  the trainer's
-      |     within the staleness    |  executor; names.held_key)        |  pipeline
-      |     bound                   |                                   v
-      |                             | lose: its executor gone       consume (Settlement.settle)
-      |                             v  (membership: return_held)     /        |         \\
-      |  regenerate               lost                           trained   dropped    duplicate
-      +---------------------- LOST_SLOTS queue                    (ledger)  as stale   (a second
-         take_lost_slots: before new ones                                   (ledger,   copy:
-         (outside the counter: it counted them)                             +1 place)  -1 place)
+    (free) ----------------------> held ----------------------------> passed (in a queue)
+      ^     SlotBudget.reserve:     |  HeldSlots.take / .passed         |             |
+      |     the signed counter,     |  (a generator, a reward executor, |  overdue:   | the trainer
+      |     within the staleness    |  the trainer rank that received   |  overdue.py | settles it
+      |     bound                   |  it; names.held_key)              |             v
+      |                             | lose: its executor gone   <-------+    consume (Settlement.settle)
+      |                             v  (membership: return_held)             /        |         \\
+      |  regenerate               lost                                   trained   dropped    duplicate
+      +---------------------- LOST_SLOTS queue                            (ledger)  as stale   (a second
+         take_lost_slots: before new ones                                           (ledger,   copy:
+         (outside the counter: it counted them)                                     +1 place)  -1 place)
 
 - **reserve**: a generator takes counter values from the signed counter
   ``names.RESERVED_KEY`` (compare-and-set, so atomic across generators) up to
@@ -30,6 +30,8 @@ store (signed records, ``llamarl.app.control.signed``) or in the trainer's ledge
   gone and pushes what it held to the ``LOST_SLOTS`` queue, each id signed by the
   controller (``return_held``); **regenerate**: generators take those first
   (``take_lost_slots``), outside the counter.
+- **overdue**: a group passed on and never received (its message lost): the watcher
+  returns its slot the same way after a deadline (``llamarl.app.control.overdue``).
 - **consume**: the trainer settles every group it took in the ``SlotLedger``, the same on
   every trainer rank (``Settlement.settle``): **trained**, **dropped** as too stale (its
   place given back to the budget at once: ``names.dropped_key``), or a **duplicate**, the
@@ -72,14 +74,20 @@ class SlotLedger:
 
     frontier: int = 0
     done: set[int] = field(default_factory=set)
+    # Held while it changes: the overdue watcher reads it from its thread (``state_dict``).
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def consume(self, slot: int) -> None:
-        if slot < self.frontier or slot in self.done:
+        if self.consumed(slot):
             raise ValueError(f"slot {slot} consumed twice")
-        self.done.add(slot)
-        while self.frontier in self.done:
-            self.done.remove(self.frontier)
-            self.frontier += 1
+        with self._lock:
+            self.done.add(slot)
+            while self.frontier in self.done:
+                self.done.remove(self.frontier)
+                self.frontier += 1
+
+    def consumed(self, slot: int) -> bool:
+        return slot < self.frontier or slot in self.done
 
     @property
     def missing(self) -> int:
@@ -121,7 +129,7 @@ class SlotLedger:
         mine = []
         for r, part in enumerate(parts):
             for slot in part:
-                fresh = slot < 0 or not (slot < self.frontier or slot in self.done)
+                fresh = slot < 0 or not self.consumed(slot)
                 if fresh and slot >= 0:
                     self.consume(slot)
                 if r == rank:
@@ -129,7 +137,8 @@ class SlotLedger:
         return mine
 
     def state_dict(self) -> dict[str, Any]:
-        return {"frontier": self.frontier, "done": sorted(self.done)}
+        with self._lock:  # safe from another thread than the one that consumes
+            return {"frontier": self.frontier, "done": sorted(self.done)}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "SlotLedger":
@@ -188,7 +197,7 @@ def given_back(signed: SignedStore, members: list[str]) -> int:
 
 # --------------------------------------------------------------------------- reserve
 
-def _may_reserve(writer: str) -> bool:
+def may_reserve(writer: str) -> bool:
     """The slot counter is written by the controller (its start) and by generators."""
     return writer == CONTROLLER or writer.startswith("generator/")
 
@@ -230,7 +239,7 @@ class SlotBudget:
         while True:
             cap = (version + 1 + self.K) * self.B + self.dropped()
             seen = self.signed.store.get(key) if self.signed.store.check([key]) else b""
-            rec = self.signed.open(key, seen, writers=_may_reserve) if seen else None
+            rec = self.signed.open(key, seen, writers=may_reserve) if seen else None
             rec = rec or self.signed.last(key)
             count = rec.value.get("count") if rec is not None and isinstance(rec.value, dict) else None
             start = self._highest = max(self._highest, count if isinstance(count, int) else 0)
@@ -248,22 +257,34 @@ class SlotBudget:
 
 class HeldSlots:
     """What one executor holds, mirrored in the store for the watcher (``names.held_key``),
-    signed by that executor (``signed.writer``)."""
+    signed by that executor (``signed.writer``). A trainer rank's is taken by its
+    pipeline's thread and released by its loop: changes are serialised."""
 
     def __init__(self, signed: SignedStore) -> None:
         self.signed, self.key = signed, names.held_key(signed.writer)
         self.slots: list[int] = []
+        self._lock = threading.Lock()
 
-    def take(self, slots: list[int]) -> None:
-        self.slots = self.slots + [s for s in slots if s is not None]
-        self.signed.put(self.key, self.slots)
+    def take(self, slots: list[int | None]) -> None:
+        with self._lock:
+            self.slots = self.slots + [s for s in slots if s is not None]
+            self.signed.put(self.key, self.slots)
 
     def passed(self, slot: int | None) -> None:
         """Called after the group of ``slot`` is in the next queue."""
-        if slot is None or slot not in self.slots:
-            return
-        self.slots.remove(slot)
-        self.signed.put(self.key, self.slots)
+        self.release([slot])
+
+    def release(self, slots: list[int | None]) -> None:
+        """The groups of ``slots`` left this holder (passed on, consumed, dropped): one entry each."""
+        with self._lock:
+            left = list(self.slots)
+            for slot in slots:
+                if slot is not None and slot in left:
+                    left.remove(slot)
+            if len(left) == len(self.slots):
+                return
+            self.slots = left
+            self.signed.put(self.key, self.slots)
 
 
 def _slot_id(value: object) -> bool:
@@ -271,16 +292,25 @@ def _slot_id(value: object) -> bool:
 
 
 def return_held(signed: SignedStore, member: str) -> int:
-    """The controller: push the slots ``member`` (lost) held to the lost-slots queue, each
-    a record it signs; how many."""
-    key = names.held_key(member)
-    held = signed.get(key, writers=(member,), default=[])
-    slots = [s for s in held if _slot_id(s)] if isinstance(held, list) else []
+    """The controller: push the slots ``member`` (lost) held to the lost-slots queue
+    (``return_slots``); how many."""
+    slots = held_by(signed, member)
+    return_slots(signed, slots)
+    signed.store.delete_key(names.held_key(member))
+    return len(slots)
+
+
+def held_by(signed: SignedStore, member: str) -> list[int]:
+    """The slots ``member`` lists as held (its own signed record; none if there is none)."""
+    held = signed.get(names.held_key(member), writers=(member,), default=[])
+    return [s for s in held if _slot_id(s)] if isinstance(held, list) else []
+
+
+def return_slots(signed: SignedStore, slots: list[int]) -> None:
+    """The controller: ``slots`` to the lost-slots queue, each a record it signs."""
     queue = names.queue_key(names.LOST_SLOTS)
     for slot in slots:
         signed.store.queue_push(queue, signed.seal(queue, slot))
-    signed.store.delete_key(key)
-    return len(slots)
 
 
 def take_lost_slots(signed: SignedStore, max_n: int) -> list[int]:
@@ -331,6 +361,17 @@ class Settlement:
         self._freed_lock = threading.Lock()
         self._stale: list[tuple[RolloutGroup, int]] = []  # dropped as stale, not yet settled
         self._trained_elsewhere = SeenIds()  # groups the other trainer ranks trained
+        self.held = HeldSlots(signed)  # received, not yet settled: not overdue (``received``)
+
+    def received(self, groups: list[RolloutGroup]) -> None:
+        """Groups the pipeline took from its queue: held by this rank until settled or
+        refused, never overdue (a batch may wait long for its last group). Pipeline thread."""
+        if got := [g.slot for g in groups if g.slot is not None]:
+            self.held.take(got)
+
+    def refused(self, group: RolloutGroup) -> None:
+        """A received group dropped unscored: unaccounted for again, regenerated once overdue."""
+        self.held.release([group.slot])
 
     def on_drop(self, group: RolloutGroup, lag: int) -> None:
         """A group too stale to train: settled with the next batch (``settle``), where
@@ -353,6 +394,7 @@ class Settlement:
         (``SlotLedger.consume_across_ranks``). The groups to train at ``version``. A group
         for a slot already consumed, on any rank, is dropped and counted: it held no place
         in the generators' budget, so the one it used is taken back (``slots_taken_back``)."""
+        arrived = [g.slot for g in groups]
         if self.world > 1:
             groups = self._without_replays_across_ranks(groups)
         stale, self._stale = self._stale, []
@@ -373,6 +415,7 @@ class Settlement:
         # A group that filled no slot holds no place in the budget.
         self.free(-slots_taken_back([f for (g, _), f in zip(stale, stale_fresh) if g.slot is not None],
                                     [f for g, f in zip(groups, batch_fresh) if g.slot is not None]))
+        self.held.release([g.slot for g, _ in stale] + arrived)  # consumed: after the ledger has them
         return kept
 
     def _duplicate(self, group: RolloutGroup) -> None:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from llamarl.app import cli, names
 from llamarl.app.config import GeneratorConfig, TrainerConfig
-from llamarl.app.control import health, membership, runtime, slots
+from llamarl.app.control import health, membership, overdue, runtime, slots
 from llamarl.app.control.seen_groups import REPLAY, SeenIds
 from llamarl.app.data import sources as data
 from llamarl.app.metrics import events as metrics
@@ -255,6 +255,14 @@ class Controller:
         """The executors taken out of the run (the weight plane leaves them out)."""
         return self.membership.gone
 
+    def watch_slots(self, ledger: slots.SlotLedger, waited: overdue.WaitClock) -> None:
+        """From now on the watcher returns overdue slots (``llamarl.app.control.overdue``):
+        ``ledger`` is this rank's, before it consumes anything; ``waited``, the time its
+        loop spent waiting for rollouts."""
+        m, trainers = self.membership, [names.member("trainer", r) for r in range(self.world)]
+        m.deadlines = overdue.Deadlines(m.signed, ledger, waited, deadline_s=self.cfg.slot_deadline_s,
+                                        holders=lambda: m.alive("generator") + m.alive("reward") + trainers)
+
     # --- every step --------------------------------------------------------------------
     def before_steps(self, start_step: int) -> None:
         if start_step == 0:
@@ -265,6 +273,7 @@ class Controller:
         self.version = done.version
         m = self.membership
         faults = {names.FAULTS_LOST_GROUPS: m.lost_groups(), names.FAULTS_DUPLICATE_GROUPS: done.duplicates,
+                  names.FAULTS_OVERDUE_GROUPS: m.deadlines.overdue if m.deadlines is not None else 0,
                   names.WEIGHT_REGROUPS: self.weight_plane.regroups if self.weight_plane is not None else 0,
                   names.members_metric("generator"): len(m.alive("generator"))}
         if self.num_reward:
@@ -404,6 +413,9 @@ class Follower:
 
     def watch_weight_plane(self, sender) -> None:
         pass
+
+    def watch_slots(self, ledger: slots.SlotLedger, waited: overdue.WaitClock) -> None:
+        pass  # replica 0 watches the slots
 
     def before_steps(self, start_step: int) -> None:
         pass

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from llamarl.app import cli, devices, errors, names
 from llamarl.app.config import GeneratorConfig, TrainerConfig
-from llamarl.app.control import frames, health, incarnations, runtime, slots, transport
+from llamarl.app.control import frames, health, incarnations, overdue, runtime, slots, transport
 from llamarl.app.metrics import events as metrics
 from llamarl.app.model.policy import load_policy
 from llamarl.app.rewards import build_reward, parse_spec
@@ -61,6 +61,9 @@ from llamarl.pipelines.rollouts import RolloutStream
 
 log = logging.getLogger("llamarl")
 
+ROLLOUT_SILENCE_S = 600.0
+"""No rollout at all for this long (or twice ``--slot-deadline-s``, if longer: a lost
+group is regenerated before then) fails the run: are the producers alive?"""
 RANK_CONNECT_TIMEOUT_S = 60.0
 """Trainer ranks > 0 reach replica 0's store (``--store-host``); torchrun starts them together."""
 
@@ -94,6 +97,7 @@ class Trainer:
         self.slots: slots.Settlement | None = None
         self.publisher: Publisher | None = None  # the weight plane (``publish_weights``)
         self.stream: RolloutStream | None = None
+        self.waited = overdue.WaitClock()  # for the overdue slots' deadline (replica 0)
 
     # --- setup ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -121,6 +125,7 @@ class Trainer:
             rt.signed, rank=self.rank, world=self.world, max_staleness=cfg.max_staleness,
             ledger=slots.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger")),
             rejections=self.rejections, emit=rt.emit, dropped=carried.dropped, freed=carried.given_back)
+        self.duties.watch_slots(self.slots.ledger, self.waited)
         if self.world > 1:  # replica 0 keeps a whole copy (``Controller.open_run``)
             self.ranks = sharding.Ranks(next(self.model.parameters()).device)
             log.info(sharding.shard(self.model))
@@ -140,7 +145,8 @@ class Trainer:
             ranks=self.world,
             max_staleness=cfg.max_staleness, settlement=self.slots, normalize_std=cfg.normalize_std,
             should_stop=rt.should_stop,
-            timeout_s=600.0, rejections=self.rejections, group_size=cfg.group_size,
+            timeout_s=max(ROLLOUT_SILENCE_S, 2 * cfg.slot_deadline_s), rejections=self.rejections,
+            group_size=cfg.group_size,
             health=lambda: health.check_health(rt.control),
             # A version from the future is one above the newest published (replica 0 publishes
             # each before it sends it): one store read per new version.
@@ -179,7 +185,7 @@ class Trainer:
         cfg, t_prev = self.cfg, time.time()
         self.duties.before_steps(self.start_step)
         for step in range(self.start_step + 1, cfg.steps + 1):
-            with self.timeline.idle("wait_rollouts"):
+            with self.timeline.idle("wait_rollouts"), self.waited:
                 groups = self.stream.next_batch(self.version)  # settled: what this step trains
             t0 = time.time()
             train = self.train_step(groups, step)

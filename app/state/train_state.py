@@ -53,7 +53,7 @@ FORMAT = 1
 RESUMABLE = frozenset({
     "steps", "save_every", "keep_last", "eval_every", "tensorboard", "threads", "gen_threads", "gen_decoder",
     "micro_batch", "trainer_pass", "gen_batch_prompts", "device", "reward_timeout_s", "weight_sync_timeout_s",
-    "weight_digest", "runs_dir", "run_id", "resume",
+    "slot_deadline_s", "weight_digest", "runs_dir", "run_id", "resume",
     "num_generators", "num_reward", "trainer_ranks"})
 """Config fields a resumed run may change: lengths, schedules, resources. Any other
 change (learning rate, data, rewards, sampling...) would make a different run."""
