@@ -87,3 +87,24 @@ def test_a_run_directory_from_its_start_to_its_end_and_its_resume(tiny_policy, t
         assert rt.signed.get(names.RESERVED_KEY) == {"count": 3}
         assert rt.signed.get(names.dropped_key("trainer/0")) == 2
         c.close("stopped", failed=True)
+
+
+def test_a_flood_of_metric_events_goes_out_in_messages_under_the_frame_limit():
+    """A loop that emits tens of thousands of events at once (a busy-waiting timeline) must
+    not build one message over the frame limit, which would end the role: they go out in
+    messages of METRICS_PER_MESSAGE, every event kept, in order."""
+    from llamarl.app.control.frames import MAX_FRAME_BYTES, encode
+
+    store = loopback_store(timeout_s=30)
+    with runtime.Runtime.join("generator", 0, store, TEST_SECRET) as gen:
+        flood = [metrics.interval("idle", "wait_weights", float(i), float(i) + 0.001, role="generator")
+                 for i in range(70_000)]
+        gen.emit(flood, flush=True)
+        queue = gen.queue(names.METRICS)
+        got = []
+        while (msg := queue.pop(timeout_s=1.0)) is not None:
+            assert len(encode(msg, TEST_SECRET)) < MAX_FRAME_BYTES
+            _, _, events = metrics.checked_batch(msg)
+            assert len(events) <= runtime.METRICS_PER_MESSAGE
+            got.extend(events)
+    assert [e["t0"] for e in got] == [e["t0"] for e in flood]

@@ -39,6 +39,9 @@ from llamarl.app.control.transport import Control, StoreQueue
 
 log = logging.getLogger("llamarl")
 
+METRICS_PER_MESSAGE = 256
+"""Events per metrics message: a few tens of kB, far below the frame limit."""
+
 # Queue sizes. Bounds keep memory flat whatever the relative speeds.
 METRICS_MAXLEN = 4096
 GROUPS_MAXLEN = 256  # rollout groups per queue; the staleness budget usually binds first
@@ -220,7 +223,7 @@ class Runtime:
     def emit(self, events: list[dict[str, Any]], *, flush: bool = False) -> None:
         """Queue metric events for trainer replica 0 (sent in batches)."""
         self._pending_metrics.extend(events)
-        if flush or len(self._pending_metrics) >= 256:
+        if flush or len(self._pending_metrics) >= METRICS_PER_MESSAGE:
             self.flush_metrics()
 
     def take_metrics(self) -> list[dict[str, Any]]:
@@ -229,12 +232,18 @@ class Runtime:
         return batch
 
     def flush_metrics(self) -> None:
-        if self._pending_metrics:
-            batch, self._pending_metrics = self._pending_metrics, []
-            # Every role reads the config before it has anything to report.
-            config = self.signed.last(names.CONFIG_KEY)
-            attempt = config.value.get("attempt", "") if config is not None and isinstance(config.value, dict) else ""
-            msg = metrics.batch_message(batch, sender=names.member(self.role, self.replica),
+        """Send the pending events in messages of at most ``METRICS_PER_MESSAGE``: however
+        many a loop emitted at once, no message outgrows the frame limit (one that did
+        would end the role)."""
+        if not self._pending_metrics:
+            return
+        pending, self._pending_metrics = self._pending_metrics, []
+        # Every role reads the config before it has anything to report.
+        config = self.signed.last(names.CONFIG_KEY)
+        attempt = config.value.get("attempt", "") if config is not None and isinstance(config.value, dict) else ""
+        for start in range(0, len(pending), METRICS_PER_MESSAGE):
+            msg = metrics.batch_message(pending[start:start + METRICS_PER_MESSAGE],
+                                        sender=names.member(self.role, self.replica),
                                         stream=self._batch_stream, seq=self._batches_sent, attempt=str(attempt))
             self._batches_sent += 1
             self.queue(names.METRICS).push(msg, timeout_s=30.0, should_stop=None)
