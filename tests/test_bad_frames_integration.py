@@ -140,8 +140,9 @@ def test_a_sustained_flood_ends_the_run_naming_it(tiny_policy, tmp_path):
     generators have any weights (and then held back by the queue's bound), so no valid
     group comes between: the run fails with an error that says what happened."""
     with launch(tiny_policy, tmp_path, steps=STEPS, num_generators=1, max_staleness=0) as app:
-        app.wait_for_log("trainer", "run directory", timeout_s=APP_TIMEOUT_S)
-        store = connect_store(f"127.0.0.1:{app.store_port}", timeout_s=30)
+        # As soon as the store is up, long before the generator has weights (it waits for the
+        # trainer's config, the prompts check and the first sync): no valid group comes first.
+        store = connect_store(f"127.0.0.1:{app.store_port}", timeout_s=APP_TIMEOUT_S)
         key = names.queue_key(names.ROLLOUTS)
         for _ in range(FLOOD_FRAMES + 100):
             store.queue_push(key, b"junk")
