@@ -1,6 +1,6 @@
 """Bad frames on a running app are dropped and counted, never fatal; a weight version
 altered in flight is refused; only a sustained flood ends a run, naming it.
-``llamarl.llamarl`` through TorchX's runner on local_cwd (``app_launch``).
+``llamarl.llamarl`` through TorchX's runner on local_llamarl (``app_launch``).
 
 Someone on the network without the secret can push garbage or frames signed with another
 secret, and can replay frames they captured. The malformed-but-signed messages and the
@@ -10,6 +10,9 @@ or compromised role could send.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 
 import pytest
@@ -136,14 +139,23 @@ def test_bad_frames_on_every_queue_are_dropped_and_counted_and_the_run_finishes(
 
 
 def test_a_sustained_flood_ends_the_run_naming_it(tiny_policy, tmp_path):
-    """More junk in a row than FLOOD_FRAMES on the rollouts queue, pushed before the
-    generators have any weights (and then held back by the queue's bound), so no valid
-    group comes between: the run fails with an error that says what happened."""
+    """More junk in a row than FLOOD_FRAMES on the rollouts queue, so no valid group comes
+    between: the run fails with an error that says what happened. The generator is held
+    (SIGSTOP) from its start, before it registers (the trainer waits for it, nobody reads
+    the queue), until the junk is in: its first group can only come after all of it."""
     with launch(tiny_policy, tmp_path, steps=STEPS, num_generators=1, max_staleness=0) as app:
-        # As soon as the store is up, long before the generator has weights (it waits for the
-        # trainer's config, the prompts check and the first sync): no valid group comes first.
-        store = connect_store(f"127.0.0.1:{app.store_port}", timeout_s=APP_TIMEOUT_S)
-        key = names.queue_key(names.ROLLOUTS)
-        for _ in range(FLOOD_FRAMES + 100):
-            store.queue_push(key, b"junk")
+        generator = f"llamarl.app.roles.generator .*--app-id {app.app_id} --replica 0"
+        deadline = time.monotonic() + APP_TIMEOUT_S
+        while not (pids := subprocess.run(["pgrep", "-f", generator], capture_output=True, text=True).stdout.split()):
+            assert time.monotonic() < deadline, app.logs_tail()
+            time.sleep(0.01)
+        os.kill(int(pids[0]), signal.SIGSTOP)
+        try:
+            app.wait_for_log("trainer", "run directory", timeout_s=APP_TIMEOUT_S)
+            store = connect_store(f"127.0.0.1:{app.store_port}", timeout_s=30)
+            key = names.queue_key(names.ROLLOUTS)
+            for _ in range(FLOOD_FRAMES + 100):
+                store.queue_push(key, b"junk")
+        finally:
+            os.kill(int(pids[0]), signal.SIGCONT)
         assert_fails_naming(app, f"FrameFlood: trainer/0: {FLOOD_FRAMES} messages rejected in a row")
