@@ -405,12 +405,6 @@ class Follower:
     def wait_for_members(self) -> None:
         wait_for_members(self.rt, self.num_generators, self.num_reward, self.world)
 
-    def _holder(self) -> str:
-        where = f"pid {os.getpid()} on {socket.gethostname()}"
-        if not self.rt.store.check([names.APP_ID_KEY]):  # a store made by hand, without an app
-            return f"a trainer ({where})"
-        return f"app {self.rt.store.get(names.APP_ID_KEY).decode(errors='replace')} ({where})"
-
     def watch_weight_plane(self, sender) -> None:
         pass
 
