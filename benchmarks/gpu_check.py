@@ -118,6 +118,7 @@ from llamarl.app.weights.group import init_weight_group  # noqa: E402
 from llamarl.app.weights.layout import flatten_parameters_  # noqa: E402
 from llamarl.app.weights.receiver import WeightReceiver  # noqa: E402
 from llamarl.app.weights.sender import WeightSender  # noqa: E402
+from llamarl.app.weights.subscriber import swap_staged  # noqa: E402
 
 CHECKS = ("environment", "generator", "static_decoder", "trainer", "weight_plane_shared", "weight_plane_nccl",
           "fsdp2_step", "app_run", "gpu_tests", "sampler_benchmark", "check_every_benchmark")
@@ -380,7 +381,7 @@ def _weight_plane_role(store, rank: int, world: int, policy: str, device_names: 
         time.sleep(0.005)
     receiver.stop_background()
     t0 = time.perf_counter()
-    receiver.swap_if_newer()
+    swap_staged(receiver)
     devices.synchronize(device)
     swap_s = time.perf_counter() - t0
     groups = _sampled_groups(model, tokenizer, device, seed=2)  # with the new weights

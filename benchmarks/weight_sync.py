@@ -11,7 +11,7 @@ number to trust on a host other work is also loading:
 - ``ours``: ``WeightSender.send`` -> a ``WeightReceiver``'s background thread (into
   staging), until every generator's ``latest_version()`` shows it, per ``--bucket-mb``
   value, on params flattened by ``flatten_parameters_`` as the trainer and generators do
-  (zero-copy); ``swap_if_newer`` (staging -> live) is timed separately on the receivers;
+  (zero-copy); ``swap_staged`` (staging -> live) is timed separately on the receivers;
 - ``packed``: the same with the trainer's params separately allocated (as a trainer
   rank's shards would be: buckets of several tensors are packed), at ``--packed-bucket-mb``;
 - ``raw``: one ``broadcast`` of a flat tensor of the same byte count in the same group;
@@ -60,6 +60,7 @@ from llamarl.app.weights.group import init_weight_group
 from llamarl.app.weights.layout import flatten_parameters_
 from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
+from llamarl.app.weights.subscriber import swap_staged
 from benchmarks import spawn
 
 HIDDEN, INTERMEDIATE, VOCAB = 768, 2048, 32000
@@ -160,7 +161,7 @@ def role(rank: int, world_size: int, port: int, args: argparse.Namespace, out: m
             def swap() -> None:  # the generator does this between decode batches
                 receiver.stop_background()
                 t = time.perf_counter()
-                if receiver.swap_if_newer() != rep:
+                if swap_staged(receiver) != rep:
                     raise RuntimeError(f"benchmark: {name} did not apply version {rep}")
                 if rep >= 0:
                     result.setdefault(f"apply_{name}", []).append(time.perf_counter() - t)

@@ -1,5 +1,6 @@
 """Helpers for tests that run roles in real processes against a store on loopback."""
 
+import contextlib
 import multiprocessing as mp
 import time
 import traceback
@@ -27,6 +28,24 @@ def control(store, writer: str = CONTROLLER) -> Control:
     return Control(signed(store, writer))
 
 
+@contextlib.contextmanager
+def subscribed(store, replica: int, model, timeout_s: float = 30.0):
+    """Generator ``replica``'s ``Subscriber`` of ``model`` (fp32, no digest), in a runtime of
+    its own, receiving; closed on the way out."""
+    from llamarl.app.control.runtime import Runtime
+    from llamarl.app.metrics.events import Timeline
+    from llamarl.app.weights.subscriber import Subscriber
+
+    with Runtime.join("generator", replica, store, TEST_SECRET) as rt:
+        subscriber = Subscriber(rt, model, precision="fp32", timeout_s=timeout_s, digest=False,
+                                timeline=Timeline("generator", replica))
+        subscriber.start()
+        try:
+            yield subscriber
+        finally:
+            subscriber.close(timeout_s=30.0)
+
+
 def wait_until(condition, what: str, timeout_s: float = 120.0) -> None:
     """Polls ``condition()`` until it holds; fails the test, naming ``what``, after
     ``timeout_s`` (a bound for a hung role, not a timing)."""
@@ -42,7 +61,7 @@ def forkserver_context():
     every test file, since the first file to start the forkserver fixes it for the session."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "llamarl.app.control.transport", "llamarl.app.weights.epochs",
-                                   "llamarl.app.weights.joining"])
+                                   "llamarl.app.weights.subscriber"])
     return ctx
 
 

@@ -18,6 +18,7 @@ from llamarl.app.sampling import token_logprobs
 from llamarl.app.weights.group import init_weight_group
 from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
+from llamarl.app.weights.subscriber import swap_staged
 from role_processes import loopback_store, run_roles, weight_member
 from test_rl import PAD, _ragged_rollouts, tiny_model  # noqa: F401 - tiny_model is a fixture
 from test_weight_sync import BUCKET_MB, flattened, model_params
@@ -177,7 +178,7 @@ def _sync_two_versions(store, rank: int, world_size: int, places: list[str], key
         assert time.monotonic() < deadline, "version 2 did not arrive"
         time.sleep(0.005)
     receiver.stop_background()
-    assert receiver.swap_if_newer() == 2
+    assert swap_staged(receiver) == 2
     for (name, got), (_, want) in zip(receiver.params, model_params(2)):
         assert got.device == device and torch.equal(got.cpu(), want), f"{name} differs"
     return path

@@ -17,11 +17,10 @@ from torch import nn
 
 from llamarl.app.control.transport import connect_store
 from llamarl.app.weights.epochs import elastic_sender
-from llamarl.app.weights.joining import ElasticReceiver
 from llamarl.app.weights.shards import SHARD_ALONE_BYTES
 from llamarl.app.weights.group import WeightLayoutError, WeightSyncError
 from llamarl.app.weights.layout import flatten_parameters_
-from role_processes import forkserver_context, loopback_store, signed, wait_until
+from role_processes import forkserver_context, loopback_store, signed, subscribed, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -131,26 +130,23 @@ def _trainer(store, rank: int, ranks: int, generators: int, versions: int, lose_
 
 def _generator(store, replica: int, versions: list[int], die_after: int | None = None) -> str:
     model = ShardedModel(seed=100 + replica)  # other weights than the trainer's
-    flatten_parameters_(model)
-    params = list(model.named_parameters())
-    receiver = ElasticReceiver(signed(store, f"generator/{replica}"), replica, params, timeout_s=30.0)
-    receiver.start_background(should_stop=lambda: store.check([DONE]))
     applied = []
-    for version in versions:
-        def newest() -> bool:
-            if (v := receiver.swap_if_newer()) is not None:
-                applied.append(v)
-            return applied[-1:] == [version]
+    with subscribed(store, replica, model) as subscriber:
+        params = list(model.named_parameters())
+        for version in versions:
+            def newest() -> bool:
+                if (v := subscriber.swap_into(model)) is not None:
+                    applied.append(v)
+                return applied[-1:] == [version]
 
-        wait_until(newest, f"generator {replica} to apply version {version}")
-        for name, p in params:
-            expected = store.get(f"test/full/{version}/{name}")
-            assert p.detach().contiguous().view(torch.uint8).numpy().tobytes() == expected, (version, name)
-        store.set(f"test/applied/{replica}/{version}", "1")
-        if version == die_after:
-            store.set(DIED, "1")
-            os._exit(0)  # no goodbye: a killed process
-    receiver.stop_background(timeout_s=30.0)
+            wait_until(newest, f"generator {replica} to apply version {version}")
+            for name, p in params:
+                expected = store.get(f"test/full/{version}/{name}")
+                assert p.detach().contiguous().view(torch.uint8).numpy().tobytes() == expected, (version, name)
+            store.set(f"test/applied/{replica}/{version}", "1")
+            if version == die_after:
+                store.set(DIED, "1")
+                os._exit(0)  # no goodbye: a killed process
     return f"applied {applied}, bit for bit"
 
 
@@ -242,10 +238,8 @@ def _mismatch_entry(role: str, index: int, port: int, results) -> None:
         else:
             model = ShardedModel(seed=1)
             model.layers[1].norm = nn.Parameter(torch.randn(8))  # another model config
-            flatten_parameters_(model)
-            receiver = ElasticReceiver(signed(store, "generator/0"), 0, list(model.named_parameters()), timeout_s=30.0)
-            receiver.start_background(should_stop=lambda: False)
-            wait_until(lambda: receiver.latest_version() is not None, "an error")
+            with subscribed(store, 0, model) as subscriber:
+                wait_until(lambda: subscriber.latest_version() is not None, "an error")
             out = "no error"
         results.put((f"{role}/{index}", out))
     except BaseException as e:

@@ -29,7 +29,7 @@ def next_version(model):
 
 
 def swap_in(model, other) -> None:
-    """What ``WeightReceiver.swap_if_newer`` does: copy into the live tensors."""
+    """What ``llamarl.app.weights.subscriber.swap_staged`` does: copy into the live tensors."""
     with torch.no_grad():
         for live, new in zip(model.parameters(), other.parameters()):
             live.copy_(new)

@@ -25,6 +25,7 @@ from llamarl.app.weights.group import init_weight_group
 from llamarl.app.weights.layout import flatten_parameters_
 from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
+from llamarl.app.weights.subscriber import swap_staged
 from role_processes import loopback_store, run_roles, signed, weight_member
 from test_weight_sync import BUCKET_MB, _assert_same, flattened, model_params
 
@@ -233,7 +234,7 @@ def _received(receiver: WeightReceiver, version: int) -> tuple[int | None, int |
     while not [s for s in receiver.pop_stats() if s.version == version]:
         assert time.monotonic() < deadline, f"version {version} never arrived"
         time.sleep(0.005)
-    return receiver.latest_version(), receiver.swap_if_newer()
+    return receiver.latest_version(), swap_staged(receiver)
 
 
 def _refuse_an_altered_version(store, rank: int, world_size: int) -> str:

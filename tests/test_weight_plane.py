@@ -9,13 +9,12 @@ import traceback
 
 import pytest
 import torch
+from torch import nn
 
 from llamarl.app import names
 from llamarl.app.control.transport import connect_store
 from llamarl.app.weights.epochs import ElasticSender, NoGeneratorsLeft
-from llamarl.app.weights.joining import ElasticReceiver
-from llamarl.app.weights.layout import flatten_parameters_
-from role_processes import forkserver_context, loopback_store, signed, wait_until
+from role_processes import forkserver_context, loopback_store, signed, subscribed, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -60,23 +59,21 @@ def _trainer(store) -> str:
 
 
 def _generator(store, replica: int, until: int, die: bool = False) -> str:
-    model = params_at(-1)
-    flatten_parameters_([p for _, p in model])
-    receiver = ElasticReceiver(signed(store, f"generator/{replica}"), replica, model, timeout_s=20.0)
-    receiver.start_background(should_stop=lambda: store.check([DONE]))
+    model = nn.Module()
+    for name, value in params_at(-1):
+        model.register_parameter(name, nn.Parameter(value, requires_grad=False))
     seen: list[int] = []
+    with subscribed(store, replica, model, timeout_s=20.0) as subscriber:
+        def applied_until() -> bool:
+            if (v := subscriber.swap_into(model)) is not None:
+                seen.append(v)
+            return bool(seen) and seen[-1] >= until
 
-    def applied_until() -> bool:
-        if (v := receiver.swap_if_newer()) is not None:
-            seen.append(v)
-        return bool(seen) and seen[-1] >= until
-
-    wait_until(applied_until, f"generator {replica} to apply version {until}")
-    assert model[0][1][0].item() == until and model[1][1][0].item() == -until, "wrong weights applied"
-    if die:
-        store.set(DIED, "1")
-        os._exit(0)  # no goodbye: a killed process
-    receiver.stop_background(timeout_s=30.0)
+        wait_until(applied_until, f"generator {replica} to apply version {until}")
+        assert model.w[0].item() == until and model.b[0].item() == -until, "wrong weights applied"
+        if die:
+            store.set(DIED, "1")
+            os._exit(0)  # no goodbye: a killed process
     return f"applied {seen}"
 
 

@@ -20,6 +20,7 @@ from llamarl.app.weights.epochs import ElasticSender
 from llamarl.app.weights.group import init_weight_group
 from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
+from llamarl.app.weights.subscriber import swap_staged
 from role_processes import TEST_SECRET, loopback_store, run_roles, signed, wait_until, weight_member
 from test_weight_sync import BUCKET_MB, _assert_same, flattened, model_params
 
@@ -64,7 +65,7 @@ def _sync_past_forged_keys(store, rank: int, world_size: int) -> str:
         receiver = WeightReceiver(group, live, bucket_mb=BUCKET_MB)
         receiver.start_background()
         wait_until(lambda: receiver.latest_version() == 2, "version 2")
-        receiver.swap_if_newer()
+        swap_staged(receiver)
         receiver.stop_background()
         stop.set()
         watcher.join()

@@ -13,6 +13,7 @@ from llamarl.app.weights.group import WeightGroup, WeightLayoutError, WeightSync
 from llamarl.app.weights.layout import flatten_parameters_
 from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
+from llamarl.app.weights.subscriber import swap_staged
 from role_processes import forkserver_context, loopback_store, role_entry as _entry, run_roles as _run, wait_until, weight_member
 
 pytestmark = pytest.mark.integration
@@ -83,9 +84,9 @@ def _sync_three_versions(store, rank: int, world_size: int) -> str:
     if rank == 1:
         for version in (1, 2, 3):
             wait_until(lambda: receiver.latest_version() == version, f"version {version}")
-            # Staging only: the live weights are untouched until swap_if_newer().
+            # Staging only: the live weights are untouched until swap_staged().
             assert not torch.equal(live[0][1], model_params(version)[0][1])
-            applied.append(receiver.swap_if_newer())
+            applied.append(swap_staged(receiver))
             _assert_same(live, model_params(version))
             group.store.set(f"test/applied/{version}", "1")
     else:
@@ -94,7 +95,7 @@ def _sync_three_versions(store, rank: int, world_size: int) -> str:
             return group.store.check(["test/trainer_done"])
 
         def swapped_to_3() -> bool:
-            if (v := receiver.swap_if_newer()) is not None:
+            if (v := swap_staged(receiver)) is not None:
                 applied.append(v)
             return applied[-1:] == [3]
 
@@ -103,7 +104,7 @@ def _sync_three_versions(store, rank: int, world_size: int) -> str:
     assert [s.version for s in receiver.pop_stats()] == [1, 2, 3]
     receiver.stop_background()
     _assert_same(live, model_params(3))
-    assert receiver.swap_if_newer() is None  # nothing newer
+    assert swap_staged(receiver) is None  # nothing newer
     assert applied == sorted(set(applied)) and applied[-1] == 3, applied
     return f"applied {applied}"
 
@@ -294,7 +295,7 @@ def _sync_flattened_training(store, rank: int, world_size: int) -> str:
     receiver = WeightReceiver(group, list(live.named_parameters()), bucket_mb=0.002)
     receiver.start_background()
     for version, expected in enumerate(trainer_states(), start=1):
-        wait_until(lambda: receiver.swap_if_newer() == version, f"version {version}")
+        wait_until(lambda: swap_staged(receiver) == version, f"version {version}")
         assert _views_of(live, flats)  # the swap copied into the flat buffers in place
         for (name, p), (_, q) in zip(live.named_parameters(), expected.named_parameters()):
             assert torch.equal(p, q), f"version {version}: {name}"

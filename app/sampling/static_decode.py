@@ -24,7 +24,7 @@ matrices are rewritten where they are (``fused_weights(out=...)``; o and down ar
 parameters themselves), at another precision the kernels ``GenWeights.refresh`` built
 are copied in (``FusedLinears.load_``). A new version therefore needs no recapture and
 no new storage for what the graphs read. Ordering on CUDA: the receiver's thread writes
-only its staging buffers; the copy into the parameters (``WeightReceiver.swap_if_newer``)
+only its staging buffers; the copy into the parameters (``llamarl.app.weights.subscriber.swap_staged``)
 and this refresh run on the generator's own thread between ``sample`` calls, on its
 current stream, the one the graphs replay on, so a copy starts after the last replay
 that read the old weights and the next call's replays start after it, with no host

@@ -2,8 +2,8 @@
 
 Two calls are its whole surface to the roles: ``publisher.Publisher.publish(version)`` on
 every trainer rank and ``subscriber.Subscriber.swap_into(model)`` on a generator. Beneath
-them: ``epochs`` (a new set of weight groups per membership epoch, led by trainer rank 0)
-and ``joining`` (a generator's way into each epoch); ``group`` (one process group, its
+them: ``epochs`` (a new set of weight groups per membership epoch, led by trainer rank 0;
+a generator joins each one inside its ``Subscriber``); ``group`` (one process group, its
 rendezvous, layout handshake and sync announcements), ``sender`` and ``receiver`` (its two
 ends); ``layout`` (where each parameter's bytes sit) and ``shards`` (which part each
 trainer rank sends); ``digest`` (the signed digest a generator checks before it swaps).

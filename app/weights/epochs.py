@@ -33,12 +33,11 @@ unencrypted traffic itself, is why the weight plane belongs on a private network
   A generator that asks to join (a restarted replica, or a survivor whose receive broke)
   is taken in at the next send: it rejoins at the next weight version. With no generator
   left: ``NoGeneratorsLeft``.
-- ``ElasticReceiver`` (a generator, ``llamarl.app.weights.joining``): asks to join (``names.weight_joins_key``: a token
-  of the request and the newest epoch it was in), waits for an epoch whose roster holds
-  it, receives there in a background thread until a newer epoch is announced or a
-  receive fails, then asks again. A newer epoch abandons a receive blocked in the old
-  group at once, instead of at the group's timeout. ``swap_if_newer`` and
-  friends are ``WeightReceiver``'s, on the current epoch.
+- a generator's side is its ``Subscriber`` (``llamarl.app.weights.subscriber``): it asks to
+  join (``names.weight_joins_key``: a token of the request and the newest epoch it was
+  in), waits for an epoch whose roster holds it, receives there in a background thread
+  until a newer epoch is announced or a receive fails, then asks again. A newer epoch
+  abandons a receive blocked in the old group at once, instead of at the group's timeout.
 """
 
 from __future__ import annotations

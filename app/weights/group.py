@@ -139,7 +139,7 @@ class WeightGroup:
         return self.backend.broadcast([tensor], opts)
 
     abandoned: threading.Event | None = None
-    """Set by the owner to give up on this group (``llamarl.app.weights.joining``: a newer epoch):
+    """Set by the owner to give up on this group (``llamarl.app.weights.subscriber``: a newer epoch):
     a wait then fails within milliseconds instead of at the timeout. The collective
     itself runs on until the timeout, so whoever sets it keeps the group and the
     tensors it writes alive until then."""

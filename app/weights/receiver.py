@@ -1,13 +1,13 @@
 """The receiving end of the weight groups (``llamarl.app.weights.group``): a generator takes
-each version from every trainer rank into staging on a background thread and swaps a
-complete one into its model between decode batches.
+each version from every trainer rank into staging on a background thread.
 
 A generator takes each trainer rank's broadcasts in order, whichever rank's next is in
 first (``wait_first``), and works on each as it lands: packed parts are scattered into
 place, and the bytes are fed to the version's ``Verification`` (the weight digest,
 ``llamarl.app.weights.digest``) so they are hashed while the rest is on the wire. There is one
-staging buffer per run; ``swap_if_newer`` copies a complete version into the live model,
-so a generator busy decoding never holds up the trainer.
+staging buffer per run (``Staging``, the hand-off to the swap: the receive thread writes
+it, ``llamarl.app.weights.subscriber`` copies a complete version from it into the live model
+between decode batches), so a generator busy decoding never holds up the trainer.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from llamarl.app.weights.group import (
 from llamarl.app.weights.layout import DEFAULT_BUCKET_MB, Layout, span_view
 from llamarl.app.weights.shards import Landing, Shards, check_tiling, meta_params
 
-__all__ = ["Verification", "Verifier", "WeightReceiver"]
+__all__ = ["Staging", "Verification", "Verifier", "WeightReceiver"]
 
 # A receiver waiting for the next announcement polls the store at most this far apart:
 # the most a sync can start late. (A blocking ``store.wait`` with a short timeout would
@@ -67,6 +67,26 @@ class Verifier(Protocol):
     def start(self, version: int, dtypes: list[list[torch.dtype]]) -> Verification:
         """Check ``version``, whose runs from trainer rank ``r`` have ``dtypes[r]``."""
 
+
+@dataclass
+class Staging:
+    """Where a generator's receive thread leaves each version for the swap: one buffer per
+    run of the layout, the model's live parameters as one view per run (the same runs), the
+    newest version complete and accepted in the buffers and the newest copied into the
+    parameters. ``lock`` is held by a whole receive and by a swap, so a swap never copies a
+    version half written."""
+
+    buffers: list[torch.Tensor]
+    live: list[torch.Tensor]
+    """The parameters as one 1-d view per run (``flatten_parameters_``'s buffers): a swap is
+    one copy per run. Fixed when the receiver is built: the parameters' ``.data`` must not
+    be rebound after that."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    version: int | None = None
+    """The version the buffers hold complete and accepted; after a refused one, ``applied``
+    (the buffers hold bytes not to copy, and ``applied`` is in the parameters already)."""
+    applied: int | None = None
+    """The version copied into the parameters last (``None`` before the first)."""
 
 
 @dataclass
@@ -149,9 +169,11 @@ class WeightReceiver:
     for one trainer rank). Each trainer rank's part of a version lands in the one staging
     buffer per run (``llamarl.app.weights.shards.Landing``), all ranks' parts at once.
 
-    ``start_background()`` once, then ``swap_if_newer()`` between decode batches. There is
-    one staging buffer per run, so a ``swap_if_newer`` that finds a receive in progress
-    returns ``None`` at once and the next call picks the version up.
+    ``start_background()`` (or ``receive_until`` on a thread of the caller's) once; the
+    versions it receives wait in ``staging`` until ``llamarl.app.weights.subscriber.swap_staged``
+    copies the newest into the parameters between decode batches. There is one staging
+    buffer per run, so a swap that finds a receive in progress takes nothing at once and
+    the next one picks the version up.
 
     ``params`` must be laid out by ``flatten_parameters_`` (as the generator's model is),
     so applying a version is one copy per run. The buckets are the senders' (read in the
@@ -165,12 +187,12 @@ class WeightReceiver:
     def __init__(self, groups: WeightGroup | Iterable[WeightGroup], params: Sequence[tuple[str, torch.Tensor]],
                  bucket_mb: float = DEFAULT_BUCKET_MB,
                  verify: Verifier | None = None) -> None:
-        self.params = list(params)  # as given: a later .data rebinding is caught at a swap
+        self.params = list(params)
         self.layout = Layout(self.params, int(bucket_mb * 2**20))
         self.groups: list[WeightGroup] = []
         self._senders: list[_SenderPlan] = []
         # Group by group, each through its handshake before the next is asked for: a lazy
-        # iterable may build the next one only then (``llamarl.app.weights.joining``).
+        # iterable may build the next one only then (``llamarl.app.weights.subscriber``).
         for rank, group in enumerate([groups] if isinstance(groups, WeightGroup) else groups):
             if group.rank == 0:
                 raise ValueError("rank 0 of a weight group is its sender, not a receiver")
@@ -179,7 +201,7 @@ class WeightReceiver:
                 self.group = group
                 # The model's device; staging is on the group's (the host when weights are staged).
                 self.device = self.params[0][1].device
-                self._live_views()  # fail here, not at the first swap
+                live = self._live_views()  # fail here, not at the first swap
             self._senders.append(self._sender_plan(group, rank))
         if not self.groups:
             raise ValueError("a weight receiver needs one weight group per trainer rank")
@@ -191,16 +213,15 @@ class WeightReceiver:
             check_tiling([(p.shards, p.layout) for p in self._senders], self.params)
         except ValueError as e:
             raise WeightLayoutError(str(e)) from None
-        self._staging = [host_or_device(self.group, run.numel, run.dtype) for run in self.layout.runs]
+        self.staging = Staging([host_or_device(self.group, run.numel, run.dtype) for run in self.layout.runs], live)
         self.verify = verify
-        self._staged_version: int | None = None
-        self._applied_version: int | None = None
-        self._lock = threading.Lock()  # guards _staging, _staged_version and the copy into params
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._error: BaseException | None = None
+        self.error: BaseException | None = None
+        """Why the receive loop ended, when it failed: staging may hold a version half
+        written, never to be copied."""
         self._stats: list[SyncStats] = []
-        self._stats_lock = threading.Lock()  # not _lock: that one is held for a whole receive
+        self._stats_lock = threading.Lock()  # not staging.lock: that one is held for a whole receive
 
     def _sender_plan(self, group: WeightGroup, rank: int) -> _SenderPlan:
         """Handshake with trainer rank ``rank`` over ``group``: its layout rebuilt from its
@@ -262,7 +283,7 @@ class WeightReceiver:
                                       "in one sync")
             verification = None if self.verify is None else self.verify.start(
                 int(version), [[run.dtype for run in plan.layout.runs] for plan in self._senders])
-            self._land([plan.post(header.tolist(), self._staging) for plan, header in zip(self._senders, headers)],
+            self._land([plan.post(header.tolist(), self.staging.buffers) for plan, header in zip(self._senders, headers)],
                        verification)
             for group in self.groups:
                 group.synchronize()
@@ -309,56 +330,37 @@ class WeightReceiver:
     def receive_until(self, should_stop: Callable[[], bool] | None) -> BaseException | None:
         """Receive every announced version into staging in this thread until
         ``should_stop()`` (between syncs) or a receive fails; returns that failure (also
-        raised by the next ``swap_if_newer``), ``None`` when told to stop."""
+        ``error``, and raised by ``latest_version`` and the swap), ``None`` when told to stop."""
+        staging = self.staging
         try:
             while self._wait_announced(should_stop):
-                with self._lock:
+                with staging.lock:
                     stats, verification = self._receive()
                     # Refused: staging holds bytes not to apply, whatever it held before.
                     taken = verification is None or verification.taken()
-                    self._staged_version = stats.version if taken else self._applied_version
+                    staging.version = stats.version if taken else staging.applied
                     with self._stats_lock:  # counted by the time the version is staged
                         self._stats.append(stats)
-        except BaseException as e:  # surfaced to the generator by swap_if_newer()
-            self._error = e
-        return self._error
+        except BaseException as e:  # surfaced to the generator by the swap
+            self.error = e
+        return self.error
 
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise WeightSyncError(f"background weight receiver failed: {self._error}") from self._error
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise WeightSyncError(f"background weight receiver failed: {self.error}") from self.error
 
     # -- between decode batches ----------------------------------------------------------
     def latest_version(self) -> int | None:
         """The newest completely received (staged) version, None before the first."""
-        self._raise_if_failed()
-        return self._staged_version
+        self.raise_if_failed()
+        return self.staging.version
 
     def waiting(self) -> bool:
-        """Whether ``swap_if_newer`` would apply a version now: one newer than the model's
-        is staged and no receive is writing into staging."""
-        self._raise_if_failed()
-        return (self._staged_version is not None and self._staged_version != self._applied_version
-                and not self._lock.locked())
-
-    def swap_if_newer(self) -> int | None:
-        """Apply the staged version if it is newer than the model's.
-
-        Returns the version now in the model, or None when nothing changed (nothing new, or
-        a receive is in progress).
-        """
-        self._raise_if_failed()
-        if not self._lock.acquire(blocking=False):
-            return None
-        try:
-            if self._staged_version is None or self._staged_version == self._applied_version:
-                return None
-            with torch.no_grad():
-                for live, flat in zip(self._live_views(), self._staging):
-                    live.copy_(flat)
-            self._applied_version = self._staged_version
-            return self._applied_version
-        finally:
-            self._lock.release()
+        """Whether a swap would apply a version now: one newer than the model's is staged
+        and no receive is writing into staging."""
+        self.raise_if_failed()
+        staging = self.staging
+        return staging.version is not None and staging.version != staging.applied and not staging.lock.locked()
 
     def pop_stats(self) -> list[SyncStats]:
         """Stats of background receives since the last call (for ``llamarl.app.metrics.events.weight_sync``)."""
@@ -369,5 +371,5 @@ class WeightReceiver:
     def stop_background(self, timeout_s: float = 10.0) -> None:
         """Stop the thread between syncs; a receive in progress is allowed to finish."""
         self._thread = stop_thread(self._thread, self._stop, timeout_s, "background weight receiver")
-        self._raise_if_failed()
+        self.raise_if_failed()
 
