@@ -56,6 +56,40 @@ class StepConfig:
 
 
 @dataclass(kw_only=True)
+class StreamConfig:
+    """How one trainer rank's rollout stream (``llamarl.pipelines.rollouts``) batches,
+    filters, checks and waits (a slice of the trainer's config, with its rank count)."""
+
+    groups_per_batch: int
+    """Groups in one batch: this rank's share of a step's prompts."""
+    max_staleness: int
+    """A group older than this many versions when its batch trains is dropped, its slot freed."""
+    timeout_s: float
+    """How long the queue may stay silent before the stream fails, naming it."""
+    normalize_std: bool = False
+    """Divide group-relative advantages by the group's standard deviation."""
+    reward_timeout_s: float | None = None
+    """The inline reward's timeout per group (None: no limit); also bounds ``close``."""
+    prefetch: int = 2
+    """Groups the prefetcher's thread polls, decodes and scores ahead of the step."""
+    ranks: int = 1
+    """Trainer ranks popping the same queue (several: each holds at most its share)."""
+    group_size: int | None = None
+    """Completions a group must carry (None: unchecked)."""
+    vocab_size: int | None = None
+    """Token ids must be below it (None: unchecked)."""
+
+    def __post_init__(self) -> None:
+        for name in ("groups_per_batch", "prefetch", "ranks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """The trainer: consumes scored rollouts, steps the optimizer, publishes weights."""
 
@@ -245,6 +279,15 @@ class TrainerConfig:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if not self.prompt_field or not self.answer_field:
             raise ValueError("prompt_field and answer_field must not be empty")
+
+    def stream_config(self, *, ranks: int, vocab_size: int, silence_s: float) -> StreamConfig:
+        """Each of ``ranks`` trainer ranks' rollout stream: its share of a step's groups;
+        the queue may be silent for ``silence_s``, and for twice a slot's deadline (an
+        overdue slot is regenerated first)."""
+        return StreamConfig(groups_per_batch=self.prompts_per_step // ranks, max_staleness=self.max_staleness,
+                            timeout_s=max(silence_s, 2 * self.slot_deadline_s), normalize_std=self.normalize_std,
+                            reward_timeout_s=self.reward_timeout_s, ranks=ranks, group_size=self.group_size,
+                            vocab_size=vocab_size)
 
     def step_config(self, gen: GeneratorConfig) -> StepConfig:
         """The step's knobs; ``gen``'s temperature and top-p, so that the trainer's

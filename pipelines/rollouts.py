@@ -49,6 +49,7 @@ from typing import Any, Callable
 
 from torchdata.nodes import BaseNode, Batcher, Mapper, Prefetcher
 
+from llamarl.app.config import StreamConfig
 from llamarl.app.rl import step as rl
 from llamarl.app.rl.contract import Admit, Rejections, RolloutGroup
 from llamarl.app.rewards import CompositeReward
@@ -251,42 +252,44 @@ class StalenessFilter(BaseNode[RolloutGroup]):
 
 
 class RolloutStream:
-    """The graph above; ``next_batch(version)`` gives a settled batch: the groups of
-    ``groups_per_batch`` that ``settlement`` keeps; ``ranks``: how many trainer ranks pop
-    the same queue, each with a stream of its own. Call ``close()`` before the process
-    exits (see the module docstring).
-    ``rejections`` counts the messages dropped on receipt; ``admit`` refuses replays and
-    versions from the future (``QueueSource``); ``checks`` bound what a message may hold
-    (``vocab_size``, ``group_size``: see ``llamarl.app.rl.contract.from_message``)."""
+    """The graph above over ``queue``, shaped by ``config``; ``next_batch(version)`` gives
+    a settled batch: the groups of ``config.groups_per_batch`` that ``settlement`` keeps.
+    Each of ``config.ranks`` trainer ranks popping the same queue has a stream of its own.
+    Call ``close()`` before the process exits (see the module docstring).
 
-    def __init__(self, queue: StoreQueue, *, reward: CompositeReward | None, reward_timeout_s: float | None,
-                 groups_per_batch: int, max_staleness: int, settlement: Settlement, normalize_std: bool,
-                 should_stop: Callable[[], bool], timeout_s: float, rejections: Rejections,
-                 prefetch: int = 2, health: Callable[[], None] | None = None, ranks: int = 1,
-                 admit: Admit | None = None, **checks: Any) -> None:
+    The runtime objects it uses: ``rejections`` counts the messages dropped on receipt;
+    ``reward`` scores inline (None: a reward executor attached the scores); ``admit``
+    refuses replays and versions from the future (``QueueSource``); ``should_stop`` and
+    ``health`` are the runtime's (the run is stopping; a producer died)."""
+
+    def __init__(self, queue: StoreQueue, config: StreamConfig, *, settlement: Settlement, rejections: Rejections,
+                 should_stop: Callable[[], bool], reward: CompositeReward | None = None, admit: Admit | None = None,
+                 health: Callable[[], None] | None = None) -> None:
         self.gate, self.settlement = Gate(), settlement
         self._version = 0  # the version the batch being taken trains at (``next_batch``)
-        self.close_timeout_s = (reward_timeout_s or 0.0) + 30.0
+        self.close_timeout_s = (config.reward_timeout_s or 0.0) + 30.0
         # One rank alone takes all it can see: the more it sees, the better its oldest-first
         # order. Several share the queue, so each holds at most its share (module docstring).
-        self.holding = Holding(cap=(1 + max_staleness) * groups_per_batch) if ranks > 1 else None
+        self.holding = (Holding(cap=(1 + config.max_staleness) * config.groups_per_batch)
+                        if config.ranks > 1 else None)
         self._last_batch = 0
-        node: BaseNode = QueueSource(queue, timeout_s=timeout_s, should_stop=should_stop,
+        node: BaseNode = QueueSource(queue, timeout_s=config.timeout_s, should_stop=should_stop,
                                      rejections=rejections, gate=self.gate, health=health,
-                                     holding=self.holding, admit=admit, on_receive=settlement.received, **checks)
-        scored = Scored(reward, rejections, reward_timeout_s, gate=self.gate)
+                                     holding=self.holding, admit=admit, on_receive=settlement.received,
+                                     vocab_size=config.vocab_size, group_size=config.group_size)
+        scored = Scored(reward, rejections, config.reward_timeout_s, gate=self.gate)
         node = Mapper(node, lambda group: self._released_if_dropped(group, scored(group)))
-        node = Prefetcher(node, prefetch_factor=prefetch)
-        node = Mapper(node, with_advantages(normalize_std))
+        node = Prefetcher(node, prefetch_factor=config.prefetch)
+        node = Mapper(node, with_advantages(config.normalize_std))
 
         def dropped_stale(group: RolloutGroup, lag: int) -> None:
             if self.holding is not None:
                 self.holding.release()
             settlement.on_drop(group, lag)
 
-        node = StalenessFilter(node, max_staleness=max_staleness, current_version=lambda: self._version,
+        node = StalenessFilter(node, max_staleness=config.max_staleness, current_version=lambda: self._version,
                                on_drop=dropped_stale)
-        self.root = Batcher(node, batch_size=groups_per_batch, drop_last=False)
+        self.root = Batcher(node, batch_size=config.groups_per_batch, drop_last=False)
 
     def _released_if_dropped(self, group: RolloutGroup, scored: RolloutGroup | None) -> RolloutGroup | None:
         if scored is None:  # dropped unscored by ``Scored``

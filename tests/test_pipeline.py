@@ -10,6 +10,7 @@ import pytest
 import torch
 from torchdata.nodes import IterableWrapper
 
+from llamarl.app.config import StreamConfig
 from llamarl.app.rl.contract import GroupId, Rejections, Rollout, RolloutGroup, to_message
 from llamarl.app.rewards import build_reward
 from llamarl.app.control.seen_groups import Admission
@@ -68,13 +69,14 @@ def stream_over():
     worker thread left inside a store call at interpreter exit aborts the test process."""
     made: list[RolloutStream] = []
 
-    def make(queue, *, rejections: Rejections | None = None, **overrides) -> RolloutStream:
+    def make(queue, *, rejections: Rejections | None = None, settlement_: Settlement | None = None,
+             reward="math_verifier", admit=None, health=None, should_stop=never, **overrides) -> RolloutStream:
         rejections = rejections or Rejections("test")
-        kwargs = dict(reward=build_reward("math_verifier"), reward_timeout_s=10.0, groups_per_batch=2,
-                      max_staleness=1, normalize_std=False, should_stop=never, timeout_s=5.0, rejections=rejections)
-        kwargs.update(overrides)
-        kwargs.setdefault("settlement", settlement(queue, kwargs["max_staleness"], rejections))
-        made.append(RolloutStream(queue, **kwargs))
+        config = StreamConfig(**{**dict(reward_timeout_s=10.0, groups_per_batch=2, max_staleness=1, timeout_s=5.0),
+                                 **overrides})
+        made.append(RolloutStream(queue, config, reward=build_reward(reward) if reward else None,
+                                  settlement=settlement_ or settlement(queue, config.max_staleness, rejections),
+                                  rejections=rejections, should_stop=should_stop, admit=admit, health=health))
         return made[-1]
 
     yield make
@@ -188,7 +190,7 @@ def test_rollout_stream_scores_settles_batches_and_filters(queue, stream_over):
         queue.push(msg, timeout_s=5)
     rejections = Rejections("test")
     settled = settlement(queue, 1, rejections, emitted)
-    stream = stream_over(queue, rejections=rejections, settlement=settled)
+    stream = stream_over(queue, rejections=rejections, settlement_=settled)
     batches = [stream.next_batch(2) for _ in range(2)]
     assert all(len(b) == 2 for b in batches), "groups_per_batch groups per batch"
     groups = {g.group_id.seq: g for b in batches for g in b}
@@ -223,7 +225,7 @@ def test_a_batch_comes_settled_without_a_second_copy_of_a_consumed_slot(queue, s
         group = make_group(seq, 0, ["#### 7"] * G)
         group.slot = slot
         queue.push(to_message(group), timeout_s=5)
-    stream = stream_over(queue, rejections=rejections, settlement=settled)
+    stream = stream_over(queue, rejections=rejections, settlement_=settled)
     assert [g.slot for g in stream.next_batch(0)] == [10]
     assert settled.duplicates == 1 and settled.ledger.state_dict() == {"frontier": 0, "done": [9, 10]}
 

@@ -140,18 +140,14 @@ class Trainer:
         self._open_weight_plane()
         inline = self.num_reward == 0
         self.stream = RolloutStream(
-            rt.queue(names.ROLLOUTS if inline else names.SCORED), reward=self.reward,
-            reward_timeout_s=cfg.reward_timeout_s, groups_per_batch=cfg.prompts_per_step // self.world,
-            ranks=self.world,
-            max_staleness=cfg.max_staleness, settlement=self.slots, normalize_std=cfg.normalize_std,
-            should_stop=rt.should_stop,
-            timeout_s=max(ROLLOUT_SILENCE_S, 2 * cfg.slot_deadline_s), rejections=self.rejections,
-            group_size=cfg.group_size,
+            rt.queue(names.ROLLOUTS if inline else names.SCORED),
+            cfg.stream_config(ranks=self.world, vocab_size=self.model.get_input_embeddings().num_embeddings,
+                              silence_s=ROLLOUT_SILENCE_S),
+            reward=self.reward, settlement=self.slots, rejections=self.rejections, should_stop=rt.should_stop,
             health=lambda: health.check_health(rt.control),
             # A version from the future is one above the newest published (replica 0 publishes
             # each before it sends it): one store read per new version.
-            admit=incarnations.admission(rt.signed, attempt, published_version=rt.control.version),
-            vocab_size=self.model.get_input_embeddings().num_embeddings)
+            admit=incarnations.admission(rt.signed, attempt, published_version=rt.control.version))
 
     def _gather_full_model(self) -> None:
         """Every rank (a collective with several): the shards' current values into replica
