@@ -110,7 +110,7 @@ def test_a_smaller_call_and_a_longer_one_reuse_or_grow_the_state(llama, batch, p
     small = decoder.run(prompts, params, eos_id=-1, pad_id=PAD, generator=None)
     assert decoder.state is state and state.kv.data_ptr() == kv_ptr
     eager = sample(llama, prompts, params, eos_id=-1, pad_id=PAD, decoder="eager")
-    assert torch.equal(small[0], eager.tokens_BT)
+    assert torch.equal(small.tokens_BT, eager.tokens_BT)
     # More positions than the capacity: a bigger state, whose graphs (on CUDA) go into a
     # new memory pool: the old one's graphs are gone, and torch refuses to capture into
     # a pool whose graphs are all gone while it still holds memory (``_drop_graphs``).
@@ -396,4 +396,4 @@ def test_capture_warm_up_runs_on_a_state_the_last_call_filled_to_capacity(llama,
                         generator=None)
     eager = sample(llama, prompts, SamplingParams(max_new_tokens=T, temperature=0), eos_id=-1, pad_id=PAD,
                    decoder="eager")
-    assert torch.equal(after[0], eager.tokens_BT)  # the call sets the state up again
+    assert torch.equal(after.tokens_BT, eager.tokens_BT)  # the call sets the state up again

@@ -3,7 +3,9 @@
 Owns the store and its bounded queues (``transport``), the authenticated wire format
 (``frames``), signed records for every value that steers a run (``signed``), who is alive
 (``membership``, ``health``, ``replica_lock``), which groups were already taken
-(``seen_groups``, ``incarnations``), and the runtime every role runs inside (``runtime``:
-join, heartbeat, report metrics, fail loudly, exit cleanly). May import ``config``,
-``metrics`` and the base modules; not ``rl``, ``weights`` or ``roles``.
+(``seen_groups``, ``incarnations``), the staleness slots (``slots``, ``overdue``), a
+generator's outbox of rollout groups (``outbox``), and the runtime every role runs inside
+(``runtime``: join, heartbeat, report metrics, fail loudly, exit cleanly). May import
+``rl`` (the rollout contract), ``config``, ``metrics`` and the base modules; not
+``weights``, ``pipelines`` or ``roles``.
 """

@@ -23,7 +23,7 @@ from llamarl.app.model.policy import encode_prompts
 from llamarl.app.config import StepConfig
 from llamarl.app.rewards import CompositeReward, RewardResult
 from llamarl.app.rl.sharding import Ranks, full_value, reshard
-from llamarl.app.sampling import Decoder, SamplingParams, cache_kwarg, sample, token_logprobs
+from llamarl.app.sampling import Decoder, Samples, SamplingParams, cache_kwarg, sample, token_logprobs
 
 
 def completion_logprobs(model: PreTrainedModel, rollouts: list[Rollout], *, pad_id: int,
@@ -275,33 +275,39 @@ def generate_groups(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                     version: int, rng: torch.Generator | None = None, generator_id: int = 0,
                     first_seq: int = 0,
                     format_prompt: Callable[[str], str] = tasks.format_prompt,
-                    decoder: Decoder = "auto") -> list[RolloutGroup]:
+                    decoder: Decoder = "auto",
+                    send: Callable[[RolloutGroup], None] | None = None) -> list[RolloutGroup]:
     """A group of ``group_size`` completions for each problem, sampled in one batch and
     tagged with ``version``; group ids ``(generator_id, first_seq + i)``. Each rollout's
     ``task`` is its problem's ``meta()`` (reference answer and its format); ``decoder``:
-    ``sample``'s."""
+    ``sample``'s. With ``send`` (a generator's outbox), the sampler's finished batch goes
+    on from the decode loop to be cut into groups, each handed to ``send`` as it is built,
+    and nothing is returned; without, the groups are returned."""
     model.eval()
     texts = [format_prompt(p.question) for p in problems]
     prompts = encode_prompts(tokenizer, texts)
     repeated = [ids for ids in prompts for _ in range(group_size)]
-    out = sample(model, repeated, params, eos_id=tokenizer.eos_token_id,
-                 pad_id=tokenizer.pad_token_id, generator=rng, decoder=decoder)
-    # One copy off the device; every rollout's tokens and log-probs are views of it.
-    tokens_BT, logprobs_BT, lengths = out.tokens_BT.cpu(), out.logprobs_BT.cpu(), out.lengths_B.tolist()
-    groups = []
-    for g, (p, text, ids) in enumerate(zip(problems, texts, prompts)):
-        group_id = GroupId(generator_id, first_seq + g)
-        task, prompt_ids = p.meta(), torch.tensor(ids, dtype=torch.int64)
-        rollouts = []
-        for i in range(g * group_size, (g + 1) * group_size):
-            n = lengths[i]
-            rollouts.append(Rollout(
-                prompt_ids=prompt_ids, completion_ids=tokens_BT[i, :n],
-                behaviour_logprobs=logprobs_BT[i, :n], version=version,
-                group_id=group_id, prompt=text, task=task,
-                completion=tokenizer.decode(tokens_BT[i, :n], skip_special_tokens=True)))
-        groups.append(RolloutGroup(group_id=group_id, version=version, rollouts=rollouts))
-    return groups
+    kept: list[RolloutGroup] = []
+
+    def hand_on(out: Samples) -> None:
+        # One copy off the device; every rollout's tokens and log-probs are views of it.
+        tokens_BT, logprobs_BT, lengths = out.tokens_BT.cpu(), out.logprobs_BT.cpu(), out.lengths_B.tolist()
+        for g, (p, text, ids) in enumerate(zip(problems, texts, prompts)):
+            group_id = GroupId(generator_id, first_seq + g)
+            task, prompt_ids = p.meta(), torch.tensor(ids, dtype=torch.int64)
+            rollouts = []
+            for i in range(g * group_size, (g + 1) * group_size):
+                n = lengths[i]
+                rollouts.append(Rollout(
+                    prompt_ids=prompt_ids, completion_ids=tokens_BT[i, :n],
+                    behaviour_logprobs=logprobs_BT[i, :n], version=version,
+                    group_id=group_id, prompt=text, task=task,
+                    completion=tokenizer.decode(tokens_BT[i, :n], skip_special_tokens=True)))
+            (send or kept.append)(RolloutGroup(group_id=group_id, version=version, rollouts=rollouts))
+
+    sample(model, repeated, params, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+           generator=rng, decoder=decoder, then=hand_on)
+    return kept
 
 
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: Sequence[tasks.Problem],

@@ -43,7 +43,7 @@ from llamarl.app.control import runtime
 from llamarl.app.control import slots
 from llamarl.app.control import transport
 from llamarl.app.config import GeneratorConfig, TrainerConfig
-from llamarl.app.rl.contract import to_message
+from llamarl.app.control.outbox import Outbox
 from llamarl.app.model.policy import load_policy
 from llamarl.app.control.seen_groups import first_seq
 from llamarl.app.weights.subscriber import Subscriber
@@ -86,6 +86,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
     sampling = gen_cfg.sampling()
     rng = devices.seeded_generator(device, gen_cfg.gen_seed)  # reseeded per batch: batch_seed
     held = slots.HeldSlots(rt.signed)
+    outbox = Outbox(out_queue, held, timeline, should_stop=rt.should_stop)
     version: int | None = None
     # The sequence half of this generator's group ids: a process of its own, registered
     # under this attempt, so no id is ever used twice and readers take only this
@@ -114,23 +115,17 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
         held.take(slot_ids)
         rng.manual_seed(batch_seed(gen_cfg.gen_seed, slot_ids[0]))
         t0 = time.time()
-        with timeline.busy("generate"):
-            groups = rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slot_ids],
-                                        group_size=trainer_cfg.group_size, params=sampling,
-                                        version=version, rng=rng, generator_id=rt.replica,
-                                        first_seq=sent, format_prompt=prompts.format_prompt,
-                                        decoder=gen_cfg.gen_decoder)
-        dt = time.time() - t0
-        sent += len(groups)
-        with timeline.idle("queue_full"):
-            for group, slot in zip(groups, slot_ids):
-                group.sent_at, group.slot = time.time(), slot
-                out_queue.push(to_message(group), timeout_s=600.0, should_stop=rt.should_stop)
-                held.passed(slot)
-        rollouts = [r for g in groups for r in g.rollouts]
-        tokens = sum(len(r.completion_ids) for r in rollouts)
-        events = metrics.scalars({names.GEN_TOKENS_PER_S: tokens / dt,
-                                  names.GEN_SEQS_PER_S: len(rollouts) / dt,
+        # Each group goes out as the sampler's batch is cut into it (llamarl.app.control.outbox).
+        outbox.open(slot_ids, first_seq=sent)
+        rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slot_ids],
+                           group_size=trainer_cfg.group_size, params=sampling, version=version, rng=rng,
+                           generator_id=rt.replica, first_seq=sent, format_prompt=prompts.format_prompt,
+                           decoder=gen_cfg.gen_decoder, send=outbox.send)
+        outbox.close()
+        dt = time.time() - t0 - outbox.push_s
+        sent += outbox.sent
+        events = metrics.scalars({names.GEN_TOKENS_PER_S: outbox.tokens / dt,
+                                  names.GEN_SEQS_PER_S: outbox.rollouts / dt,
                                   names.GEN_VERSION: version,
                                   names.IDLE_FRACTION: timeline.idle_fraction(),
                                   **devices.device_metrics(device), **subscriber.digest_metrics(),

@@ -50,13 +50,14 @@ from transformers import PreTrainedModel
 # kv_cache first: importing it checks the transformers version before anything uses it.
 from llamarl.app.sampling import kv_cache
 from llamarl.app.sampling import decode, precision, static_decode
+from llamarl.app.sampling.decode import Samples, Then
 from llamarl.app.sampling.generic import cache_kwarg, prefill_groups
 from llamarl.app.sampling.kv_cache import TESTED_TRANSFORMERS, KVBufferLayer, ReusedStorage, new_cache
 from llamarl.app.sampling.llama_fast import LlamaFastPath
 from llamarl.app.sampling.logits import draw, process_logits, token_logprobs
 from llamarl.app.sampling.precision import GEN_PRECISIONS, GenPrecision, GenWeights, quantize_
 
-__all__ = ["SamplingParams", "Samples", "sample", "process_logits", "token_logprobs", "draw",
+__all__ = ["SamplingParams", "Samples", "Then", "sample", "process_logits", "token_logprobs", "draw",
            "cache_kwarg", "prefill_groups", "KVBufferLayer", "ReusedStorage", "new_cache",
            "LlamaFastPath", "TESTED_TRANSFORMERS", "GEN_PRECISIONS", "GenPrecision", "GenWeights",
            "quantize_", "Decoder", "DEFAULT_DECODER"]
@@ -102,28 +103,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-@dataclass
-class Samples:
-    tokens_BT: torch.Tensor
-    """Generated token ids, right-padded with ``pad_id`` after each sequence's end."""
-    logprobs_BT: torch.Tensor
-    """Log-prob of each sampled token under the sampling distribution; 0 on padding."""
-    lengths_B: torch.Tensor
-    """Number of generated tokens per sequence, EOS included when it was produced."""
-
-    def completion_ids(self, i: int) -> list[int]:
-        return self.tokens_BT[i, : int(self.lengths_B[i])].tolist()
-
-
 @torch.inference_mode()
 def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams, *,
            eos_id: int, pad_id: int, generator: torch.Generator | None = None,
-           decoder: Decoder = "auto") -> Samples:
+           decoder: Decoder = "auto", then: Then | None = None) -> Samples | None:
     """Sample one completion per prompt (repeat a prompt G times for G samples: it is
     prefilled once). Rows stop at ``eos_id`` (kept, and counted in ``lengths_B``) or after
     ``params.max_new_tokens``; ``generator`` makes the draws reproducible (the eager and
     the static decoder use it differently: the same seed draws different samples, and
-    equal greedy tokens)."""
+    equal greedy tokens). The ``Samples`` are returned, or, with ``then``, handed on to it
+    from the decode loop as it ends (``decode.finish``) and nothing is returned."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     weight = next(model.parameters())
@@ -131,9 +120,8 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingPar
         decoder = "static" if (DEFAULT_DECODER.get(weight.device.type) == "static"
                                and LlamaFastPath.supports(model)) else "eager"
     if decoder in ("static", "compiled"):
-        tokens_BT, logprobs_BT, lengths_B = static_decode.decoder_for(model, compiled=decoder == "compiled").run(
-            prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator)
-        return Samples(tokens_BT=tokens_BT, logprobs_BT=logprobs_BT, lengths_B=lengths_B)
+        return static_decode.decoder_for(model, compiled=decoder == "compiled").run(
+            prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator, then=then)
     if decoder != "eager":
         raise ValueError(f"decoder must be one of {', '.join(get_args(Decoder))}; got {decoder!r}")
     B, T = len(prompts), params.max_new_tokens
@@ -143,7 +131,5 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingPar
     shape = fast_path.storage_shape(B, P + T) if fast_path is not None else None
     with kv_cache.KV_STORAGE.lend(shape, weight.dtype, weight.device) as storage:
         cache, fast = new_cache(model, P + T, storage)
-        tokens_BT, logprobs_BT, lengths_B = decode.run(
-            model, prompts, params, cache, fast=fast, fast_path=fast_path if fast else None,
-            eos_id=eos_id, pad_id=pad_id, generator=generator)
-    return Samples(tokens_BT=tokens_BT, logprobs_BT=logprobs_BT, lengths_B=lengths_B)
+        return decode.run(model, prompts, params, cache, fast=fast, fast_path=fast_path if fast else None,
+                          eos_id=eos_id, pad_id=pad_id, generator=generator, then=then)

@@ -15,7 +15,8 @@ done rather than copying on every single EOS.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -31,12 +32,29 @@ if TYPE_CHECKING:
 COMPACT_WHEN_DONE = 0.25
 
 
+@dataclass
+class Samples:
+    tokens_BT: torch.Tensor
+    """Generated token ids, right-padded with ``pad_id`` after each sequence's end."""
+    logprobs_BT: torch.Tensor
+    """Log-prob of each sampled token under the sampling distribution; 0 on padding."""
+    lengths_B: torch.Tensor
+    """Number of generated tokens per sequence, EOS included when it was produced."""
+
+    def completion_ids(self, i: int) -> list[int]:
+        return self.tokens_BT[i, : int(self.lengths_B[i])].tolist()
+
+
+Then = Callable[[Samples], None]
+"""Where a finished batch goes on to (``sample``'s ``then``): the batch is handed on by a
+call as the loop ends, not returned up through the sampler."""
+
+
 def run(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams,
         cache: DynamicCache, *, fast: bool, fast_path: LlamaFastPath | None, eos_id: int,
-        pad_id: int, generator: torch.Generator | None
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pad_id: int, generator: torch.Generator | None, then: Then | None = None) -> Samples | None:
     """``sample`` on a fresh ``cache`` (``fast``: of ``KVBufferLayer``s): prefill, then
-    the decode loop. Returns ``Samples``' ``tokens_BT``, ``logprobs_BT``, ``lengths_B``."""
+    the decode loop; the ``Samples`` go on to ``then`` (``finish``)."""
     device = next(model.parameters()).device
     B, T = len(prompts), params.max_new_tokens
     P = max(len(p) for p in prompts)
@@ -97,7 +115,7 @@ def run(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams
                                             cache_arg=cache_arg)
         next_pos_R = next_pos_R + 1
 
-    return finish(tokens_BT, logprobs_BT, eos_id=eos_id, pad_id=pad_id)
+    return finish(tokens_BT, logprobs_BT, eos_id=eos_id, pad_id=pad_id, then=then)
 
 
 def distinct_prompts(prompts: list[list[int]], device: torch.device
@@ -110,14 +128,19 @@ def distinct_prompts(prompts: list[list[int]], device: torch.device
     return [list(p) for p in unique], src_B
 
 
-def finish(tokens_BT: torch.Tensor, logprobs_BT: torch.Tensor, *, eos_id: int, pad_id: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def finish(tokens_BT: torch.Tensor, logprobs_BT: torch.Tensor, *, eos_id: int, pad_id: int,
+           then: Then | None = None) -> Samples | None:
     """Lengths run to the first EOS (included), or to T; whatever a row drew after it
-    (finished rows ride along until they leave the batch) becomes padding, in place.
-    Returns ``tokens_BT``, ``logprobs_BT``, ``lengths_B``."""
+    (finished rows ride along until they leave the batch) becomes padding, in place. The
+    ``Samples`` go on to ``then`` (the generator's way: framed and sent from there), or,
+    without it, are returned."""
     T = tokens_BT.shape[1]
     is_eos_BT = tokens_BT == eos_id
     lengths_B = torch.where(is_eos_BT.any(-1), is_eos_BT.int().argmax(-1) + 1, T)
     after_BT = torch.arange(T, device=tokens_BT.device)[None, :] >= lengths_B[:, None]
-    return (tokens_BT.masked_fill_(after_BT, pad_id), logprobs_BT.masked_fill_(after_BT, 0.0),
-            lengths_B)
+    out = Samples(tokens_BT=tokens_BT.masked_fill_(after_BT, pad_id),
+                  logprobs_BT=logprobs_BT.masked_fill_(after_BT, 0.0), lengths_B=lengths_B)
+    if then is None:
+        return out
+    then(out)
+    return None

@@ -364,19 +364,18 @@ class StaticDecoder:
     # -- one call --------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], params: SamplingParams, *, eos_id: int, pad_id: int,
-            generator: torch.Generator | None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``sample`` through static steps: ``tokens_BT``, ``logprobs_BT``, ``lengths_B``."""
+            generator: torch.Generator | None, then: decode.Then | None = None) -> decode.Samples | None:
+        """``sample`` through static steps; the ``Samples`` go on to ``then`` (``decode.finish``)."""
         with self._lock:
             skips = inductor_cudagraph_skips() if self.compiled else 0
-            out = self._run(prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator)
+            out = self._run(prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator, then=then)
             if self.compiled and self.device.type == "cuda" and (new := inductor_cudagraph_skips() - skips):
                 self.cudagraph_skips += new
                 log.warning("static decoder: inductor ran compiled decode steps without their CUDA graphs %d "
                             "times in this call (%d so far; torch logged why)", new, self.cudagraph_skips)
             return out
 
-    def _run(self, prompts, params, *, eos_id, pad_id, generator):
+    def _run(self, prompts, params, *, eos_id, pad_id, generator, then):
         device = self.device
         B, T = len(prompts), params.max_new_tokens
         P = max(len(p) for p in prompts)
@@ -424,7 +423,7 @@ class StaticDecoder:
                 b = smaller
                 key = StepKey(b, params.temperature, params.top_p, eos_id)
         return decode.finish(st.tokens_BT[:B, :T].clone(), st.logprobs_BT[:B, :T].clone(),
-                             eos_id=eos_id, pad_id=pad_id)
+                             eos_id=eos_id, pad_id=pad_id, then=then)
 
 
 def decoder_for(model: PreTrainedModel, *, compiled: bool = False) -> StaticDecoder:
