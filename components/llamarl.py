@@ -128,10 +128,11 @@ def llamarl(
         executor_retries: restarts of one lost generator or reward executor replica
             (``RetryPolicy.REPLICA``: that replica alone restarts, rejoins the run and,
             a generator, the weight plane at the next version). Kubernetes (Volcano)
-            restarts the pod; local_llamarl and slurm_llamarl do not restart it (the run goes on with
-            the others of its role; losing the last one ends it). SLURM and Kubernetes
-            take the app's restarts as the smallest of the roles' counts, so keep
-            ``executor_retries >= max_retries``
+            restarts the pod; slurm_llamarl starts it again as a new ``srun`` step on its
+            component while the trainer runs; local_llamarl does not restart it (the
+            run goes on with the others of its role; losing the last one ends it).
+            Kubernetes takes the app's restarts as the smallest of the roles' counts, so
+            there keep ``executor_retries >= max_retries``
         threads: torch threads per process (keep threads x processes <= cores on CPU)
         image: container image (kubernetes), or the directory holding the code (slurm)
         trainer_cpu: CPUs per trainer replica

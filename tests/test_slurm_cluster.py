@@ -164,8 +164,16 @@ def test_cancel_ends_every_role_and_keeps_the_database(tiny_policy, tmp_path, ca
         proc = torchx("cancel", handle)
         assert proc.returncode == 0, proc.stderr
     assert wait_state(handle, tmp_path) == AppState.CANCELLED
-    assert "State: CANCELLED" in torchx("status", handle).stdout
+    status = torchx("status", handle).stdout
+    assert "State: CANCELLED" in status and "the job was cancelled" in status, status
+    assert "exited with code" not in status, "replicas stopped by the cancel are not named as failed"
     wait_no_processes(handle)
+    # One stop, one line: torchrun's agent, signalled by slurmstepd and by the launcher,
+    # stops once, and no role ends in a traceback.
+    for log in tmp_path.glob(f"slurm-{app_id(handle)}-*.out"):
+        text = log.read_text(errors="replace")
+        assert "Traceback" not in text and "Logging error" not in text, f"{log.name}:\n{text[-3000:]}"
+    assert "trainer stopped: SIGTERM received" in (tmp_path / f"slurm-{app_id(handle)}-trainer-0.out").read_text()
 
     db = sqlite3.connect(tmp_path / "runs" / app_id(handle) / "metrics.db")
     assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
@@ -215,3 +223,42 @@ def test_a_trainer_of_two_nodes(tiny_policy, tmp_path):
     assert "run finished: finished" in (tmp_path / f"slurm-{app_id(handle)}-trainer-0.out").read_text()
     rank1 = (tmp_path / f"slurm-{app_id(handle)}-trainer-1.out").read_text()
     assert f"trainer/1 INFO reached the control store at {nodes['trainer-0']}:" in rank1, rank1[-3000:]
+
+
+def role_process(handle: str, module: str, replica: int) -> int:
+    """The pid of one replica's Python process (``python -m <module> ... --replica K``)."""
+    for pid in job_processes(handle):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"python") and module.encode() in argv and b"--replica" in argv \
+                and argv[argv.index(b"--replica") + 1] == str(replica).encode():
+            return pid
+    pytest.fail(f"no process of {module} --replica {replica} in {handle}")
+
+
+def test_a_killed_generator_is_survived_restarted_and_named(tiny_policy, tmp_path):
+    """One step per replica: ``kill -9`` of one of two generators at step 5 ends that
+    step alone; the batch script starts it again as a new step (``--executor_retries``),
+    the run finishes every step, and ``torchx status`` says SUCCEEDED naming the lost
+    replica and how it was lost."""
+    steps = 10
+    handle = submit(tiny_policy, tmp_path, steps=steps)
+    trainer_log = tmp_path / f"slurm-{app_id(handle)}-trainer-0.out"
+    wait_for_text(trainer_log, f"step 5/{steps}")
+    os.kill(role_process(handle, "llamarl.app.roles.generator", 1), signal.SIGKILL)
+    assert wait_state(handle, tmp_path) == AppState.SUCCEEDED, logs(tmp_path, handle)
+
+    status = torchx("status", handle).stdout
+    assert "generator-1 killed by SIGKILL" in status and "restarted" in status, status
+    assert "trainer[0]:SUCCEEDED" in status, status
+    db = sqlite3.connect(tmp_path / "runs" / app_id(handle) / "metrics.db")
+    steps_done = {s for (s,) in db.execute("SELECT DISTINCT step FROM scalars WHERE role = 'trainer'")}
+    assert steps_done == set(range(steps + 1))
+    batch = (tmp_path / f"slurm-{app_id(handle)}.out").read_text()
+    assert "generator-1 lost (srun exit code" in batch and "restarting it as a new step" in batch, batch
+    # The restart appends to the log (whether it rejoins before the run ends depends on
+    # how fast it starts): the first generator's lines are kept.
+    assert "generator/1 INFO generator 1 on" in (tmp_path / f"slurm-{app_id(handle)}-generator-1.out").read_text()
+    wait_no_processes(handle)
