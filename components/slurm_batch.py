@@ -16,7 +16,9 @@ executor. Here each replica is a step of its own on its own component
   replica whose component was cancelled (``scancel <job>+K``) has no allocation left,
   so its restart fails at once and uses up its retries: the run goes on without it.
 
-The script says each of these in the job's ``slurm-<job id>.out``; ``torchx status``
+SIGUSR1 to the script (``sbatch --signal=B:USR1@<s>`` ahead of the time limit) creates the
+file ``$LLAMARL_SAVE_REQUEST`` names, on which the trainer saves a checkpoint. The script says each of these
+in the job's ``slurm-<job id>.out``; ``torchx status``
 reads the same from sacct (``slurm_scheduler.describe_from_sacct``).
 """
 
@@ -25,6 +27,7 @@ from typing import Dict, List, Sequence
 
 from torchx.schedulers.slurm_scheduler import SlurmReplicaRequest
 
+SAVE_REQUEST_ENV = "LLAMARL_SAVE_REQUEST"  # llamarl.app.roles.trainer.SAVE_REQUEST_ENV
 EXECUTOR_STOP_S = 15
 """After the trainer finished, how long the other replicas get to stop by themselves
 before the job ends them. Those still connected stop within seconds of the trainer's end
@@ -69,6 +72,15 @@ declare -A pid
 declare -A left=({left})
 {functions}
 say() {{ echo "llamarl-slurm: $*"; }}
+# SIGUSR1 (sbatch --signal=B:USR1@<s>, ahead of the time limit): the trainer saves a
+# checkpoint at the end of its step when it finds this file, also if it comes before the
+# trainer has started (a signal to its processes would then be lost).
+export {SAVE_REQUEST_ENV}="$PWD/.llamarl/save-request-$SLURM_JOB_ID"
+save_soon() {{
+    say "SIGUSR1: the time limit is near; asking the trainer for a checkpoint"
+    mkdir -p "$PWD/.llamarl" && touch "${SAVE_REQUEST_ENV}"
+}}
+trap save_soon USR1
 for k in "${{!names[@]}}"; do "start_$k"; done
 
 exitcode=0

@@ -45,6 +45,7 @@ from torchx.specs import AppDef, AppState, ReplicaStatus, RetryPolicy, Role, Rol
 from torchx.specs.finder import ComponentValidationException
 
 from llamarl.components.dryrun import SECRET_ENV, hide_secret
+from llamarl.components.llamarl import SAVE_LEAD_METADATA
 from llamarl.components.slurm_batch import batch_script
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,12 @@ class LlamarlSlurmScheduler(SlurmScheduler):
         per_replica = {role.name: role.max_retries for role in app.roles if role.retry_policy == RetryPolicy.REPLICA}
         holders = [name for name in base.replicas if name.rpartition("-")[0] not in per_replica]
         retries = {name: per_replica[name.rpartition("-")[0]] for name in base.replicas if name not in holders}
+        # SIGUSR1 to the batch shell ahead of the time limit, which passes it on to the
+        # trainer's steps alone (a step signal of SLURM's own reaches every component's).
+        lead = next((r.metadata.get(SAVE_LEAD_METADATA) for r in app.roles if r.retry_policy != RetryPolicy.REPLICA),
+                    None)
+        if lead and holders:
+            base.replicas[holders[0]].sbatch_opts["signal"] = f"B:USR1@{lead}"
         job_retries = min((r.max_retries for r in app.roles if r.retry_policy != RetryPolicy.REPLICA), default=0)
         req = SecretBatchRequest(cmd=cmd, replicas=base.replicas, job_dir=base.job_dir, max_retries=job_retries,
                                  secret_files=secret_files, holders=holders, retries=retries)

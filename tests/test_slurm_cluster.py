@@ -30,6 +30,9 @@ STEPS = 4
 APP_TIMEOUT_S = 300.0
 # After a cancel Slurm sends SIGTERM, then SIGKILL KillWait (10 s on the local cluster) later.
 PROCESS_EXIT_TIMEOUT_S = 60.0
+# The time-limit test's: a minute is enough for a tiny model's first steps on a quiet
+# machine (the first step comes some 13 s after the submit); a loaded one needs more.
+TIME_LIMIT_MIN = int(os.environ.get("LLAMARL_SLURM_TIME_LIMIT_MIN", "1"))
 # A long run for the cancels, without held-out evaluations.
 LONG = [*SMALL[:SMALL.index("--eval-every") + 1], "1000", *SMALL[SMALL.index("--eval-every") + 2:]]
 
@@ -65,16 +68,17 @@ def torchx(*args: str) -> subprocess.CompletedProcess:
 
 def submit(policy: Path, tmp_path: Path, *, steps: int = STEPS, extra: list[str] = SMALL,
            store_port: int | None = None,
-           replicas: tuple[str, ...] = ("--num_generators", "2", "--num_reward", "1")) -> str:
+           replicas: tuple[str, ...] = ("--num_generators", "2", "--num_reward", "1"),
+           cfg: tuple[str, ...] = (), options: tuple[str, ...] = ()) -> str:
     """``torchx run -s slurm_llamarl llamarl.llamarl``: the app runs in ``tmp_path`` (``--image``),
     which holds its runs directory and its logs; returns the app handle. Without
     ``store_port`` a free one; 0 is the component's default (derived from the job id by
     every role, as the README's command runs it). ``replicas``: the component options
     that size the roles (4 replicas, the cluster's nodes, by default)."""
     port = free_port() if store_port is None else store_port
-    proc = torchx("run", "-s", "slurm_llamarl", "llamarl.llamarl", "--image", str(tmp_path), "--policy", str(policy),
-                  "--runs_dir", str(tmp_path / "runs"), "--store_port", str(port), "--steps", str(steps),
-                  *replicas, "--", *extra)
+    proc = torchx("run", "-s", "slurm_llamarl", *cfg, "llamarl.llamarl", "--image", str(tmp_path), "--policy",
+                  str(policy), "--runs_dir", str(tmp_path / "runs"), "--store_port", str(port), "--steps", str(steps),
+                  *replicas, *options, "--", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     handle = proc.stdout.strip().splitlines()[-1]
     assert handle.startswith("slurm_llamarl://"), proc.stdout
@@ -262,3 +266,28 @@ def test_a_killed_generator_is_survived_restarted_and_named(tiny_policy, tmp_pat
     # how fast it starts): the first generator's lines are kept.
     assert "generator/1 INFO generator 1 on" in (tmp_path / f"slurm-{app_id(handle)}-generator-1.out").read_text()
     wait_no_processes(handle)
+
+
+def test_a_time_limit_saves_a_checkpoint_and_resume_continues_from_it(tiny_policy, tmp_path):
+    """A 1-minute time limit: SLURM sends the batch script SIGUSR1 ahead of it
+    (--save_before_time_limit_s), the script asks the trainer for a checkpoint, which it
+    saves at the end of its step, without --save-every; the job ends TIMEOUT, named
+    as such, with no traceback; --resume continues from that step."""
+    replicas = ("--num_generators", "1", "--num_reward", "0")
+    handle = submit(tiny_policy, tmp_path, steps=500, extra=LONG, replicas=replicas, cfg=("-cfg", f"time={TIME_LIMIT_MIN}"),
+                    options=("--save_before_time_limit_s", "30"))
+    run = app_id(handle)
+    assert wait_state(handle, tmp_path) == AppState.FAILED
+    assert "TIMEOUT; the job reached its time limit" in torchx("status", handle).stdout
+    trainer_log = (tmp_path / f"slurm-{run}-trainer-0.out").read_text(errors="replace")
+    assert "a checkpoint was asked for (SLURM: the job's time limit is near): saving one at step" in trainer_log, \
+        trainer_log[-3000:]
+    assert "Traceback" not in trainer_log and "Logging error" not in trainer_log, trainer_log[-3000:]
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "runs" / run / "checkpoints").glob("step-*"))
+    assert saved, "a checkpoint was saved on SIGUSR1"
+    wait_no_processes(handle)
+
+    resumed = submit(tiny_policy, tmp_path, steps=saved[-1] + 2, replicas=replicas, options=("--resume", run))
+    assert wait_state(resumed, tmp_path) == AppState.SUCCEEDED, logs(tmp_path, resumed)
+    log = (tmp_path / f"slurm-{app_id(resumed)}-trainer-0.out").read_text(errors="replace")
+    assert f"resuming run {run} at step {saved[-1]}" in log, log[-3000:]

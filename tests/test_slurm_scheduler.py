@@ -119,6 +119,11 @@ def test_each_replica_is_a_step_of_its_own_and_the_trainer_holds_the_job():
         assert f"--het-group={k} " in line and f"-{name}.out" in line and "--open-mode=append" in line, line
     assert "holders=(0)" in script and "declare -A left=([0]=0 [1]=2 [2]=2 [3]=2)" in script
     assert "TORCHX_MAX_RETRIES=1" in script
+    # SIGUSR1 ahead of the time limit to the batch shell, which passes it to the trainer alone.
+    assert req.replicas["trainer-0"].sbatch_opts["signal"] == "B:USR1@90"
+    assert all("signal" not in r.sbatch_opts for name, r in req.replicas.items() if name != "trainer-0")
+    assert "trap save_soon USR1" in script and 'export LLAMARL_SAVE_REQUEST="$PWD/.llamarl/save-request-' in script
+    assert "signal" not in dryrun("--save_before_time_limit_s", "0").request.replicas["trainer-0"].sbatch_opts
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0, "valid bash"
 
 
