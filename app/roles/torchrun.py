@@ -15,6 +15,7 @@ which forwarded the signal, names the stop; a second stop signal is ignored (``_
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -35,7 +36,12 @@ def _stop_once(signum: int, frame: FrameType | None) -> None:
     of the step) and forwarded by ``llamarl.app.roles.launch``; the second, raised inside the
     agent's shutdown of its ranks, ends in some 40 lines of ``--- Logging error ---``.
     Later signals are ignored by a Python handler (not ``SIG_IGN``, which the ranks that
-    torchrun may still start would inherit)."""
+    torchrun may still start would inherit). The agent's own warnings about the stop
+    (``Received 15 death signal``, ``Sending process N closing signal``) are silenced:
+    ``llamarl.app.roles.launch`` says it in one line."""
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
+            logger.setLevel(logging.ERROR)
     for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(","):
         sig = getattr(signal, name.strip(), None)
         if sig is not None:
