@@ -24,6 +24,10 @@ STORE_BIND_ENV = "LLAMARL_STORE_BIND"
 """Set by a scheduler that knows the trainer's own address better than its host name says."""
 K8S_SECRET_METADATA = "llamarl/k8s_secret"
 """Role metadata: the Kubernetes Secret that components/kubernetes_scheduler.py mounts."""
+SAVE_LEAD_METADATA = "llamarl/save_before_time_limit_s"
+"""Trainer role metadata: how long before its time limit components/slurm_scheduler.py
+has SLURM send the batch script SIGUSR1 (``sbatch --signal``), on which the trainer saves
+a checkpoint."""
 DEFAULT_SECRETS_DIR = os.path.join(".llamarl", "secrets")
 """Relative to the roles' working directory, the job's: one secret file per app, private."""
 K8S_SECRET_DIR = "/etc/llamarl/secret"
@@ -61,6 +65,7 @@ def llamarl(
     resume: str = "",
     max_retries: int = 0,
     executor_retries: int = 3,
+    save_before_time_limit_s: int = 90,
     threads: int = 1,
     image: str = "llamarl",
     trainer_cpu: int = 2,
@@ -128,10 +133,15 @@ def llamarl(
         executor_retries: restarts of one lost generator or reward executor replica
             (``RetryPolicy.REPLICA``: that replica alone restarts, rejoins the run and,
             a generator, the weight plane at the next version). Kubernetes (Volcano)
-            restarts the pod; local_llamarl and slurm_llamarl do not restart it (the run goes on with
-            the others of its role; losing the last one ends it). SLURM and Kubernetes
-            take the app's restarts as the smallest of the roles' counts, so keep
-            ``executor_retries >= max_retries``
+            restarts the pod; slurm_llamarl starts it again as a new ``srun`` step on its
+            component while the trainer runs; local_llamarl does not restart it (the
+            run goes on with the others of its role; losing the last one ends it).
+            Kubernetes takes the app's restarts as the smallest of the roles' counts, so
+            there keep ``executor_retries >= max_retries``
+        save_before_time_limit_s: SLURM: this long before the job's time limit the batch
+            script gets SIGUSR1 (``sbatch --signal=B:USR1@<s>``; SLURM may send it up to a
+            minute earlier) and asks the trainer for a checkpoint, saved at the end of the
+            step it is in, so ``--resume`` continues from there; allow a step and a save. 0: none
         threads: torch threads per process (keep threads x processes <= cores on CPU)
         image: container image (kubernetes), or the directory holding the code (slurm)
         trainer_cpu: CPUs per trainer replica
@@ -207,6 +217,10 @@ def llamarl(
               max(num_reward, 1), reward_cpu, reward_gpu, reward_mem_mb, common_env, executor_retries,
               retry_policy=specs.RetryPolicy.REPLICA),
     ]
+    if save_before_time_limit_s < 0:
+        raise ComponentValidationException(f"--save_before_time_limit_s must be >= 0, got {save_before_time_limit_s}")
+    if save_before_time_limit_s:  # read by components/slurm_scheduler.py
+        roles[0].metadata[SAVE_LEAD_METADATA] = str(save_before_time_limit_s)
     if k8s_secret:  # read by components/kubernetes_scheduler.py, which mounts it
         for role in roles:
             role.metadata[K8S_SECRET_METADATA] = k8s_secret

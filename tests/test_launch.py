@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -78,7 +79,9 @@ def test_a_stop_signal_is_named_as_a_stop_not_as_torchruns_signal_exception(tmp_
     """SIGTERM to the launcher (what the local scheduler sends every role when `torchx run`
     gets Ctrl-C, and what `torchx cancel` or SLURM sends): a real torchrun stops its rank;
     the cause says the run was told to stop, not "trainer failed: SignalException: Process
-    N got signal: 15" (torchrun's own error file); the launcher's handlers are put back."""
+    N got signal: 15" (torchrun's own error file); torchrun, signalled twice as under SLURM
+    (by slurmstepd and by the launcher), stops once, without its agent's "--- Logging
+    error ---" or warnings; the launcher's handlers are put back."""
     monkeypatch.setenv(health.ERROR_FILE_ENV, str(tmp_path / "error.json"))
     started = tmp_path / "started"
     command = [sys.executable, "-m", "llamarl.app.roles.torchrun", "--standalone", "--nproc_per_node", "1",
@@ -89,6 +92,14 @@ def test_a_stop_signal_is_named_as_a_stop_not_as_torchruns_signal_exception(tmp_
         deadline = time.monotonic() + 120.0  # torchrun's start on a loaded machine
         while not started.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+        # As slurmstepd does on a cancel: every process of the step, torchrun's agent too,
+        # which the launcher then signals a second time.
+        for child in Path("/proc").glob("[0-9]*"):
+            try:
+                if int((child / "stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    os.kill(int(child.name), signal.SIGTERM)
+            except (OSError, ValueError, IndexError):
+                pass
         os.kill(os.getpid(), signal.SIGTERM)
 
     handler = signal.getsignal(signal.SIGTERM)
@@ -99,4 +110,6 @@ def test_a_stop_signal_is_named_as_a_stop_not_as_torchruns_signal_exception(tmp_
     err = capfd.readouterr().err
     assert err.strip().splitlines()[-1] == cause
     assert "Traceback" not in err, "no traceback of torchrun's agent around its SignalException"
+    assert "death signal" not in err and "closing signal" not in err, "one stop, one line"
+    assert "Logging error" not in err
     assert signal.getsignal(signal.SIGTERM) is handler

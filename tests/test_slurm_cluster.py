@@ -30,6 +30,9 @@ STEPS = 4
 APP_TIMEOUT_S = 300.0
 # After a cancel Slurm sends SIGTERM, then SIGKILL KillWait (10 s on the local cluster) later.
 PROCESS_EXIT_TIMEOUT_S = 60.0
+# The time-limit test's: a minute is enough for a tiny model's first steps on a quiet
+# machine (the first step comes some 13 s after the submit); a loaded one needs more.
+TIME_LIMIT_MIN = int(os.environ.get("LLAMARL_SLURM_TIME_LIMIT_MIN", "1"))
 # A long run for the cancels, without held-out evaluations.
 LONG = [*SMALL[:SMALL.index("--eval-every") + 1], "1000", *SMALL[SMALL.index("--eval-every") + 2:]]
 
@@ -65,16 +68,17 @@ def torchx(*args: str) -> subprocess.CompletedProcess:
 
 def submit(policy: Path, tmp_path: Path, *, steps: int = STEPS, extra: list[str] = SMALL,
            store_port: int | None = None,
-           replicas: tuple[str, ...] = ("--num_generators", "2", "--num_reward", "1")) -> str:
+           replicas: tuple[str, ...] = ("--num_generators", "2", "--num_reward", "1"),
+           cfg: tuple[str, ...] = (), options: tuple[str, ...] = ()) -> str:
     """``torchx run -s slurm_llamarl llamarl.llamarl``: the app runs in ``tmp_path`` (``--image``),
     which holds its runs directory and its logs; returns the app handle. Without
     ``store_port`` a free one; 0 is the component's default (derived from the job id by
     every role, as the README's command runs it). ``replicas``: the component options
     that size the roles (4 replicas, the cluster's nodes, by default)."""
     port = free_port() if store_port is None else store_port
-    proc = torchx("run", "-s", "slurm_llamarl", "llamarl.llamarl", "--image", str(tmp_path), "--policy", str(policy),
-                  "--runs_dir", str(tmp_path / "runs"), "--store_port", str(port), "--steps", str(steps),
-                  *replicas, "--", *extra)
+    proc = torchx("run", "-s", "slurm_llamarl", *cfg, "llamarl.llamarl", "--image", str(tmp_path), "--policy",
+                  str(policy), "--runs_dir", str(tmp_path / "runs"), "--store_port", str(port), "--steps", str(steps),
+                  *replicas, *options, "--", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     handle = proc.stdout.strip().splitlines()[-1]
     assert handle.startswith("slurm_llamarl://"), proc.stdout
@@ -164,8 +168,16 @@ def test_cancel_ends_every_role_and_keeps_the_database(tiny_policy, tmp_path, ca
         proc = torchx("cancel", handle)
         assert proc.returncode == 0, proc.stderr
     assert wait_state(handle, tmp_path) == AppState.CANCELLED
-    assert "State: CANCELLED" in torchx("status", handle).stdout
+    status = torchx("status", handle).stdout
+    assert "State: CANCELLED" in status and "the job was cancelled" in status, status
+    assert "exited with code" not in status, "replicas stopped by the cancel are not named as failed"
     wait_no_processes(handle)
+    # One stop, one line: torchrun's agent, signalled by slurmstepd and by the launcher,
+    # stops once, and no role ends in a traceback.
+    for log in tmp_path.glob(f"slurm-{app_id(handle)}-*.out"):
+        text = log.read_text(errors="replace")
+        assert "Traceback" not in text and "Logging error" not in text, f"{log.name}:\n{text[-3000:]}"
+    assert "trainer stopped: SIGTERM received" in (tmp_path / f"slurm-{app_id(handle)}-trainer-0.out").read_text()
 
     db = sqlite3.connect(tmp_path / "runs" / app_id(handle) / "metrics.db")
     assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
@@ -215,3 +227,67 @@ def test_a_trainer_of_two_nodes(tiny_policy, tmp_path):
     assert "run finished: finished" in (tmp_path / f"slurm-{app_id(handle)}-trainer-0.out").read_text()
     rank1 = (tmp_path / f"slurm-{app_id(handle)}-trainer-1.out").read_text()
     assert f"trainer/1 INFO reached the control store at {nodes['trainer-0']}:" in rank1, rank1[-3000:]
+
+
+def role_process(handle: str, module: str, replica: int) -> int:
+    """The pid of one replica's Python process (``python -m <module> ... --replica K``)."""
+    for pid in job_processes(handle):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"python") and module.encode() in argv and b"--replica" in argv \
+                and argv[argv.index(b"--replica") + 1] == str(replica).encode():
+            return pid
+    pytest.fail(f"no process of {module} --replica {replica} in {handle}")
+
+
+def test_a_killed_generator_is_survived_restarted_and_named(tiny_policy, tmp_path):
+    """One step per replica: ``kill -9`` of one of two generators at step 5 ends that
+    step alone; the batch script starts it again as a new step (``--executor_retries``),
+    the run finishes every step, and ``torchx status`` says SUCCEEDED naming the lost
+    replica and how it was lost."""
+    steps = 10
+    handle = submit(tiny_policy, tmp_path, steps=steps)
+    trainer_log = tmp_path / f"slurm-{app_id(handle)}-trainer-0.out"
+    wait_for_text(trainer_log, f"step 5/{steps}")
+    os.kill(role_process(handle, "llamarl.app.roles.generator", 1), signal.SIGKILL)
+    assert wait_state(handle, tmp_path) == AppState.SUCCEEDED, logs(tmp_path, handle)
+
+    status = torchx("status", handle).stdout
+    assert "generator-1 killed by SIGKILL" in status and "restarted" in status, status
+    assert "trainer[0]:SUCCEEDED" in status, status
+    db = sqlite3.connect(tmp_path / "runs" / app_id(handle) / "metrics.db")
+    steps_done = {s for (s,) in db.execute("SELECT DISTINCT step FROM scalars WHERE role = 'trainer'")}
+    assert steps_done == set(range(steps + 1))
+    batch = (tmp_path / f"slurm-{app_id(handle)}.out").read_text()
+    assert "generator-1 lost (srun exit code" in batch and "restarting it as a new step" in batch, batch
+    # The restart appends to the log (whether it rejoins before the run ends depends on
+    # how fast it starts): the first generator's lines are kept.
+    assert "generator/1 INFO generator 1 on" in (tmp_path / f"slurm-{app_id(handle)}-generator-1.out").read_text()
+    wait_no_processes(handle)
+
+
+def test_a_time_limit_saves_a_checkpoint_and_resume_continues_from_it(tiny_policy, tmp_path):
+    """A 1-minute time limit: SLURM sends the batch script SIGUSR1 ahead of it
+    (--save_before_time_limit_s), the script asks the trainer for a checkpoint, which it
+    saves at the end of its step, without --save-every; the job ends TIMEOUT, named
+    as such, with no traceback; --resume continues from that step."""
+    replicas = ("--num_generators", "1", "--num_reward", "0")
+    handle = submit(tiny_policy, tmp_path, steps=500, extra=LONG, replicas=replicas, cfg=("-cfg", f"time={TIME_LIMIT_MIN}"),
+                    options=("--save_before_time_limit_s", "30"))
+    run = app_id(handle)
+    assert wait_state(handle, tmp_path) == AppState.FAILED
+    assert "TIMEOUT; the job reached its time limit" in torchx("status", handle).stdout
+    trainer_log = (tmp_path / f"slurm-{run}-trainer-0.out").read_text(errors="replace")
+    assert "a checkpoint was asked for (SLURM: the job's time limit is near): saving one at step" in trainer_log, \
+        trainer_log[-3000:]
+    assert "Traceback" not in trainer_log and "Logging error" not in trainer_log, trainer_log[-3000:]
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "runs" / run / "checkpoints").glob("step-*"))
+    assert saved, "a checkpoint was saved on SIGUSR1"
+    wait_no_processes(handle)
+
+    resumed = submit(tiny_policy, tmp_path, steps=saved[-1] + 2, replicas=replicas, options=("--resume", run))
+    assert wait_state(resumed, tmp_path) == AppState.SUCCEEDED, logs(tmp_path, resumed)
+    log = (tmp_path / f"slurm-{app_id(resumed)}-trainer-0.out").read_text(errors="replace")
+    assert f"resuming run {run} at step {saved[-1]}" in log, log[-3000:]

@@ -15,7 +15,8 @@ from torchx.schedulers import get_scheduler_factories
 from torchx.specs import AppState
 from torchx.specs.finder import ComponentValidationException
 
-from llamarl.components.slurm_scheduler import (SECRET_FILE_ENV, SbatchError, LlamarlSlurmScheduler, describe_from_sacct)
+from llamarl.components.slurm_scheduler import (REPOSITORY, SECRET_FILE_ENV, SbatchError, LlamarlSlurmScheduler,
+                                                describe_from_sacct, pending_message)
 
 ARGS = ["--num_reward", "1", "--num_generators", "2", "--store_port", "31234"]
 
@@ -106,6 +107,26 @@ def test_each_replica_logs_stdout_and_stderr_to_one_file():
     assert "--error=" not in script
 
 
+def test_each_replica_is_a_step_of_its_own_and_the_trainer_holds_the_job():
+    """No heterogeneous srun with --kill-on-bad-exit (a lost generator ended every
+    component): a step per replica on its component, restarts for the executors only
+    (--executor_retries), the job's requeues the trainer's (--max_retries)."""
+    req = dryrun("--executor_retries", "2", "--max_retries", "1").request
+    script = req.materialize()
+    assert "--kill-on-bad-exit" not in script and "--wait=" not in script
+    for k, name in enumerate(["trainer-0", "generator-0", "generator-1", "reward-0"]):
+        line = next(line for line in script.splitlines() if line.startswith(f"start_{k}() {{ srun "))
+        assert f"--het-group={k} " in line and f"-{name}.out" in line and "--open-mode=append" in line, line
+    assert "holders=(0)" in script and "declare -A left=([0]=0 [1]=2 [2]=2 [3]=2)" in script
+    assert "TORCHX_MAX_RETRIES=1" in script
+    # SIGUSR1 ahead of the time limit to the batch shell, which passes it to the trainer alone.
+    assert req.replicas["trainer-0"].sbatch_opts["signal"] == "B:USR1@90"
+    assert all("signal" not in r.sbatch_opts for name, r in req.replicas.items() if name != "trainer-0")
+    assert "trap save_soon USR1" in script and 'export LLAMARL_SAVE_REQUEST="$PWD/.llamarl/save-request-' in script
+    assert "signal" not in dryrun("--save_before_time_limit_s", "0").request.replicas["trainer-0"].sbatch_opts
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0, "valid bash"
+
+
 def test_without_sbatch_the_submit_says_slurm_is_missing(tmp_path, monkeypatch):
     info = dryrun("--image", str(tmp_path), "--env", f"LLAMARL_SECRET={SECRET}")
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch there
@@ -114,42 +135,107 @@ def test_without_sbatch_the_submit_says_slurm_is_missing(tmp_path, monkeypatch):
     assert not (tmp_path / ".llamarl").exists(), "no secret file is left for a job never submitted"
 
 
-# sacct --parsable2 --format=JobID,JobName,State,ExitCode, as Slurm 22.05 wrote it for
-# llamarl apps on deploy/slurm/local-cluster.sh.
-HEADER = "JobID|JobName|State|ExitCode\n"
+# sacct --parsable2 --format=JobID,JobName,State,ExitCode,End, as Slurm 22.05 wrote it for
+# llamarl apps on deploy/slurm/local-cluster.sh (one srun step per replica).
+HEADER = "JobID|JobName|State|ExitCode|End\n"
 CANCELLED = HEADER + """\
-41+0|trainer-0|CANCELLED by 0|0:0
-41+0.batch|batch|CANCELLED|0:15
-41+0.0|env|FAILED|1:0
-41+1|generator-0|CANCELLED by 0|0:0
-41+1.0|env|CANCELLED|0:15
+41+0|trainer-0|CANCELLED by 0|0:0|2026-12-06T02:40:10
+41+0.batch|batch|CANCELLED|0:15|2026-12-06T02:40:10
+41+0.0|env|CANCELLED|0:15|2026-12-06T02:40:09
+41+1|generator-0|CANCELLED by 0|0:0|2026-12-06T02:40:10
+41+1.1|env|CANCELLED|0:15|2026-12-06T02:40:08
 """
-ONE_ROLE_FAILED = HEADER + """\
-42+0|trainer-0|FAILED|15:0
-42+0.batch|batch|FAILED|15:0
-42+0.0|env|FAILED|1:0
-42+1|generator-0|FAILED|15:0
-42+1.0|env|CANCELLED|0:15
-42+2|generator-1|FAILED|15:0
-42+2.0|env|CANCELLED|0:15
+# kill -9 of generator-1 at step 5: its step ended alone, the batch script started it
+# again (step 4), the trainer finished; the restart, too late to rejoin, was ended with the job.
+KILLED_AND_RESTARTED = HEADER + """\
+45+0|trainer-0|COMPLETED|0:0|2026-12-06T02:36:26
+45+0.batch|batch|COMPLETED|0:0|2026-12-06T02:36:26
+45+0.1|env|COMPLETED|0:0|2026-12-06T02:35:26
+45+1|generator-0|COMPLETED|0:0|2026-12-06T02:36:26
+45+1.0|env|COMPLETED|0:0|2026-12-06T02:35:18
+45+2|generator-1|COMPLETED|0:0|2026-12-06T02:36:26
+45+2.2|env|CANCELLED|0:9|2026-12-06T02:34:59
+45+2.4|env|CANCELLED|0:15|2026-12-06T02:36:27
+45+3|reward-0|COMPLETED|0:0|2026-12-06T02:36:26
+45+3.3|env|COMPLETED|0:0|2026-12-06T02:35:18
 """
+# The last generator killed: the trainer failed on it a few seconds later, and the job's
+# end stopped the reward executor.
+TRAINER_FAILED_AFTER_A_LOSS = HEADER + """\
+42+0|trainer-0|FAILED|1:0|2026-12-06T02:50:20
+42+0.batch|batch|FAILED|1:0|2026-12-06T02:50:20
+42+0.0|env|FAILED|1:0|2026-12-06T02:50:19
+42+1|generator-0|FAILED|1:0|2026-12-06T02:50:20
+42+1.1|env|CANCELLED|0:9|2026-12-06T02:50:11
+42+2|reward-0|FAILED|1:0|2026-12-06T02:50:20
+42+2.2|env|CANCELLED|0:15|2026-12-06T02:50:20
+"""
+TIMEOUT = HEADER + """\
+44+0|trainer-0|TIMEOUT|0:0|2026-12-06T03:01:05
+44+0.batch|batch|CANCELLED|0:15|2026-12-06T03:01:05
+44+0.0|env|CANCELLED|0:15|2026-12-06T03:01:04
+44+1|generator-0|TIMEOUT|0:0|2026-12-06T03:01:05
+44+1.1|env|CANCELLED|0:15|2026-12-06T03:01:03
+44+2|generator-1|CANCELLED by 0|0:0|2026-12-06T03:00:30
+44+2.2|env|CANCELLED|0:15|2026-12-06T03:00:30
+"""
+
+
+def replica_states(desc):
+    return {(s.role, r.id): r.state for s in desc.roles_statuses for r in s.replicas}
 
 
 def test_describe_knows_cancelled_by_a_user():
     desc = describe_from_sacct("41", CANCELLED)
-    assert desc.state == AppState.CANCELLED and desc.msg == "CANCELLED by 0"
-    # torchrun exits 1 on the cancel's SIGTERM: that is no failure of the trainer's.
-    assert {r.state for s in desc.roles_statuses for r in s.replicas} == {AppState.CANCELLED}
+    assert desc.state == AppState.CANCELLED and desc.msg == "CANCELLED by 0; the job was cancelled"
+    # The replicas were stopped (SIGTERM; the trainer's launcher ends by it): nobody failed.
+    assert set(replica_states(desc).values()) == {AppState.CANCELLED}
     assert {r.name: r.num_replicas for r in desc.roles} == {"trainer": 1, "generator": 1}
 
 
-def test_describe_names_the_replica_that_failed():
-    desc = describe_from_sacct("42", ONE_ROLE_FAILED)
+def test_a_lost_and_restarted_generator_is_named_in_a_run_that_succeeded():
+    desc = describe_from_sacct("45", KILLED_AND_RESTARTED)
+    assert desc.state == AppState.SUCCEEDED
+    assert desc.msg == ("COMPLETED; the trainer finished the run; lost on the way and survived: "
+                        "generator-1 killed by SIGKILL (restarted)")
+    assert set(replica_states(desc).values()) == {AppState.SUCCEEDED}
+
+
+def test_describe_names_the_replica_lost_first_not_the_trainer_it_stopped():
+    desc = describe_from_sacct("42", TRAINER_FAILED_AFTER_A_LOSS)
     assert desc.state == AppState.FAILED
-    assert desc.msg == "FAILED; trainer-0 exited with code 1"
-    states = {(s.role, r.id): r.state for s in desc.roles_statuses for r in s.replicas}
-    assert states == {("trainer", 0): AppState.FAILED, ("generator", 0): AppState.FAILED,
-                      ("generator", 1): AppState.FAILED}
+    assert desc.msg == "FAILED; lost first: generator-0 killed by SIGKILL; then: trainer-0 exited with code 1"
+    assert replica_states(desc) == {("trainer", 0): AppState.FAILED, ("generator", 0): AppState.FAILED,
+                                    ("reward", 0): AppState.FAILED}
+
+
+def test_a_time_limit_is_the_cause_and_a_cancelled_component_before_it_is_named():
+    desc = describe_from_sacct("44", TIMEOUT)
+    assert desc.state == AppState.FAILED
+    assert desc.msg == ("TIMEOUT; the job reached its time limit; lost before: "
+                        "generator-1 cancelled (CANCELLED by 0: scancel of its component)")
+    assert replica_states(desc)[("generator", 1)] == AppState.FAILED
+
+
+def test_a_pending_app_says_why_from_squeue():
+    assert pending_message("PENDING", ["None", "None"], 2) == "PENDING"
+    msg = pending_message("PENDING", ["PartitionNodeLimit"] * 5, 5)
+    assert msg.startswith("PENDING; waiting: PartitionNodeLimit (the app needs 5 nodes, one per replica;"), msg
+    msg = pending_message("PENDING", ["Resources"] * 5, 5, nodes=4)
+    assert msg.startswith("PENDING; waiting: Resources (the app needs 5 nodes, one per replica, and the partition "
+                          "has 4: it cannot start;"), msg
+
+
+def test_a_submit_from_outside_the_repository_without_an_image_warns(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    dryrun()
+    assert f"the job runs in the submit directory {tmp_path}, not in the repository {REPOSITORY}" in caplog.text
+    assert "trains a warm start there" in caplog.text and f"--image {REPOSITORY}" in caplog.text
+    caplog.clear()
+    dryrun("--image", str(tmp_path))
+    monkeypatch.chdir(REPOSITORY)
+    dryrun()
+    assert "no --image" not in caplog.text
 
 
 def test_describe_of_an_unknown_job_is_none():

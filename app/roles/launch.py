@@ -14,7 +14,8 @@ function that crashed), or, for a worker a signal ended with no Python error (SI
 by hand, the out-of-memory killer), that line, which names the rank and the signal; it then prints that cause last and writes it to the scheduler's error file
 (``$TORCHELASTIC_ERROR_FILE``), which ``torchx run`` prints when the app fails. A
 torchrun that dies without a worker's cause (killed, say) is named as such; one this
-launcher was told to stop (SIGTERM, SIGINT: forwarded to torchrun) names the stop.
+launcher was told to stop (SIGTERM, SIGINT: forwarded to torchrun) names the stop and ends
+by that signal.
 """
 
 from __future__ import annotations
@@ -164,7 +165,9 @@ def run(nproc_per_node: int, trainer_args: list[str], nodes: Nodes = Nodes()) ->
 
 def supervise(command: list[str]) -> int:
     """Run ``command`` (a torchrun) to its end; on a failure print its cause last and
-    write it to the error file. The cause, first found: the failed rank's error file
+    write it to the error file. Returns torchrun's exit code, or ``-N`` when this launcher
+    was told to stop by signal N (``main`` then ends by that signal: a scheduler sees a
+    stopped replica, SLURM's sacct ``0:15``, not a failed one). The cause, first found: the failed rank's error file
     (copied into torchrun's), its faulthandler report, ``llamarl.app.roles.torchrun``'s line naming a
     rank a signal killed, else torchrun's own end."""
     with tempfile.TemporaryDirectory(prefix="llamarl-launch-") as tmp:
@@ -197,7 +200,7 @@ def supervise(command: list[str]) -> int:
             message = f"trainer stopped: {signal_stop_cause(signalled[0])}"
             health.write_error_file(message, returncode if returncode > 0 else 1)
             print(message, file=sys.stderr, flush=True)
-            return returncode if returncode > 0 else 1
+            return -signalled[0]
         if stopped_for is not None:
             # Another trainer node failed: its cause is the app's; this node merely
             # stopped (no error file, which would name it as a cause too).
@@ -256,7 +259,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="trainer replica 0's host (the rendezvous and the control store)")
     args, trainer_args = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank, rdzv_host=args.rdzv_host)
-    sys.exit(run(args.nproc_per_node, trainer_args, nodes))
+    code = run(args.nproc_per_node, trainer_args, nodes)
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code if code >= 0 else 1)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ the groups the checkpoint had not consumed (the slot ledger): no group is traine
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import logging
@@ -186,7 +187,8 @@ class Trainer:
             t0 = time.time()
             train = self.train_step(groups, step)
             t_train = time.time() - t0
-            save = bool(cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
+            requested = self._save_requested(step)  # every step: with several ranks, a collective
+            save = bool(cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or requested
             if step % cfg.eval_every == 0 or step == cfg.steps or save:
                 self._gather_full_model()  # the whole copy's uses: evaluation and checkpoints
             self.version += 1
@@ -196,6 +198,29 @@ class Trainer:
             snapshot = (Snapshot(self.model, self.optimizer, self.version, self.slots.ledger, self.slots.dropped,
                                  self.guard.skipped) if save else None)
             self.duties.after_step(StepDone(step, self.version, groups, values, self.slots.duplicates, snapshot))
+
+    def _save_requested(self, step: int) -> bool:
+        """Whether a checkpoint was asked for at the end of ``step``: the file
+        ``$LLAMARL_SAVE_REQUEST`` names exists (slurm_llamarl's batch script makes it on the
+        SIGUSR1 SLURM sends it ahead of the time limit; a file, not a signal to the ranks,
+        which one that came before a rank's start would miss). Every rank decides alike
+        (with several, the flag is reduced: one rank may see the file a step before
+        another), and the request is consumed."""
+        request_file = os.environ.get(SAVE_REQUEST_ENV, "")
+        if not request_file:
+            return False
+        wanted = os.path.exists(request_file)
+        if self.world > 1:
+            flag = torch.tensor([float(wanted)], device=next(self.model.parameters()).device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            wanted = bool(flag.item())
+        if wanted:
+            if self.rank == 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(request_file)
+                log.warning("a checkpoint was asked for (SLURM: the job's time limit is near): saving one at step %d; "
+                            "--resume %s continues from it", step, self.cfg.run_id or "<run id>")
+        return wanted
 
     def train_step(self, groups: list[RolloutGroup], step: int) -> dict[str, float] | None:
         """One optimizer step on ``groups`` (None: skipped). Every rank decides alone: with
@@ -270,6 +295,10 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str], world: int):
     if cfg.prompts_per_step % world:
         raise errors.ConfigError("llamarl.app.roles.trainer: prompts_per_step must be divisible by the number of trainer ranks")
     return args, cfg, gen
+
+
+SAVE_REQUEST_ENV = "LLAMARL_SAVE_REQUEST"
+"""Names a file whose existence asks for a checkpoint at the end of the current step."""
 
 
 def main(argv: list[str] | None = None) -> None:
