@@ -34,7 +34,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
+import queue
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -114,6 +116,37 @@ class _Episode:
     deadline: float = 0.0
 
 
+class StepPool:
+    """Daemon threads running environment steps. Not ``ThreadPoolExecutor``, whose
+    threads the interpreter joins at exit: one hung step would keep the process alive."""
+
+    def __init__(self, workers: int) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"env-step-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the episode, which ends counted
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+
 class EpisodeRunner:
     """Runs episodes of ``make_env()`` environments with ``model`` (see the module)."""
 
@@ -122,13 +155,13 @@ class EpisodeRunner:
                  top_p: float = 1.0, decoder: Decoder = "auto") -> None:
         self.model, self.tokenizer, self.make_env, self.cfg = model, tokenizer, make_env, cfg
         self.temperature, self.top_p, self.decoder = temperature, top_p, decoder
-        self.pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="env-step")
+        self.pool = StepPool(cfg.workers)
         self.stats = EpisodeStats()
         self._logged: set[str] = set()
 
     def close(self) -> None:
-        """Stop the pool; a hung step's thread is abandoned (it is a daemon-like worker)."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the pool's threads (a hung step's thread is abandoned: a daemon)."""
+        self.pool.close()
 
     def _ended(self, ep: _Episode, reason: str, detail: str = "") -> None:
         ep.end = reason
