@@ -13,7 +13,7 @@ Each episode: ``env.reset(row)`` renders to the prompt's ids; then rounds of
    episode waits for the policy again.
 
 An episode ends when a step says ``done``, after ``max_turns`` policy turns, when its
-sequence reaches ``max_episode_tokens``, or by a failure of its environment: a step past
+sequence reaches ``max_episode_tokens`` (or the model's context), or by a failure of its environment: a step past
 its deadline (``step_timeout``) or one that raised (``env_error``), counted by reason in
 ``EpisodeStats`` and logged once per reason; the run goes on. A hung step's thread cannot
 be killed (Python has no such thing): it holds one pool thread until it returns, which is
@@ -114,6 +114,9 @@ class _Episode:
     end: str | None = None
     step: Future | None = None
     deadline: float = 0.0
+    limit: int = 0
+    """Tokens after the prompt it may reach: ``max_episode_tokens``, or less where the
+    model's context ends first."""
 
 
 class StepPool:
@@ -183,10 +186,17 @@ class EpisodeRunner:
             return None
         fmt = ChatFormat(self.tokenizer, tool_schemas(getattr(env, "tools", ())))
         prompt, prompt_ids = fmt.prompt(messages)
-        return _Episode(env, fmt, row, messages, prompt, prompt_ids)
+        context = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
+        limit = min(self.cfg.max_episode_tokens, context - len(prompt_ids))
+        if limit < 1:
+            self.stats.ends[ENV_ERROR] += 1
+            self._log_once(ENV_ERROR, f"a prompt of {len(prompt_ids)} tokens leaves no room in the model's "
+                           f"context of {context}")
+            return None
+        return _Episode(env, fmt, row, messages, prompt, prompt_ids, limit=limit)
 
     def _sample_turns(self, ready: list[_Episode], version: int, rng: torch.Generator | None) -> None:
-        budgets = [self.cfg.max_episode_tokens - len(ep.ids) for ep in ready]
+        budgets = [ep.limit - len(ep.ids) for ep in ready]
         params = SamplingParams(max_new_tokens=min(self.cfg.max_turn_tokens, max(budgets)),
                                 temperature=self.temperature, top_p=self.top_p)
         eot = ready[0].fmt.end_of_turn_id
@@ -232,7 +242,7 @@ class EpisodeRunner:
         if not obs_ids:  # the next turn would merge into this one: one segment, two versions
             return self._ended(ep, ENV_ERROR, "an observation rendered to no tokens")
         # Room for the observation and at least one policy token after it.
-        if len(ep.ids) + len(obs_ids) >= self.cfg.max_episode_tokens:
+        if len(ep.ids) + len(obs_ids) >= ep.limit:
             return self._ended(ep, MAX_TOKENS)
         ep.messages += observation
         ep.ids += obs_ids
