@@ -103,3 +103,35 @@ def test_the_generator_plays_a_slot_s_row_and_reports_episode_metrics(policy):
     m = episodes.metrics()
     assert m["env/episodes"] == 4 and m["env/episode_turns"] >= 4
     assert sum(v for k, v in m.items() if k.startswith("env/episode_end/")) == 4
+
+
+class SlowAndFast:
+    """Row "slow": its first step waits until the row "fast" episode has played all its
+    turns (or 20 s). A runner that waited for every step before sampling again would never
+    let it: the fast episode's later turns must be sampled while the slow step runs."""
+
+    tools = ()
+    fast_done = threading.Event()
+
+    def rows(self, split, n, seed):
+        return []
+
+    def reset(self, row):
+        self.row, self.n = row, 0
+        return "Q: go\nA:"
+
+    def step(self, turn):
+        self.n += 1
+        if self.row["kind"] == "slow":
+            return Step(reward=float(self.fast_done.wait(20)), done=True)
+        if self.n == 3:
+            self.fast_done.set()
+        return Step(observation="ok", reward=0.0, done=self.n == 3)
+
+
+def test_a_slow_step_does_not_stall_the_other_episodes(policy):
+    r = EpisodeRunner(*policy, SlowAndFast, EpisodeConfig(max_turn_tokens=2, max_turns=3, step_timeout_s=60))
+    groups = r.groups([{"kind": "slow"}, {"kind": "fast"}], group_size=1, version=lambda: 0)
+    r.close()
+    assert groups[0].rollouts[0].task["env_reward"] == 1.0  # the fast one finished first
+    assert groups[1].rollouts[0].task["turns"] == 3
