@@ -93,6 +93,8 @@ class EchoEnv(OpenEnvEnvironment[EchoAction, EchoObservation, State]):
     """An OpenEnv environment as its template writes one: echoes, done after 2 steps,
     rewarded by the length of what it echoed."""
 
+    SUPPORTS_CONCURRENT_SESSIONS = True  # one instance per session: the G episodes run at once
+
     def __init__(self):
         super().__init__()
         self._state = State(step_count=0)
@@ -128,3 +130,43 @@ def test_an_openenv_environment_runs_unchanged(policy):
         second = r.completion_ids[start:]
         text = tokenizer.decode([t for t in second.tolist() if t != tokenizer.eos_token_id])
         assert r.task["env_reward"] == len(text)
+
+
+def test_an_openenv_app_served_over_http_runs_through_its_client(policy):
+    """The same environment served as OpenEnv serves one (its FastAPI app, over a
+    WebSocket), reached by OpenEnv's own client: 2 steps of each episode."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from openenv.core.env_server.http_server import create_fastapi_app
+    from openenv.core.generic_client import GenericEnvClient
+
+    from llamarl.app.envs.adapters import OpenEnv
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_fastapi_app(EchoEnv, EchoAction, EchoObservation,
+                                                              max_concurrent_envs=4),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        def make():
+            client = GenericEnvClient(base_url=f"http://127.0.0.1:{port}").sync()
+            return OpenEnv(client, action=lambda turn: {"message": turn})
+
+        runner = EpisodeRunner(*policy, make, EpisodeConfig(max_turn_tokens=3, max_turns=3))
+        groups = runner.groups([{"seed": 11}], group_size=2, version=lambda: 0,
+                               rng=torch.Generator().manual_seed(0))
+        runner.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert runner.stats.ends == {DONE: 2} and runner.stats.turns == 4
+    assert all(r.prompt.endswith("ready 11") and r.task["turns"] == 2 for r in groups[0].rollouts)

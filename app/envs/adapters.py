@@ -9,7 +9,9 @@ an ``Environment`` in this process (``openenv.core.env_server.interfaces.Environ
 adapter adds is the two conversions a text policy needs: the policy's turn to the
 environment's ``Action`` (by default: the action class's one required string field gets
 the turn) and an observation to text (by default: its one string field besides
-``done``/``reward``/``metadata``, else those fields as JSON). Rows are reset seeds.
+``done``/``reward``/``metadata``, else those fields as JSON; a client's observations are
+dicts, read alike). A client needs ``action=`` (its actions are dicts: ``lambda turn:
+{"message": turn}``). Rows are reset seeds.
 """
 
 from __future__ import annotations
@@ -84,6 +86,11 @@ class OpenEnv:
     def step(self, turn: str) -> Step:
         obs, reward, done = self._read(self.env.step(self.action(turn)))
         return Step(observation=self.render(obs), reward=None if reward is None else float(reward), done=done)
+
+    def close(self) -> None:
+        """Closes a client's connection (a server-side environment has nothing to close)."""
+        if callable(getattr(self.env, "close", None)):
+            self.env.close()
 
 
 __all__ = ["OpenEnv", "observation_text", "text_action"]

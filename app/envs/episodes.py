@@ -170,6 +170,8 @@ class EpisodeRunner:
         ep.end = reason
         self.stats.ends[reason] += 1
         self._log_once(reason, detail)
+        if callable(getattr(ep.env, "close", None)):  # optional: a client's connection, say
+            self.pool.submit(ep.env.close)  # on the pool: closing may block like a step
 
     def _log_once(self, reason: str, detail: str) -> None:
         if detail and reason not in self._logged:

@@ -94,6 +94,8 @@ class Environment(Protocol):
         """The policy wrote ``turn`` (its text, end-of-turn token removed)."""
         ...
 
+    # Optional: ``close()``, called (on the step pool) once the episode has ended.
+
 
 def as_messages(observation: Observation, role: str = "user") -> list[Message]:
     """An observation as chat messages (a text becomes one ``role`` message)."""
