@@ -35,6 +35,10 @@ def test_reasoning_gym_rows_and_its_own_score(policy):
     assert env.step(f"I think\n#### {row['answer']}").reward == 1.0
     env.reset(row)
     assert env.step("#### 123456789").reward == 0.0
+    words = build_env("reasoning_gym:spell_backward")()  # answers that are words, not numbers
+    word = words.rows("test", 1, seed=0)[0]
+    words.reset(word)
+    assert words.step(f"<answer>{word['answer']}</answer>").reward == 1.0
     runner = EpisodeRunner(*policy, make, EpisodeConfig(max_turn_tokens=4))
     groups = runner.groups(train[:2], group_size=2, version=lambda: 0, rng=torch.Generator().manual_seed(0))
     runner.close()

@@ -4,7 +4,7 @@ multi-turn game.
 - ``ReasoningGym(task, **options)`` (``--env reasoning_gym:<task>``): any of
   reasoning-gym's procedural tasks; its rows are the task's own items (training and
   held-out from seeds that never meet), the reward its ``score_answer`` of the final
-  answer (``#### x`` or ``\\boxed{x}``, else the whole turn). One turn.
+  answer (``final_answer_text``). One turn.
 - ``Calculator`` (``--env calculator``): the built-in arithmetic task with a
   ``calculate`` tool (``+ - * / ( )`` on numbers, evaluated from the syntax tree, never
   ``eval``) and, with ``python=true``, the sandboxed ``python`` tool. The episode ends at
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import operator
 import random
 import re
@@ -37,10 +38,16 @@ splits never share an item while they have fewer rows than this."""
 
 
 def final_answer_text(turn: str) -> str:
-    """The turn's final answer: after the last ``####`` or in the last ``\\boxed{}``,
-    else the whole turn, stripped."""
-    found = answers.final_answer(turn)
-    return (found if found is not None else turn).strip()
+    """The turn's final answer, whatever its kind (a word, a list, a number): inside the
+    last ``<answer>...</answer>`` (reasoning-gym's own convention), else the rest of the
+    line after the last ``####``, else the last ``\\boxed{}``, else the whole turn; stripped."""
+    tagged = re.findall(r"<answer>(.*?)</answer>", turn, re.DOTALL)
+    if tagged:
+        return tagged[-1].strip()
+    if "####" in turn:
+        return (turn.rsplit("####", 1)[1].strip().splitlines() or [""])[0].strip()
+    boxed = answers.boxed_answer(turn)
+    return (boxed if boxed is not None else turn).strip()
 
 
 @functools.cache
@@ -67,8 +74,11 @@ class ReasoningGym:
     def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
         seed = seed + (TEST_SEED_OFFSET if split == "test" else 0)
         data = _gym_dataset(self.task, self.options, seed, n)
-        return [{"question": e["question"], "answer": e["answer"], "metadata": e["metadata"],
-                 "gym_seed": seed, "gym_size": n} for e in data]
+        # Rows travel as the rollouts' JSON task: a task's metadata may hold tuples, sets or
+        # numpy numbers, which score_answer reads back as lists and strings alike (the row
+        # it scores is this JSON one in every process).
+        return [json.loads(json.dumps({"question": e["question"], "answer": e["answer"], "metadata": e["metadata"],
+                                       "gym_seed": seed, "gym_size": n}, default=str)) for e in data]
 
     def reset(self, row: Mapping[str, Any]) -> str:
         self.row = row
