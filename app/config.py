@@ -329,8 +329,22 @@ class GeneratorConfig:
     each batch bucket compiled at its first use; not with int8) (static and compiled are
     refused at the first batch for a policy the Llama fast path does not run). Other
     policies always decode eagerly. See docs/gpus.md#decoding-on-a-gpu."""
+    env: str = ""
+    """Run multi-turn episodes against this environment instead of sampling single
+    completions: ``calculator``, ``guess_number``, ``reasoning_gym:<task>``,
+    ``openenv:<module>:<Class>``, an ``llamarl.envs`` entry point or ``<module>:<Class>``,
+    options in parentheses; score them with ``--rewards env_reward``. Each policy turn
+    is at most ``max_new_tokens`` long. See docs/environments.md."""
+    max_turns: int = 4
+    """Policy turns per episode at most (with ``--env``)."""
+    max_episode_tokens: int = 256
+    """Tokens after the prompt per episode at most, the policy's and the environment's (with ``--env``)."""
+    env_step_timeout_s: float = 10.0
+    """Deadline of one environment step (a tool call); past it the episode ends, counted (with ``--env``)."""
 
     def __post_init__(self) -> None:
+        if min(self.max_turns, self.max_episode_tokens) < 1 or self.env_step_timeout_s <= 0:
+            raise ValueError("max_turns and max_episode_tokens must be >= 1 and env_step_timeout_s > 0")
         if self.gen_decoder not in get_args(Decoder):
             raise ValueError(f"gen_decoder must be one of {', '.join(get_args(Decoder))}, got {self.gen_decoder!r}")
         if self.gen_decoder == "compiled" and self.gen_precision == "int8":

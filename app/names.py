@@ -249,6 +249,9 @@ METRICS = "metrics"
 GEN_TOKENS_PER_S = "gen/tokens_per_s"
 GEN_SEQS_PER_S = "gen/seqs_per_s"
 GEN_VERSION = "gen/version"
+ENV_PREFIX = "env/"
+"""A generator's episode counts (``llamarl.app.envs.episodes.EpisodeStats``): episodes,
+turns, tool calls, ``tool_errors/<reason>``, ``episode_end/<reason>``, environment time."""
 WEIGHTS_QUANTIZE_S = "weights/quantize_s"
 """Seconds a generator spent quantizing one weight version to ``--gen-precision``
 (``step`` is the version), recorded with its weight syncs; none at fp32."""

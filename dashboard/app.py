@@ -248,10 +248,24 @@ def security_tab(run: data.Run) -> None:
         st.dataframe(counts, hide_index=True)
 
 
+def episodes_tab(run: data.Run) -> None:
+    env = run.scalar_series(prefix=names.ENV_PREFIX)
+    if env.empty:
+        st.info("No episodes in this run: its generators sampled single completions (no --env).")
+        return
+    st.caption("The generators' episodes (--env), counts so far: episodes, turns, tool calls, failed "
+               "tool calls by reason (env/tool_errors/...), how episodes ended (env/episode_end/...), "
+               "and the summed time of environment steps (env/env_step_s).")
+    time_s = env["name"] == names.ENV_PREFIX + "env_step_s"
+    chart_pair((charts.line_figure(env[~time_s], "Episodes, turns, tool calls and errors (counts so far)",
+                                   y_title="count"), "episodes-counts"),
+               (charts.line_figure(env[time_s], "Environment step time (summed)", y_title="s"), "episodes-env-s"))
+
+
 def other_scalars_tab(run: data.Run) -> None:
     others = [s for s in run.scalar_names()
               if s not in SHOWN and not s.startswith((names.QUEUE_PREFIX, names.MEMBERS_PREFIX, names.MISMATCH_PREFIX,
-                                                      *DROP_PREFIXES, names.SECURITY_PREFIX))]
+                                                      *DROP_PREFIXES, names.SECURITY_PREFIX, names.ENV_PREFIX))]
     if not others:
         st.info("Every scalar this run records is drawn in the other tabs.")
         return
@@ -268,6 +282,7 @@ TABS: dict[str, Callable[[data.Run], None]] = {
     "Learning": learning_tab,
     "Queues": queues_tab,
     "Security": security_tab,
+    "Episodes": episodes_tab,
     "All scalars": other_scalars_tab,
 }
 

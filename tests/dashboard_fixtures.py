@@ -285,6 +285,11 @@ def simulate(mode: Mode, *, steps: int, n_generators: int, t_start: float, seed:
                                    role="generator", replica=g.replica, step=step, t=end))
             events.append(m.scalar("idle_fraction", idle, role="generator", replica=g.replica,
                                    step=step, t=end))
+            if mode == "async":  # the async run's generators run episodes (--env): their env/ counts
+                events += [m.scalar(f"env/{k}", v * step, role="generator", replica=g.replica, step=step, t=end)
+                           for k, v in (("episodes", per_replica), ("episode_turns", 2.5 * per_replica),
+                                        ("tool_calls", 1.5 * per_replica), ("tool_errors/unparsed", 0.2),
+                                        ("episode_end/done", per_replica), ("env_step_s", 0.3))]
             if mode == "async":  # the async run's executors are on GPUs (llamarl.app.devices.device_metrics)
                 events += [m.scalar("device/utilization", 100 * (1 - idle) * (0.8 + 0.2 * rng.random()),
                                     role="generator", replica=g.replica, step=step, t=end),

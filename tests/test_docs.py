@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TOPICS = ["getting-started", "data", "rewards", "gpus", "slurm", "kubernetes", "failures",
+TOPICS = ["getting-started", "data", "rewards", "environments", "gpus", "slurm", "kubernetes", "failures",
           "security", "dashboard", "architecture"]
 """The pages the README links one paragraph each to (issue 28), besides benchmarks/README.md."""
 

@@ -20,6 +20,14 @@ def format_reward(prompt: str, completion: str, meta: dict) -> float:
     return 0.5 if extract_answer(completion) is not None else 0.0
 
 
+def env_reward(prompt: str, completion: str, meta: dict) -> float:
+    """An episode's reward from its environment (``meta["env_reward"]``, which the
+    generator's episode runner sets, ``llamarl.app.envs.episodes``)."""
+    if "env_reward" not in meta:
+        raise ValueError("env_reward scores episodes: this rollout has no env_reward (is --env set?)")
+    return float(meta["env_reward"])
+
+
 @dataclass(kw_only=True, frozen=True)
 class LengthPenalty:
     """``-min(max_penalty, scale * max(0, words - target))`` with ``words`` the number of

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from llamarl.app.errors import ConfigError
-from llamarl.app.rewards.builtins import LengthPenalty, format_reward
+from llamarl.app.rewards.builtins import LengthPenalty, env_reward, format_reward
 from llamarl.app.rewards.composite import CompositeReward
 from llamarl.app.rewards.core import Component
 from llamarl.app.rewards.models import HFClassifier, SemanticSimilarity
@@ -62,13 +62,15 @@ BUILTINS: dict[str, Callable[..., Any]] = {
     "gsm8k_verifier": _no_options(gsm8k_verifier),
     "boxed_verifier": _no_options(boxed_verifier),
     "format": _no_options(format_reward),
+    "env_reward": _no_options(env_reward),
     "length_penalty": LengthPenalty,
     "semantic_similarity": SemanticSimilarity,
     "hf_classifier": HFClassifier,
 }
 """Built-in name -> factory called with the spec's options."""
 
-INLINE_BUILTINS = frozenset({"math_verifier", "gsm8k_verifier", "boxed_verifier", "format", "length_penalty"})
+INLINE_BUILTINS = frozenset({"math_verifier", "gsm8k_verifier", "boxed_verifier", "format", "env_reward",
+                             "length_penalty"})
 """Built-ins that run in the scoring thread (``Component.inline``): pure Python that
 cannot hang or crash. The model-based ones, plugins and user code run in worker processes."""
 

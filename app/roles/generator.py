@@ -44,6 +44,7 @@ from llamarl.app.control import slots
 from llamarl.app.control import transport
 from llamarl.app.config import GeneratorConfig, TrainerConfig
 from llamarl.app.control.outbox import Outbox
+from llamarl.app.envs.slots import SlotEpisodes
 from llamarl.app.model.policy import load_policy
 from llamarl.app.control.seen_groups import first_seq
 from llamarl.app.weights.subscriber import Subscriber
@@ -92,6 +93,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
     # under this attempt, so no id is ever used twice and readers take only this
     # attempt's (they refuse a second copy, and a frame from before a resume).
     sent = first_seq(incarnations.register(rt.signed, rt.replica, runtime.run_attempt(rt)))
+    episodes = SlotEpisodes(model, tokenizer, trainer_cfg, gen_cfg) if gen_cfg.env else None
     while True:
         with timeline.idle("wait_weights"):
             while version is None and not subscriber.waiting():
@@ -115,12 +117,18 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
         held.take(slot_ids)
         rng.manual_seed(batch_seed(gen_cfg.gen_seed, slot_ids[0]))
         t0 = time.time()
-        # Each group goes out as the sampler's batch is cut into it (llamarl.app.control.outbox).
+        # Each group goes out as the sampler's batch is cut into it (llamarl.app.control.outbox);
+        # an episode batch's groups go out as its last turn ends.
         outbox.open(slot_ids, first_seq=sent)
-        rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slot_ids],
-                           group_size=trainer_cfg.group_size, params=sampling, version=version, rng=rng,
-                           generator_id=rt.replica, first_seq=sent, format_prompt=prompts.format_prompt,
-                           decoder=gen_cfg.gen_decoder, send=outbox.send)
+        if episodes is not None:
+            for group in episodes.groups(slot_ids, version=version, rng=rng, generator_id=rt.replica,
+                                         first_seq=sent, stop=rt.should_stop):
+                outbox.send(group)
+        else:
+            rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slot_ids],
+                               group_size=trainer_cfg.group_size, params=sampling, version=version, rng=rng,
+                               generator_id=rt.replica, first_seq=sent, format_prompt=prompts.format_prompt,
+                               decoder=gen_cfg.gen_decoder, send=outbox.send)
         outbox.close()
         dt = time.time() - t0 - outbox.push_s
         sent += outbox.sent
@@ -129,7 +137,8 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
                                   names.GEN_VERSION: version,
                                   names.IDLE_FRACTION: timeline.idle_fraction(),
                                   **devices.device_metrics(device), **subscriber.digest_metrics(),
-                                  **rt.security_metrics()},
+                                  **rt.security_metrics(),
+                                  **(episodes.metrics() if episodes is not None else {})},
                                  role="generator", replica=rt.replica)
         rt.emit(events + subscriber.events() + timeline.drain(), flush=True)
 

@@ -43,6 +43,9 @@ class LocalResult:
 
 
 def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] = print) -> LocalResult:
+    if gen.env:
+        raise errors.ConfigError("--env runs episodes in the app's generators (torchx run ... -- --env ...); "
+                                 "the local loop samples single completions")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t_start = time.time()

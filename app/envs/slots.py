@@ -1,0 +1,59 @@
+"""A generator's episodes, slot by slot: what ``--env`` changes in the generator's loop.
+
+Slot ``i`` (the staleness slots of ``llamarl.app.control.slots``) plays training row
+``i mod ROWS`` of the environment, rows drawn from the run's seed: every generator, and a
+resumed run, gives a slot the same row, so an episode lost in flight (a generator that
+died, a resume) is played again from its start by whoever regenerates the slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from llamarl.app import names
+from llamarl.app.config import GeneratorConfig, TrainerConfig
+from llamarl.app.envs.episodes import EpisodeConfig, EpisodeRunner
+from llamarl.app.envs.spec import build_env
+from llamarl.app.rl.contract import RolloutGroup
+
+ROWS = 1000
+"""Training rows drawn from the environment; slots cycle through them."""
+
+
+class SlotEpisodes:
+    """Runs the episodes of a batch of slots (see the module)."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: TrainerConfig,
+                 gen: GeneratorConfig) -> None:
+        make = build_env(gen.env)
+        self.spec, self.group_size = gen.env, cfg.group_size
+        self.rows = make().rows("train", ROWS, seed=cfg.seed)
+        episode = EpisodeConfig(max_turns=gen.max_turns, max_episode_tokens=gen.max_episode_tokens,
+                                max_turn_tokens=gen.max_new_tokens, step_timeout_s=gen.env_step_timeout_s)
+        self.runner = EpisodeRunner(model, tokenizer, make, episode, temperature=gen.temperature,
+                                    top_p=gen.top_p, decoder=gen.gen_decoder)
+
+    def groups(self, slot_ids: list[int], *, version: int, rng: torch.Generator | None, generator_id: int,
+               first_seq: int, stop: Callable[[], bool]) -> list[RolloutGroup]:
+        """One group of ``group_size`` episodes per slot, in slot order; none once ``stop``."""
+        rows = [self.rows[i % len(self.rows)] for i in slot_ids]
+        groups = self.runner.groups(rows, group_size=self.group_size, version=lambda: version, rng=rng,
+                                    generator_id=generator_id, first_seq=first_seq, stop=stop)
+        if stop():
+            return []
+        if len(groups) != len(rows):
+            raise RuntimeError(f"env {self.spec!r}: no episode of {len(rows) - len(groups)} of this batch's rows "
+                               f"could start (reset failed: {dict(self.runner.stats.ends)}); see the warning above")
+        return groups
+
+    def metrics(self) -> dict[str, Any]:
+        return {names.ENV_PREFIX + k: v for k, v in self.runner.stats.metrics().items()}
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+__all__ = ["ROWS", "SlotEpisodes"]

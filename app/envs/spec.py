@@ -1,0 +1,87 @@
+"""``--env``: which environment a run's episodes talk to, named like a reward.
+
+``NAME`` or ``NAME(option=value, ...)`` (options parsed as in ``--rewards``), NAME one of:
+
+- a built-in: ``calculator``, ``guess_number`` (``llamarl.app.envs.builtins``);
+- ``reasoning_gym:<task>``: a reasoning-gym task, e.g. ``reasoning_gym:basic_arithmetic``;
+- ``openenv:<package.module>:<Class>``: an OpenEnv environment class (``adapters.OpenEnv``);
+- an entry point of the ``llamarl.envs`` group (an installed plugin);
+- ``<package.module>:<Class>``: your own class, following ``protocol.Environment``.
+
+``build_env(spec)`` returns the factory the episode runner calls once per episode; it
+makes one environment at once, so a bad spec fails at startup with a one-line error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from typing import Any, Callable
+
+from llamarl.app.envs.adapters import OpenEnv
+from llamarl.app.envs.builtins import Calculator, GuessNumber, ReasoningGym
+from llamarl.app.envs.protocol import Environment
+from llamarl.app.errors import ConfigError
+from llamarl.app.rewards.spec import parse_spec
+
+ENTRY_POINT_GROUP = "llamarl.envs"
+
+BUILTINS: dict[str, Callable[..., Environment]] = {"calculator": Calculator, "guess_number": GuessNumber}
+
+
+def _import(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    if not module or not attr:
+        raise ConfigError(f"env {target!r}: expected package.module:Class")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(f"env {target!r}: cannot import {module!r} ({e}); is it on PYTHONPATH?") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"env {target!r}: module {module!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _factory(target: str, options: dict[str, Any]) -> Callable[[], Environment]:
+    if target in BUILTINS:
+        cls = BUILTINS[target]
+        return lambda: cls(**options)
+    if target.startswith("reasoning_gym:"):
+        task = target.partition(":")[2]
+        return lambda: ReasoningGym(task, **options)
+    if target.startswith("openenv:"):
+        env_cls = _import(target.partition(":")[2])
+        return lambda: OpenEnv(env_cls, **options)
+    plugins = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    cls = plugins[target].load() if target in plugins else _import(target) if ":" in target else None
+    if cls is None:
+        raise ConfigError(f"unknown env {target!r}: built-ins are {', '.join(sorted(BUILTINS))}; or "
+                          f"reasoning_gym:<task>, openenv:<module>:<Class>, an entry point of "
+                          f"{ENTRY_POINT_GROUP!r} ({', '.join(sorted(plugins)) or 'none installed'}), "
+                          "or <module>:<Class>")
+    return lambda: cls(**options)
+
+
+def build_env(spec: str) -> Callable[[], Environment]:
+    """The environment factory of ``spec`` (see the module), checked by making one."""
+    try:
+        parts = parse_spec(spec)
+    except ConfigError as e:
+        raise ConfigError(f"env spec {spec!r}: {e}") from None
+    if len(parts) != 1 or parts[0].weight != 1.0:
+        raise ConfigError(f"env spec {spec!r}: name one environment, with options in parentheses")
+    make = _factory(parts[0].target, parts[0].options)
+    try:
+        env = make()
+    except (TypeError, ValueError, ImportError) as e:
+        raise ConfigError(f"env {spec!r}: {e}") from e
+    missing = [m for m in ("rows", "reset", "step") if not callable(getattr(env, m, None))]
+    if missing:
+        raise ConfigError(f"env {spec!r}: {type(env).__name__} has no {', '.join(missing)} "
+                          "(see llamarl.app.envs.protocol.Environment)")
+    return make
+
+
+__all__ = ["BUILTINS", "ENTRY_POINT_GROUP", "build_env"]

@@ -1,0 +1,137 @@
+"""The episode runner: multi-turn episodes batched per turn, environment tokens masked,
+each turn's weight version recorded, and a hung or crashing environment step ending only
+its own episode, counted by reason."""
+
+import threading
+
+import pytest
+import torch
+
+from llamarl.app.envs import Step
+from llamarl.app.envs.episodes import (DONE, ENV_ERROR, MAX_TURNS, STEP_TIMEOUT, EpisodeConfig, EpisodeRunner)
+from llamarl.app.model.policy import create_default_policy
+from llamarl.app.rl.contract import from_message, policy_segments, to_message
+
+
+class Chatty:
+    """Answers every turn with "ok"; done after ``turns`` turns when row["stop"] says so."""
+
+    tools = ()
+
+    def __init__(self):
+        self.n = 0
+
+    def rows(self, split, n, seed):
+        return [{"question": f"{split} {i}"} for i in range(n)]
+
+    def reset(self, row):
+        self.row = row
+        return f"Q: {row['question']}\nA:"
+
+    def step(self, turn):
+        self.n += 1
+        if self.row.get("hang"):
+            threading.Event().wait(30)
+        if self.row.get("crash"):
+            raise RuntimeError("env bug")
+        done = self.n >= self.row.get("stop", 99)
+        return Step(observation="ok", reward=1.0 if done else 0.5, done=done)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    model, tokenizer = create_default_policy()
+    return model, tokenizer
+
+
+def runner(policy, **cfg):
+    model, tokenizer = policy
+    return EpisodeRunner(model, tokenizer, Chatty, EpisodeConfig(max_turn_tokens=4, **cfg))
+
+
+def test_turns_are_segments_with_their_versions_and_the_environment_is_masked(policy):
+    r = runner(policy, max_turns=3, max_episode_tokens=200)
+    versions = iter(range(10, 100))
+    swaps = []
+    groups = r.groups([{"question": "a"}, {"question": "b", "stop": 2}], group_size=2,
+                      version=lambda: swaps[-1], between_turns=lambda: swaps.append(next(versions)),
+                      rng=torch.Generator().manual_seed(0), generator_id=3, first_seq=7)
+    r.close()
+    assert [g.group_id for g in groups] == [(3, 7), (3, 8)]
+    # A round samples whichever episodes are ready: all four at first; later rounds may
+    # split when some steps finish after others (decoding goes on beside them).
+    assert swaps[0] == 10 and 3 <= len(swaps) <= 10
+    ends = [[rr.task["episode_end"] for rr in g.rollouts] for g in groups]
+    assert ends == [[MAX_TURNS] * 2, [DONE] * 2]
+    assert r.stats.ends == {MAX_TURNS: 2, DONE: 2} and r.stats.turns == 3 * 2 + 2 * 2
+    ok_ids = policy[1]("\nok\n", add_special_tokens=False)["input_ids"]
+    for g, turns in zip(groups, (3, 2)):
+        assert g.version == max(int(ro.segment_versions.max()) for ro in g.rollouts)
+        for ro in g.rollouts:
+            assert ro.task["turns"] == turns and policy_segments(ro.policy_mask) == turns
+            v = ro.segment_versions.tolist()  # each turn its round's version, in order
+            assert len(v) == turns and v == sorted(set(v)) and set(v) <= set(swaps) and ro.oldest_version == 10
+            env = ~ro.policy_mask
+            assert int(env.sum()) == (turns - 1) * len(ok_ids)
+            assert bool((ro.behaviour_logprobs[env] == 0).all()) and bool((ro.behaviour_logprobs[~env] < 0).all())
+            assert ro.task["env_reward"] == 1.5  # summed: 0.5 * 3, or 0.5 + 1.0
+    again = from_message(to_message(groups[0]))  # the episode survives the wire
+    assert torch.equal(again.rollouts[0].policy_mask, groups[0].rollouts[0].policy_mask)
+    assert torch.equal(again.rollouts[1].segment_versions, groups[0].rollouts[1].segment_versions)
+
+
+def test_a_hung_or_crashing_step_ends_only_its_episode(policy):
+    r = runner(policy, max_turns=2, step_timeout_s=0.5, workers=4)
+    groups = r.groups([{"question": "x", "hang": True}, {"question": "y", "crash": True},
+                       {"question": "z", "stop": 1}], group_size=1, version=lambda: 0)
+    r.close()
+    assert r.stats.ends == {STEP_TIMEOUT: 1, ENV_ERROR: 1, DONE: 1}
+    assert [g.rollouts[0].task["episode_end"] for g in groups] == [STEP_TIMEOUT, ENV_ERROR, DONE]
+
+
+def test_the_generator_plays_a_slot_s_row_and_reports_episode_metrics(policy):
+    from llamarl.app.config import GeneratorConfig, TrainerConfig
+    from llamarl.app.envs.slots import SlotEpisodes
+
+    gen = GeneratorConfig(env="guess_number(high=5)", max_new_tokens=3, max_turns=2)
+    episodes = SlotEpisodes(*policy, TrainerConfig(group_size=2, seed=1), gen)
+    groups = episodes.groups([4, 1004], version=7, rng=torch.Generator().manual_seed(0), generator_id=0,
+                             first_seq=0, stop=lambda: False)
+    episodes.close()
+    # Slots 4 and 1004 play the same row (slots cycle through ROWS = 1000 rows).
+    assert [g.rollouts[0].task["secret"] for g in groups] == [episodes.rows[4]["secret"]] * 2
+    m = episodes.metrics()
+    assert m["env/episodes"] == 4 and m["env/episode_turns"] >= 4
+    assert sum(v for k, v in m.items() if k.startswith("env/episode_end/")) == 4
+
+
+class SlowAndFast:
+    """Row "slow": its first step waits until the row "fast" episode has played all its
+    turns (or 20 s). A runner that waited for every step before sampling again would never
+    let it: the fast episode's later turns must be sampled while the slow step runs."""
+
+    tools = ()
+    fast_done = threading.Event()
+
+    def rows(self, split, n, seed):
+        return []
+
+    def reset(self, row):
+        self.row, self.n = row, 0
+        return "Q: go\nA:"
+
+    def step(self, turn):
+        self.n += 1
+        if self.row["kind"] == "slow":
+            return Step(reward=float(self.fast_done.wait(20)), done=True)
+        if self.n == 3:
+            self.fast_done.set()
+        return Step(observation="ok", reward=0.0, done=self.n == 3)
+
+
+def test_a_slow_step_does_not_stall_the_other_episodes(policy):
+    r = EpisodeRunner(*policy, SlowAndFast, EpisodeConfig(max_turn_tokens=2, max_turns=3, step_timeout_s=60))
+    groups = r.groups([{"kind": "slow"}, {"kind": "fast"}], group_size=1, version=lambda: 0)
+    r.close()
+    assert groups[0].rollouts[0].task["env_reward"] == 1.0  # the fast one finished first
+    assert groups[1].rollouts[0].task["turns"] == 3
