@@ -28,7 +28,7 @@ import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
 from llamarl.app import names# noqa: E402
-from llamarl.dashboard import charts, data  # noqa: E402
+from llamarl.dashboard import charts, data, episodes  # noqa: E402
 
 log = logging.getLogger("llamarl.dashboard")
 
@@ -171,6 +171,8 @@ def staleness_tab(run: data.Run) -> None:
                (charts.staleness_steps_figure(run.staleness_by_step(), bound), "stale-steps"))
     if bound is None:
         st.caption("The run's config has no max_staleness, so no bound is drawn.")
+    if episodes.has_episodes(run):
+        chart(episodes.versions_figure(run), "stale-ep-versions")
     mismatch = run.scalar_series(prefix=names.MISMATCH_PREFIX)
     if mismatch.empty:
         return
@@ -266,6 +268,7 @@ TABS: dict[str, Callable[[data.Run], None]] = {
     "Off-policy": staleness_tab,
     "Weight sync": weight_sync_tab,
     "Learning": learning_tab,
+    "Episodes": episodes.episodes_tab,
     "Queues": queues_tab,
     "Security": security_tab,
     "All scalars": other_scalars_tab,
