@@ -252,6 +252,12 @@ GEN_VERSION = "gen/version"
 ENV_PREFIX = "env/"
 """A generator's episode counts (``llamarl.app.envs.episodes.EpisodeStats``): episodes,
 turns, tool calls, ``tool_errors/<reason>``, ``episode_end/<reason>``, environment time."""
+ENV_EPISODE_TOKENS_PREFIX = ENV_PREFIX + "episode_tokens/"
+"""``env/episode_tokens/<b>``: a generator's episodes so far whose tokens after the prompt
+(the policy's and the environment's) are at most ``b`` and more than ``b / 2``."""
+ENV_EPISODE_VERSIONS_PREFIX = ENV_PREFIX + "episode_versions/"
+"""``env/episode_versions/<n>``: a generator's episodes so far whose turns were sampled with
+``n`` different weight versions."""
 WEIGHTS_QUANTIZE_S = "weights/quantize_s"
 """Seconds a generator spent quantizing one weight version to ``--gen-precision``
 (``step`` is the version), recorded with its weight syncs; none at fp32."""

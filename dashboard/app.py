@@ -28,7 +28,7 @@ import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
 from llamarl.app import names# noqa: E402
-from llamarl.dashboard import charts, data  # noqa: E402
+from llamarl.dashboard import charts, data, episodes  # noqa: E402
 
 log = logging.getLogger("llamarl.dashboard")
 
@@ -171,6 +171,8 @@ def staleness_tab(run: data.Run) -> None:
                (charts.staleness_steps_figure(run.staleness_by_step(), bound), "stale-steps"))
     if bound is None:
         st.caption("The run's config has no max_staleness, so no bound is drawn.")
+    if episodes.has_episodes(run):
+        chart(episodes.versions_figure(run), "stale-ep-versions")
     mismatch = run.scalar_series(prefix=names.MISMATCH_PREFIX)
     if mismatch.empty:
         return
@@ -248,20 +250,6 @@ def security_tab(run: data.Run) -> None:
         st.dataframe(counts, hide_index=True)
 
 
-def episodes_tab(run: data.Run) -> None:
-    env = run.scalar_series(prefix=names.ENV_PREFIX)
-    if env.empty:
-        st.info("No episodes in this run: its generators sampled single completions (no --env).")
-        return
-    st.caption("The generators' episodes (--env), counts so far: episodes, turns, tool calls, failed "
-               "tool calls by reason (env/tool_errors/...), how episodes ended (env/episode_end/...), "
-               "and the summed time of environment steps (env/env_step_s).")
-    time_s = env["name"] == names.ENV_PREFIX + "env_step_s"
-    chart_pair((charts.line_figure(env[~time_s], "Episodes, turns, tool calls and errors (counts so far)",
-                                   y_title="count"), "episodes-counts"),
-               (charts.line_figure(env[time_s], "Environment step time (summed)", y_title="s"), "episodes-env-s"))
-
-
 def other_scalars_tab(run: data.Run) -> None:
     others = [s for s in run.scalar_names()
               if s not in SHOWN and not s.startswith((names.QUEUE_PREFIX, names.MEMBERS_PREFIX, names.MISMATCH_PREFIX,
@@ -280,9 +268,9 @@ TABS: dict[str, Callable[[data.Run], None]] = {
     "Off-policy": staleness_tab,
     "Weight sync": weight_sync_tab,
     "Learning": learning_tab,
+    "Episodes": episodes.episodes_tab,
     "Queues": queues_tab,
     "Security": security_tab,
-    "Episodes": episodes_tab,
     "All scalars": other_scalars_tab,
 }
 

@@ -44,8 +44,8 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
     assert float(metrics["mean staleness"]) > 0
     assert metrics["last checkpoint"] == "step 40"
     tabs = [t.label for t in at.tabs]
-    assert tabs == ["Throughput", "Executors", "Off-policy", "Weight sync", "Learning", "Queues", "Security",
-                    "Episodes", "All scalars"]
+    assert tabs == ["Throughput", "Executors", "Off-policy", "Weight sync", "Learning", "Episodes", "Queues",
+                    "Security", "All scalars"]
     drawn = {}
     for tab in tabs:  # only the open tab runs its queries, so open each in turn
         at.session_state["tab"] = tab
@@ -55,9 +55,10 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
         drawn[tab] = charts(at)
     # Executors: idle share, idle over time, timeline, GPU utilisation and memory (this run's
     # executors are on GPUs; a CPU run has no GPU charts: test_cpu_runs_draw_no_gpu_charts).
-    # Off-policy: staleness (2) and the mismatch by lag (2); Weight sync: syncs, senders, quantization.
-    assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 4, "Weight sync": 3, "Learning": 6,
-                     "Queues": 2, "Security": 1, "Episodes": 2, "All scalars": 0}
+    # Off-policy: staleness (2), the mismatch by lag (2), versions per episode; Episodes: 6 (the
+    # fixture run has episodes); Weight sync: syncs, senders, quantization.
+    assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 5, "Weight sync": 3, "Learning": 6,
+                     "Episodes": 6, "Queues": 2, "Security": 1, "All scalars": 0}
 
 
 def test_security_tab_totals_every_security_counter(monkeypatch, runs_root):

@@ -8,6 +8,7 @@ died, a resume) is played again from its start by whoever regenerates the slot.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -33,6 +34,10 @@ class SlotEpisodes:
         self.rows = make().rows("train", ROWS, seed=cfg.seed)
         episode = EpisodeConfig(max_turns=gen.max_turns, max_episode_tokens=gen.max_episode_tokens,
                                 max_turn_tokens=gen.max_new_tokens, step_timeout_s=gen.env_step_timeout_s)
+        # Episodes per length bucket (tokens after the prompt, up to a power of two) and per
+        # number of weight versions their turns were sampled with: the dashboard's histograms.
+        self.lengths: Counter[int] = Counter()
+        self.versions: Counter[int] = Counter()
         self.runner = EpisodeRunner(model, tokenizer, make, episode, temperature=gen.temperature,
                                     top_p=gen.top_p, decoder=gen.gen_decoder)
 
@@ -47,10 +52,16 @@ class SlotEpisodes:
         if len(groups) != len(rows):
             raise RuntimeError(f"env {self.spec!r}: no episode of {len(rows) - len(groups)} of this batch's rows "
                                f"could start (reset failed: {dict(self.runner.stats.ends)}); see the warning above")
+        for r in (r for g in groups for r in g.rollouts):
+            self.lengths[1 << max(0, len(r.completion_ids) - 1).bit_length()] += 1
+            self.versions[len(set(r.segment_versions.tolist()))] += 1
         return groups
 
     def metrics(self) -> dict[str, Any]:
-        return {names.ENV_PREFIX + k: v for k, v in self.runner.stats.metrics().items()}
+        out = {names.ENV_PREFIX + k: v for k, v in self.runner.stats.metrics().items()}
+        out.update({f"{names.ENV_EPISODE_TOKENS_PREFIX}{k}": float(v) for k, v in self.lengths.items()})
+        out.update({f"{names.ENV_EPISODE_VERSIONS_PREFIX}{k}": float(v) for k, v in self.versions.items()})
+        return out
 
     def close(self) -> None:
         self.runner.close()

@@ -5,6 +5,7 @@
 - a built-in: ``calculator``, ``guess_number`` (``llamarl.app.envs.builtins``);
 - ``reasoning_gym:<task>``: a reasoning-gym task, e.g. ``reasoning_gym:basic_arithmetic``;
 - ``openenv:<package.module>:<Class>``: an OpenEnv environment class (``adapters.OpenEnv``);
+- ``verifiers:<package.module>:<name>``: a verifiers taskset, env or loader (``verifiers_adapter``);
 - an entry point of the ``llamarl.envs`` group (an installed plugin);
 - ``<package.module>:<Class>``: your own class, following ``protocol.Environment``.
 
@@ -21,6 +22,7 @@ from typing import Any, Callable
 from llamarl.app.envs.adapters import OpenEnv
 from llamarl.app.envs.builtins import Calculator, GuessNumber, ReasoningGym
 from llamarl.app.envs.protocol import Environment
+from llamarl.app.envs.verifiers_adapter import verifiers_factory
 from llamarl.app.errors import ConfigError
 from llamarl.app.rewards.spec import parse_spec
 
@@ -54,11 +56,14 @@ def _factory(target: str, options: dict[str, Any]) -> Callable[[], Environment]:
     if target.startswith("openenv:"):
         env_cls = _import(target.partition(":")[2])
         return lambda: OpenEnv(env_cls, **options)
+    if target.startswith("verifiers:"):
+        return verifiers_factory(_import(target.partition(":")[2]), dict(options))
     plugins = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
     cls = plugins[target].load() if target in plugins else _import(target) if ":" in target else None
     if cls is None:
         raise ConfigError(f"unknown env {target!r}: built-ins are {', '.join(sorted(BUILTINS))}; or "
-                          f"reasoning_gym:<task>, openenv:<module>:<Class>, an entry point of "
+                          "reasoning_gym:<task>, openenv:<module>:<Class>, verifiers:<module>:<name>, "
+                          f"an entry point of "
                           f"{ENTRY_POINT_GROUP!r} ({', '.join(sorted(plugins)) or 'none installed'}), "
                           "or <module>:<Class>")
     return lambda: cls(**options)
@@ -72,9 +77,11 @@ def build_env(spec: str) -> Callable[[], Environment]:
         raise ConfigError(f"env spec {spec!r}: {e}") from None
     if len(parts) != 1 or parts[0].weight != 1.0:
         raise ConfigError(f"env spec {spec!r}: name one environment, with options in parentheses")
-    make = _factory(parts[0].target, parts[0].options)
     try:
+        make = _factory(parts[0].target, parts[0].options)
         env = make()
+    except ConfigError:
+        raise
     except (TypeError, ValueError, ImportError) as e:
         raise ConfigError(f"env {spec!r}: {e}") from e
     missing = [m for m in ("rows", "reset", "step") if not callable(getattr(env, m, None))]

@@ -1,0 +1,207 @@
+"""Multi-turn episodes with a tool: accuracy, async with a slow tool, generator tokens/s.
+
+    python benchmarks/episodes.py --json out.json
+
+Three measurements, each side by side in one run on this machine:
+
+1. **Tool vs no tool.** Two runs of the real TorchX app from the same policy and seed, the
+   same steps and samples, on the built-in arithmetic task's hardest level (level 3: three
+   chained operations) as an environment (``BenchCalculator``): one with the ``calculate``
+   tool described to the policy, one without (the same environment, ``tool=false``). Each
+   run's final checkpoint then plays the same held-out rows (greedy, one episode per row,
+   up to ``--max-turns`` turns) with its own condition's environment: ``acc_tool``,
+   ``acc_no_tool`` and ``acc_se`` (the larger binomial standard error of the two).
+2. **Async vs sync with a variable tool latency.** Two app runs with ``max_staleness`` 0
+   (generate, train, sync) and 1, every environment step sleeping a uniform 0 to
+   ``--max-sleep-ms`` ms first (``BenchCalculator(max_sleep_ms=...)``, the tool's
+   latency): ``async_speedup_tool_latency`` = sync median step time / async.
+3. **Generator tokens/s.** In this process, the policy plays ``--rows`` episodes at once
+   through the episode runner, then ``sample`` writes single-turn completions of the same
+   total length (the episodes' mean completion tokens, no EOS stop) for the same prompts:
+   tokens per second of each (every completion token counted, environment tokens too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sqlite3
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if not __package__:  # `python benchmarks/episodes.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llamarl.app.envs.builtins import Calculator  # noqa: E402
+from llamarl.app.envs.protocol import Step  # noqa: E402
+
+ENV = "benchmarks.episodes:BenchCalculator"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class BenchCalculator(Calculator):
+    """The calculator environment on one arithmetic level, with or without its tool, each
+    step first sleeping a uniform ``0..max_sleep_ms`` ms (a tool of variable latency)."""
+
+    def __init__(self, *, tool: bool = True, level: int = 3, max_sleep_ms: int = 0) -> None:
+        super().__init__(levels=(level,))
+        if not tool:
+            self.tools = ()
+        self.max_sleep_ms = max_sleep_ms
+        self._rng = random.Random()
+
+    def step(self, turn: str) -> Step:
+        if self.max_sleep_ms:
+            time.sleep(self._rng.uniform(0, self.max_sleep_ms) / 1000)
+        return super().step(turn)
+
+
+def spec(**options: Any) -> str:
+    return f"{ENV}({','.join(f'{k}={str(v).lower()}' for k, v in options.items())})"
+
+
+def launch(name: str, env: str, max_staleness: int, args: argparse.Namespace) -> Path:
+    from torchx.runner import get_runner
+    from torchx.specs import AppState
+
+    from benchmarks import apps
+
+    options = ["--num_generators", "1", "--steps", str(args.steps), "--max_staleness", str(max_staleness),
+               "--runs_dir", args.runs_dir, "--threads", "1", "--policy", args.policy]
+    flags = ["--env", env, "--rewards", "env_reward", "--max-turns", str(args.max_turns),
+             "--max-episode-tokens", str(args.max_episode_tokens), "--max-new-tokens", str(args.max_new_tokens),
+             "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
+             "--gen-batch-prompts", str(args.prompts_per_step), "--seed", str(args.seed),
+             "--eval-every", str(args.steps), "--eval-size", "20", "--save-every", str(args.steps)]
+    t0 = time.time()
+    with get_runner() as runner:
+        # The roles import this module by ``ENV``: the repository root goes on their path.
+        path = ":".join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+        handle = apps.start(runner, options, flags, log_dir=f"{args.runs_dir}/torchx-logs",
+                            env={"PYTHONPATH": path})
+        state = apps.wait(runner, handle, args.timeout_s).state
+        if state != AppState.SUCCEEDED:
+            raise RuntimeError(f"{name} run ended {state}: see {args.runs_dir}/torchx-logs")
+    print(f"{name}: finished in {time.time() - t0:.0f} s", file=sys.stderr)
+    return Path(args.runs_dir) / handle.rsplit("/", 1)[-1]
+
+
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    from llamarl.app import names
+
+    db = sqlite3.connect(f"file:{run_dir / 'metrics.db'}?mode=ro", uri=True)
+    step_s = [v for (v,) in db.execute("SELECT value FROM scalars WHERE name = ? ORDER BY step", [names.TRAIN_STEP_S])]
+    env = dict(db.execute("SELECT name, max(value) FROM scalars WHERE role = 'generator' AND name LIKE 'env/%' "
+                          "GROUP BY name").fetchall())
+    db.close()
+    return {"run_dir": str(run_dir), "median_step_s": statistics.median(step_s[1:] or step_s), "env": env}
+
+
+def _runner(policy: Path | str, env: BenchCalculator, args: argparse.Namespace):
+    from llamarl.app.envs.episodes import EpisodeConfig, EpisodeRunner
+    from llamarl.app.model.policy import load_policy
+
+    model, tokenizer = load_policy(policy)
+    cfg = EpisodeConfig(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens,
+                        max_turn_tokens=args.max_new_tokens)
+    return EpisodeRunner(model, tokenizer, lambda: BenchCalculator(tool=bool(env.tools)), cfg, temperature=0.0)
+
+
+def held_out_accuracy(policy: Path, tool: bool, args: argparse.Namespace) -> dict[str, float]:
+    """Greedy, one episode per held-out row, with the condition's environment."""
+    env = BenchCalculator(tool=tool)
+    runner = _runner(policy, env, args)
+    try:
+        rows = env.rows("test", args.eval_rows, seed=args.seed)
+        groups = runner.run(rows, group_size=1, version=lambda: 0)
+    finally:
+        runner.close()
+    rewards = [sum(ep.rewards) for g in groups for ep in g]
+    acc = sum(rewards) / len(rewards)
+    return {"acc": acc, "se": math.sqrt(acc * (1 - acc) / len(rewards)), "n": len(rewards),
+            "tool_calls": runner.stats.tool_calls, "turns": runner.stats.turns}
+
+
+def tokens_per_s(policy: Path | str, args: argparse.Namespace) -> dict[str, float]:
+    """Episodes in flight vs single-turn sampling of the same total length (see the module)."""
+    import torch
+
+    from llamarl.app.sampling import SamplingParams, sample
+
+    env = BenchCalculator()
+    runner = _runner(policy, env, args)
+    runner.temperature = 1.0
+    rows = env.rows("train", args.rows, seed=args.seed)
+    try:
+        t0 = time.perf_counter()
+        groups = runner.run(rows, group_size=1, version=lambda: 0, rng=torch.Generator().manual_seed(args.seed))
+        episode_s = time.perf_counter() - t0
+    finally:
+        runner.close()
+    episodes = [ep for g in groups for ep in g]
+    tokens = sum(len(ep.ids) for ep in episodes)
+    length = max(1, round(tokens / len(episodes)))
+    prompts = [ep.prompt_ids for ep in episodes]
+    t0 = time.perf_counter()
+    out = sample(runner.model, prompts, SamplingParams(max_new_tokens=length, temperature=1.0),
+                 eos_id=-1, pad_id=runner.tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed))
+    single_s = time.perf_counter() - t0
+    single_tokens = int(out.lengths_B.sum())
+    return {"episode_tokens_per_s": tokens / episode_s, "single_turn_tokens_per_s": single_tokens / single_s,
+            "episode_tokens": tokens, "single_turn_tokens": single_tokens, "episodes": len(episodes),
+            "mean_turns": runner.stats.turns / len(episodes)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--max-episode-tokens", type=int, default=96)
+    parser.add_argument("--max-sleep-ms", type=int, default=200)
+    parser.add_argument("--eval-rows", type=int, default=200)
+    parser.add_argument("--rows", type=int, default=32, help="episodes in flight for the tokens/s figure")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", default="warmstart")
+    parser.add_argument("--runs-dir", default="runs/bench-episodes")
+    parser.add_argument("--timeout-s", type=float, default=900)
+    args = parser.parse_args()
+    if args.policy == "warmstart":
+        from llamarl.app.rl.warmstart import ensure_warmstart
+        args.policy = str(ensure_warmstart().resolve())
+
+    speed = tokens_per_s(args.policy, args)
+    runs = {name: run_summary(launch(name, env, staleness, args)) for name, env, staleness in [
+        ("tool", spec(tool=True), 1), ("no_tool", spec(tool=False), 1),
+        ("sync_slow_tool", spec(max_sleep_ms=args.max_sleep_ms), 0),
+        ("async_slow_tool", spec(max_sleep_ms=args.max_sleep_ms), 1)]}
+    acc = {name: held_out_accuracy(Path(runs[name]["run_dir"]) / "checkpoints" / f"step-{args.steps}",
+                                   name == "tool", args) for name in ("tool", "no_tool")}
+    sync_s, async_s = runs["sync_slow_tool"]["median_step_s"], runs["async_slow_tool"]["median_step_s"]
+    result = {
+        "acc_tool": acc["tool"]["acc"], "acc_no_tool": acc["no_tool"]["acc"],
+        "acc_se": max(acc["tool"]["se"], acc["no_tool"]["se"]),
+        "async_speedup_tool_latency": sync_s / async_s,
+        "sync_step_s": sync_s, "async_step_s": async_s, **speed,
+        "details": {"held_out": acc, "runs": runs, "args": {k: v for k, v in vars(args).items() if k != "json"}},
+    }
+    Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    print(f"held-out accuracy (level 3, {args.eval_rows} rows): tool {result['acc_tool']:.3f}, "
+          f"no tool {result['acc_no_tool']:.3f} (se {result['acc_se']:.3f})")
+    print(f"step time with a 0-{args.max_sleep_ms} ms tool: sync {sync_s:.2f} s, async {async_s:.2f} s, "
+          f"speedup {result['async_speedup_tool_latency']:.2f}x")
+    print(f"generator tokens/s: episodes {speed['episode_tokens_per_s']:.0f}, single-turn "
+          f"{speed['single_turn_tokens_per_s']:.0f}; wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
