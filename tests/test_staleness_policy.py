@@ -35,10 +35,14 @@ def test_holds_when_the_generators_do_not_wait_or_nothing_was_measured():
     assert p.bound == 2
 
 
-def test_blocking_must_last_patience_steps_in_a_row():
-    p = BoundPolicy(bound=1, patience=3, settle_steps=0)
-    idle = Observation(blocked=0.0, **TAME)
-    assert run(p, [BLOCKED, BLOCKED, idle, BLOCKED, BLOCKED, BLOCKED]) == [1, 1, 1, 1, 1, 2]
+def test_blocking_is_averaged_over_patience_steps():
+    """Generators report a wait when their next batch is done: one step may carry it all."""
+    p = BoundPolicy(bound=1, patience=3, settle_steps=0, blocked_min=0.1)
+    little = Observation(blocked=0.05, **TAME)
+    assert run(p, [little] * 4) == [1, 1, 1, 1]
+    p = BoundPolicy(bound=1, patience=3, settle_steps=0, blocked_min=0.1)
+    lumpy = [Observation(blocked=b, **TAME) for b in (0.0, 0.0, 0.4, 0.0, 0.0, 0.0, 0.0)]
+    assert run(p, lumpy) == [1, 1, 2, 2, 2, 2, 2]
 
 
 @pytest.mark.parametrize("wild", [dict(ess=0.5, frac_truncated=0.0, kl=0.0),

@@ -6,8 +6,9 @@ AIPO weights start carrying the gradient on a few tokens. ``BoundPolicy`` weighs
 after every step, from what the step already measured (``Observation``):
 
 - **raise** the bound by one (up to ``cap``) when the generators waited on it for at
-  least ``blocked_min`` of their time since the last step (the bound is the
-  bottleneck), for ``patience`` steps in a row, and the ratios are tame;
+  least ``blocked_min`` of their time over the last ``patience`` steps (the bound is
+  the bottleneck; a mean, since generators report their waits when their next batch is
+  done, not at every step), and the ratios are tame;
 - **lower** it by one (down to ``floor``) when the ratios are not tame: the lowest
   effective sample size of the AIPO weights over the lags present is below ``ess_min``,
   or the truncated share is above ``truncated_max``, or KL(mu || pi) at the worst lag is
@@ -22,7 +23,8 @@ applies it between steps (``llamarl.app.roles.controller``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -68,7 +70,7 @@ class BoundPolicy:
     kl_max: float = 0.05
     patience: int = 2
     settle_steps: int = 2
-    _blocked_steps: int = 0
+    _blocked: deque = field(default_factory=deque, repr=False)  # the last ``patience`` observations
     _since_change: int = 1 << 30
 
     def __post_init__(self) -> None:
@@ -92,7 +94,10 @@ class BoundPolicy:
     def observe(self, obs: Observation) -> Decision:
         """The bound after this step, and why; it moves by at most one a step."""
         self._since_change += 1
-        self._blocked_steps = self._blocked_steps + 1 if obs.blocked >= self.blocked_min else 0
+        self._blocked.append(obs.blocked)
+        while len(self._blocked) > self.patience:
+            self._blocked.popleft()
+        blocked = sum(self._blocked) / len(self._blocked)
         settling = self._since_change <= self.settle_steps
         why = self.wild(obs)
         if why is not None:
@@ -102,16 +107,16 @@ class BoundPolicy:
                 return self._hold(f"{why}, settling after the last change")
             return self._move(self.bound - 1, "lower", why)
         measured = obs.ess is not None or obs.frac_truncated is not None or obs.kl is not None
-        if self._blocked_steps < self.patience:
-            return self._hold(f"generators blocked {obs.blocked:.0%} of the time")
+        if len(self._blocked) < self.patience or blocked < self.blocked_min:
+            return self._hold(f"generators blocked {blocked:.0%} of the time")
         if not measured:
             return self._hold("no ratio measured this step")
         if self.bound >= self.cap:
-            return self._hold(f"generators blocked {obs.blocked:.0%}, at the cap {self.cap}")
+            return self._hold(f"generators blocked {blocked:.0%}, at the cap {self.cap}")
         if settling:
             return self._hold("settling after the last change")
-        return self._move(self.bound + 1, "raise", f"generators blocked {obs.blocked:.0%} for "
-                          f"{self._blocked_steps} steps, ratios tame ({self._tame(obs)})")
+        return self._move(self.bound + 1, "raise", f"generators blocked {blocked:.0%} of the last "
+                          f"{len(self._blocked)} steps, ratios tame ({self._tame(obs)})")
 
     def _tame(self, obs: Observation) -> str:
         parts = [f"ESS {obs.ess:.3f}" if obs.ess is not None else "",
@@ -120,7 +125,8 @@ class BoundPolicy:
         return ", ".join(p for p in parts if p)
 
     def _move(self, bound: int, action: Literal["raise", "lower"], reason: str) -> Decision:
-        self.bound, self._since_change, self._blocked_steps = bound, 0, 0
+        self.bound, self._since_change = bound, 0
+        self._blocked.clear()
         return Decision(bound, action, reason)
 
     def _hold(self, reason: str) -> Decision:

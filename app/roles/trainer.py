@@ -122,7 +122,7 @@ class Trainer:
         resumed = rt.wait_key(names.RESUME_KEY, 60.0, "resume point")
         self.start_step = self.version = resumed["step"]
         self.slots = slots.Settlement(
-            rt.signed, rank=self.rank, world=self.world, max_staleness=cfg.max_staleness,
+            rt.signed, rank=self.rank, world=self.world, max_staleness=cfg.start_bound,
             ledger=slots.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger")),
             rejections=self.rejections, emit=rt.emit, dropped=carried.dropped, freed=carried.given_back)
         self.duties.watch_slots(self.slots.ledger, self.waited)
@@ -143,7 +143,7 @@ class Trainer:
             rt.queue(names.ROLLOUTS if inline else names.SCORED), reward=self.reward,
             reward_timeout_s=cfg.reward_timeout_s, groups_per_batch=cfg.prompts_per_step // self.world,
             ranks=self.world,
-            max_staleness=cfg.max_staleness, settlement=self.slots, normalize_std=cfg.normalize_std,
+            max_staleness=cfg.start_bound, settlement=self.slots, normalize_std=cfg.normalize_std,
             should_stop=rt.should_stop,
             timeout_s=max(ROLLOUT_SILENCE_S, 2 * cfg.slot_deadline_s), rejections=self.rejections,
             group_size=cfg.group_size,
@@ -196,10 +196,22 @@ class Trainer:
             self.version += 1
             step_s, t_prev = time.time() - t_prev, time.time()
             values = self._record_step(step, groups, train, t_train, step_s)
+            if cfg.auto:
+                self._next_bound(step, values)
             self.publish_weights()
             snapshot = (Snapshot(self.model, self.optimizer, self.version, self.slots.ledger, self.slots.dropped,
                                  self.guard.skipped) if save else None)
             self.duties.after_step(StepDone(step, self.version, groups, values, self.slots.duplicates, snapshot))
+
+    def _next_bound(self, step: int, values: dict[str, float]) -> None:
+        """``--max-staleness auto``, every rank at the same point of the loop: replica 0
+        decides the bound for the batches from the new version on (and publishes it to the
+        generators before that version's weights go out); the others take its decision in
+        a collective (``llamarl.app.control.bound``)."""
+        bound = self.duties.next_bound(step, self.version, values)
+        if self.ranks is not None:
+            bound = int(self.ranks.max([bound])[0])  # the followers offer -1
+        self.stream.set_bound(bound)
 
     def train_step(self, groups: list[RolloutGroup], step: int) -> dict[str, float] | None:
         """One optimizer step on ``groups`` (None: skipped). Every rank decides alone: with
@@ -219,6 +231,7 @@ class Trainer:
         values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
                                    consumed_version=self.version - 1, skipped=self.guard.skipped,
                                    dropped=self.slots.dropped, idle_fraction=self.timeline.idle_fraction())
+        values[names.STALENESS_BOUND] = self.stream.filter.max_staleness
         values.update(devices.device_metrics(self.device))
         values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
         values.update(self.rejections.metrics())
