@@ -96,7 +96,7 @@ class TrainerConfig:
     """Largest lag (trainer version - rollout version) a rollout may have; 0 is synchronous.
     'auto': the run sets it between 1 and --staleness-cap, starting at 1, raising it while
     the generators wait on it and the importance ratios stay tame, lowering it when they
-    do not (llamarl.app.rl.staleness; docs/off-policy.md)."""
+    do not (llamarl.app.rl.staleness; docs/staleness.md)."""
     staleness_cap: int = 4
     """The largest bound --max-staleness auto may set."""
     rewards: str = "math_verifier"

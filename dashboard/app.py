@@ -200,7 +200,7 @@ def auto_bound_section(run: data.Run) -> None:
                 "auto-ratios"))
     changes = run.bound_changes()
     st.caption(f"max_staleness = auto: {len(changes)} change(s). Raised while the generators wait on the "
-               "bound and the ratios stay tame; lowered when they do not (docs/off-policy.md).")
+               "bound and the ratios stay tame; lowered when they do not (docs/staleness.md).")
     if not changes.empty:
         st.dataframe(changes, hide_index=True)
 
