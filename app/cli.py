@@ -85,11 +85,27 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: Any,
         kwargs.update(action=argparse.BooleanOptionalAction)
         del kwargs["required"]
     elif typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        inner = [a for a in typing.get_args(hint) if a is not type(None)][0]
-        kwargs.update(type=inner)
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        words = [v for a in inner if typing.get_origin(a) is Literal for v in typing.get_args(a)]
+        kinds = [a for a in inner if typing.get_origin(a) is not Literal]
+        kwargs.update(type=_word_or(kinds[0], words) if words else kinds[0])
     else:
         kwargs.update(type=hint)
     parser.add_argument(flag, **kwargs)
+
+
+def _word_or(kind: type, words: list[str]) -> Any:
+    """A flag's converter for ``int | Literal["auto"]``: one of ``words``, else a ``kind``."""
+    def convert(value: str) -> Any:
+        if value in words:
+            return value
+        try:
+            return kind(value)
+        except ValueError:
+            choices = " or ".join(repr(w) for w in words)
+            raise argparse.ArgumentTypeError(f"an {kind.__name__} or {choices}, got {value!r}") from None
+    convert.__name__ = f"{kind.__name__} or {'/'.join(words)}"
+    return convert
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:

@@ -20,6 +20,10 @@ from llamarl.app.tasks.arithmetic import PROMPT_TEMPLATE
 MAX_RUN_ID = 200
 """The longest ``--run-id``: it names a directory, and files are named after it."""
 
+AUTO_START_BOUND = 1
+"""``--max-staleness auto`` starts here, and never goes below it (its floor): 0 is the
+synchronous mode, a choice of its own."""
+
 Normaliser = Literal["token", "sequence"]
 """How a loss sums over tokens: per token of the batch, or per sequence then over sequences
 (``llamarl.app.rl.losses``)."""
@@ -122,8 +126,13 @@ class TrainerConfig:
     """Divide group-relative advantages by the group's reward std."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the starting policy (0 disables it and the reference copy)."""
-    max_staleness: int = 1
-    """Largest lag (trainer version - rollout version) a rollout may have; 0 is synchronous."""
+    max_staleness: int | Literal["auto"] = 1
+    """Largest lag (trainer version - rollout version) a rollout may have; 0 is synchronous.
+    'auto': the run sets it between 1 and --staleness-cap, starting at 1, raising it while
+    the generators wait on it and the importance ratios stay tame, lowering it when they
+    do not (llamarl.app.rl.staleness; docs/staleness.md)."""
+    staleness_cap: int = 4
+    """The largest bound --max-staleness auto may set."""
     rewards: str = "math_verifier"
     """Reward spec: comma-separated name[=weight] (see docs/rewards.md)."""
     reward_timeout_s: float = 30.0
@@ -238,8 +247,12 @@ class TrainerConfig:
             raise ValueError("group_size must be >= 2: group-relative advantages need a group")
         if self.lr <= 0 or self.rho_max <= 0 or self.clip_eps <= 0:
             raise ValueError("lr, rho_max and clip_eps must be > 0")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        auto = self.max_staleness == "auto"
+        if not auto and (not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool)
+                         or self.max_staleness < 0):
+            raise ValueError(f"max_staleness must be an int >= 0 or 'auto', got {self.max_staleness!r}")
+        if self.staleness_cap < 1:
+            raise ValueError(f"staleness_cap must be >= 1, got {self.staleness_cap}")
         if not self.ratio_correction and self.loss != "aipo":
             raise ValueError("--no-ratio-correction is AIPO's (PPO-clip's ratio is its objective)")
         if self.slot_deadline_s <= 0:
@@ -284,10 +297,20 @@ class TrainerConfig:
         """Each of ``ranks`` trainer ranks' rollout stream: its share of a step's groups;
         the queue may be silent for ``silence_s``, and for twice a slot's deadline (an
         overdue slot is regenerated first)."""
-        return StreamConfig(groups_per_batch=self.prompts_per_step // ranks, max_staleness=self.max_staleness,
+        return StreamConfig(groups_per_batch=self.prompts_per_step // ranks, max_staleness=self.start_bound,
                             timeout_s=max(silence_s, 2 * self.slot_deadline_s), normalize_std=self.normalize_std,
                             reward_timeout_s=self.reward_timeout_s, ranks=ranks, group_size=self.group_size,
                             vocab_size=vocab_size)
+
+    @property
+    def auto(self) -> bool:
+        """Whether the staleness bound is set by the run (``--max-staleness auto``)."""
+        return self.max_staleness == "auto"
+
+    @property
+    def start_bound(self) -> int:
+        """The staleness bound the run starts with: the fixed one, or auto's first (1)."""
+        return AUTO_START_BOUND if self.max_staleness == "auto" else int(self.max_staleness)
 
     def step_config(self, gen: GeneratorConfig) -> StepConfig:
         """The step's knobs; ``gen``'s temperature and top-p, so that the trainer's

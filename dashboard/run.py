@@ -110,17 +110,31 @@ class Run:
 
     @property
     def max_staleness(self) -> int | None:
-        """The bound on off-policy lag from the config (searched one level deep too)."""
+        """The bound on off-policy lag from the config (searched one level deep too); with
+        ``auto`` (``auto_staleness``), the largest bound the run has set so far."""
         value = self.config.get("max_staleness")
         if value is None:
             for section in self.config.values():
                 if isinstance(section, dict) and "max_staleness" in section:
                     value = section["max_staleness"]
                     break
+        if value == "auto":
+            value = self._sql.one("SELECT MAX(value) FROM scalars WHERE name = ?", [names.STALENESS_BOUND])
         try:
             return None if value is None else int(value)
         except (TypeError, ValueError):
             return None
+
+    @property
+    def auto_staleness(self) -> bool:
+        return self.config.get("max_staleness") == "auto"
+
+    def bound_changes(self) -> pd.DataFrame:
+        """``--max-staleness auto``'s changes. Columns: ``step, t, previous, bound, reason``."""
+        if not self._sql.one("SELECT COUNT(*) FROM sqlite_master WHERE name = 'staleness_bounds'"):
+            return empty("step", "t", "previous", "bound", "reason")
+        return self._sql.frame("SELECT step, t - ? AS t, previous, bound, reason FROM staleness_bounds "
+                               "ORDER BY t", [self.t0])
 
     def last_time(self) -> float | None:
         """Unix time of the newest event in any table.

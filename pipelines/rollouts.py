@@ -115,6 +115,12 @@ class Holding:
             self.held -= n
             self._changed.notify_all()
 
+    def resize(self, cap: int) -> None:
+        """A new cap (the staleness bound changed); a smaller one lets what is held drain."""
+        with self._changed:
+            self.cap = max(1, cap)
+            self._changed.notify_all()
+
     def wait_for_room(self, timeout_s: float) -> bool:
         with self._changed:
             return self._changed.wait_for(lambda: self.held < self.cap, timeout_s)
@@ -287,9 +293,17 @@ class RolloutStream:
                 self.holding.release()
             settlement.on_drop(group, lag)
 
-        node = StalenessFilter(node, max_staleness=config.max_staleness, current_version=lambda: self._version,
-                               on_drop=dropped_stale)
-        self.root = Batcher(node, batch_size=config.groups_per_batch, drop_last=False)
+        self.groups_per_batch = config.groups_per_batch
+        self.filter = StalenessFilter(node, max_staleness=config.max_staleness, current_version=lambda: self._version,
+                                      on_drop=dropped_stale)
+        self.root = Batcher(self.filter, batch_size=config.groups_per_batch, drop_last=False)
+
+    def set_bound(self, max_staleness: int) -> None:
+        """A new staleness bound (``--max-staleness auto``), from the next batch on; every
+        trainer rank sets the same one between the same two steps."""
+        self.filter.max_staleness = self.settlement.max_staleness = max_staleness
+        if self.holding is not None:
+            self.holding.resize((1 + max_staleness) * self.groups_per_batch)
 
     def _released_if_dropped(self, group: RolloutGroup, scored: RolloutGroup | None) -> RolloutGroup | None:
         if scored is None:  # dropped unscored by ``Scored``

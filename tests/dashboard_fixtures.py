@@ -29,17 +29,25 @@ REWARD_COMPONENTS = ("correctness", "format")
 
 
 def make_run(run_dir: str | Path, *, mode: Mode = "async", steps: int = 40, n_generators: int = 2,
-             seed: int = 0, checkpoint_step: int | None = None) -> Path:
+             seed: int = 0, checkpoint_step: int | None = None, auto: bool = False) -> Path:
     """A finished run in ``run_dir``: the one function to swap for ``python -m llamarl.app.roles.local``;
-    ``checkpoint_step`` names a saved checkpoint the way the trainer does."""
+    ``checkpoint_step`` names a saved checkpoint the way the trainer does; ``auto``: a run
+    with ``--max-staleness auto`` whose bound went 1 -> 2 after step 3 and back after step 6."""
     run_dir = Path(run_dir)
-    config = run_config(mode, n_generators=n_generators)
+    config = {**run_config(mode, n_generators=n_generators), **({"max_staleness": "auto"} if auto else {})}
     write_config(run_dir, config)
     writer = m.MetricsWriter(run_dir, run_id=run_dir.name, config=config)
     try:
         writer.set_meta("started_at", repr(T_START))
         for events in simulate(mode, steps=steps, n_generators=n_generators, t_start=T_START, seed=seed):
             writer.write(events)
+        if auto:
+            bounds = {s: 2 if 3 < s <= 6 else 1 for s in range(1, steps + 1)}
+            writer.write([m.scalar(k, v, role="trainer", step=s, t=T_START + s) for s, b in bounds.items()
+                          for k, v in {"staleness/bound": b, "staleness/blocked": 0.5 if b == 1 else 0.1,
+                                       "aipo/ess": 0.99}.items()])
+            writer.write([m.bound_change(3, 1, 2, "generators blocked 50% of the last 2 steps, ratios tame"),
+                          m.bound_change(6, 2, 1, "ESS 0.812 < 0.9")])
         if checkpoint_step is not None:
             path = run_dir / "checkpoints" / f"step-{checkpoint_step}"
             writer.set_meta(m.LAST_CHECKPOINT, json.dumps({"step": checkpoint_step, "path": str(path)}))

@@ -81,6 +81,13 @@ def test_appdef_has_trainer_first_then_generators_and_reward():
         assert f"--app-id {specs.macros.app_id}" in role.args[-1], "every role checks its store's app"
 
 
+def test_max_staleness_takes_auto_and_refuses_other_words():
+    assert "--max-staleness auto " in llamarl(max_staleness="auto").roles[0].args[-1]
+    assert "--max-staleness 3 " in llamarl(max_staleness="3").roles[0].args[-1]
+    with pytest.raises(ComponentValidationException, match="--max_staleness must be an int >= 0 or 'auto', got 'often'"):
+        llamarl(max_staleness="often")
+
+
 def test_default_store_port_is_derived_by_each_role_from_the_app_id():
     app = llamarl(num_reward=1)
     assert "--store-port 0 " in app.roles[0].args[-1]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard_fixtures import LiveRun, make_runs_root
+from dashboard_fixtures import LiveRun, make_run, make_runs_root
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 TIMEOUT_S = 60
@@ -59,6 +59,18 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
     # fixture run has episodes); Weight sync: syncs, senders, quantization.
     assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 5, "Weight sync": 3, "Learning": 6,
                      "Episodes": 6, "Queues": 2, "Security": 1, "All scalars": 0}
+
+
+def test_off_policy_tab_of_an_auto_run_shows_the_bound_and_every_change(monkeypatch, tmp_path):
+    make_run(tmp_path / "auto-run", steps=8, auto=True)
+    at = start(monkeypatch, tmp_path, run="auto-run")
+    at.session_state["tab"] = "Off-policy"
+    at.run()
+    assert_no_exception(at)
+    assert charts(at) == 7, "staleness (2), mismatch by lag (2), the bound and what it weighs (2), versions per episode (1)"
+    changes = at.dataframe[0].value
+    assert list(changes["bound"]) == [2, 1] and "ESS 0.812" in changes["reason"].iloc[1]
+    assert any("auto: 2 change(s)" in c.value for c in at.caption)
 
 
 def test_security_tab_totals_every_security_counter(monkeypatch, runs_root):

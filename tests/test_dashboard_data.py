@@ -72,6 +72,19 @@ def test_zero_byte_database_is_a_run_still_starting(tmp_path):
         data.open_run(tmp_path)
 
 
+def test_auto_bound_changes_and_the_largest_bound(tmp_path):
+    with data.open_run(make_run(tmp_path / "auto", steps=8, auto=True)) as run:
+        assert run.auto_staleness and run.max_staleness == 2
+        changes = run.bound_changes()
+        assert list(changes[["step", "previous", "bound"]].itertuples(index=False, name=None)) == [(3, 1, 2), (6, 2, 1)]
+    # A database from before the table existed opens, with no change.
+    run_dir = make_run(tmp_path / "old", steps=2)
+    with sqlite3.connect(run_dir / m.DB_NAME) as db:
+        db.execute("DROP TABLE staleness_bounds")
+    with data.open_run(run_dir) as run:
+        assert run.bound_changes().empty and not run.auto_staleness
+
+
 def test_missing_table_of_current_version_is_a_schema_mismatch(tmp_path):
     run_dir = make_run(tmp_path / "r", steps=2)
     with sqlite3.connect(run_dir / m.DB_NAME) as db:

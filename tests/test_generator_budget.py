@@ -225,3 +225,19 @@ def test_a_batch_seed_depends_on_its_slot_not_on_the_generator_or_its_history():
     assert batch_seed(1, 7) != batch_seed(0, 7)
     a, b = (torch.Generator().manual_seed(batch_seed(3, 12)) for _ in range(2))
     assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
+
+
+def test_auto_budget_follows_the_controllers_signed_bound(store):
+    """--max-staleness auto: the bound is the controller's signed record, read at each
+    reservation; a record another member wrote is ignored."""
+    budget = SlotBudget(generator(store), groups_per_step=B, max_staleness=1, auto=True)
+    assert budget.reserve(100, version=0) == range(0, cap(0, 1)), "no record yet: the config's start bound"
+    signed(store).put(names.STALENESS_BOUND_KEY, {"bound": 3, "version": 0})
+    assert budget.reserve(100, version=0) == range(cap(0, 1), cap(0, 3)), "raised: further ahead at once"
+    signed(store, "generator/1").put(names.STALENESS_BOUND_KEY, {"bound": 9, "version": 0})
+    assert budget.reserve(100, version=0) == range(0), "a generator's record is not the controller's"
+    signed(store).put(names.STALENESS_BOUND_KEY, {"bound": 1, "version": 1})
+    assert budget.reserve(100, version=1) == range(0), "lowered: wait until the trainer catches up"
+    assert budget.reserve(100, version=3) == range(cap(0, 3), cap(3, 1))
+    fixed = SlotBudget(generator(store, 2), groups_per_step=B, max_staleness=1)
+    assert fixed.reserve(100, version=4) == range(cap(3, 1), cap(4, 1)), "a fixed bound reads no record"

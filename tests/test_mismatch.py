@@ -32,13 +32,16 @@ def test_statistics_by_hand():
     assert m["mismatch/lag0/frac_truncated"] == pytest.approx(1 / 3)  # only 2 > 1.5
     # k3 = r - 1 - log r: (1 - ln 2) + 0 + (-0.5 + ln 2) = 0.5 over 3 tokens
     assert m["mismatch/lag0/kl"] == pytest.approx(0.5 / 3, rel=1e-6)
+    # AIPO weights min(r, 1.5): 1.5, 1, 0.5; ESS = (3)^2 / (3 * (2.25 + 1 + 0.25))
+    assert m["mismatch/lag0/ess"] == pytest.approx(9 / (3 * 3.5))
 
 
 def test_identical_policies_have_ratio_one_and_no_kl():
     logp_N = torch.tensor([-0.3, -4.0, -1.25])
     m = mismatch.mismatch_by_lag(logp_N, logp_N.clone(), torch.zeros(3, dtype=torch.long), rho_max=2.0)
     assert m == pytest.approx({f"mismatch/lag0/{s}": v for s, v in
-                               {"ratio_mean": 1.0, "ratio_max": 1.0, "frac_truncated": 0.0, "kl": 0.0}.items()})
+                               {"ratio_mean": 1.0, "ratio_max": 1.0, "frac_truncated": 0.0, "kl": 0.0,
+                                "ess": 1.0}.items()})
 
 
 def test_split_by_lag_by_hand():
@@ -52,6 +55,12 @@ def test_split_by_lag_by_hand():
     assert m["mismatch/lag2/ratio_mean"] == pytest.approx(0.5)
     assert m["mismatch/lag2/frac_truncated"] == 0.0
     assert m["mismatch/lag2/kl"] == pytest.approx(math.log(2) - 0.5, rel=1e-6)
+    assert m["mismatch/lag0/ess"] == pytest.approx(2.5 ** 2 / (2 * 3.25))  # weights 1.5, 1
+    assert m["mismatch/lag2/ess"] == 1.0  # one token: its weight is all there is
+    # The worst lag: lag 0's ESS (lag 2 has one token), lag 2's KL.
+    assert mismatch.worst_lag(m) == pytest.approx({names.AIPO_ESS: 2.5 ** 2 / (2 * 3.25),
+                                                   names.AIPO_KL_BEHAVIOUR: math.log(2) - 0.5})
+    assert mismatch.worst_lag({}) == {}
 
 
 def test_sums_of_shares_give_the_whole_batchs_statistics():

@@ -212,11 +212,18 @@ class SlotBudget:
     by the next reservation; a count below one this generator saw is a replay, and the
     highest seen stands. The trainer's dropped groups are one signed counter per trainer
     rank (``names.dropped_key``), added up here.
+
+    ``auto`` (``--max-staleness auto``): the bound is the controller's signed record
+    ``names.STALENESS_BOUND_KEY``, read at every reservation (``max_staleness`` until
+    there is one). A raised bound lets generators reserve further ahead at once; after a
+    lowered one they wait until the trainer catches up, and a group reserved under the
+    higher bound that reaches the trainer too old is dropped and its place given back,
+    as any stale group.
     """
 
     def __init__(self, signed: SignedStore, *, groups_per_step: int, max_staleness: int,
-                 ledger: SlotLedger | None = None) -> None:
-        self.signed, self.B, self.K = signed, groups_per_step, max_staleness
+                 ledger: SlotLedger | None = None, auto: bool = False) -> None:
+        self.signed, self.B, self.K, self.auto = signed, groups_per_step, max_staleness, auto
         self.ledger = ledger or SlotLedger()
         self.control = Control(signed)
         self._highest = 0  # the highest count seen or reserved here
@@ -236,6 +243,8 @@ class SlotBudget:
         """Slots (0-based) this generator may fill with weights of ``version``; empty when
         it must wait for newer weights. Atomic across generators (compare-and-set)."""
         key = names.RESERVED_KEY
+        if self.auto:
+            self.K = published_bound(self.signed, self.K)
         while True:
             cap = (version + 1 + self.K) * self.B + self.dropped()
             seen = self.signed.store.get(key) if self.signed.store.check([key]) else b""
@@ -251,6 +260,14 @@ class SlotBudget:
             if won:
                 self._highest = start + take
                 return range(start, start + take)
+
+
+def published_bound(signed: SignedStore, default: int) -> int:
+    """The staleness bound the controller published (``names.STALENESS_BOUND_KEY``), or
+    ``default`` when there is no authentic, well-formed record."""
+    rec = signed.get(names.STALENESS_BOUND_KEY, writers=(CONTROLLER,))
+    bound = rec.get("bound") if isinstance(rec, dict) else None
+    return bound if isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0 else default
 
 
 # --------------------------------------------------------------------------- hold, pass, lose, regenerate

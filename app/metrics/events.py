@@ -23,6 +23,9 @@ Tables (schema version ``SCHEMA_VERSION``):
   (``receiver`` is ``trainer`` for the sender's own view).
 - ``rewards(t, step, component, value)``: the score of each reward component per
   rollout (``value`` NULL and ``reason`` set when the rollout was quarantined).
+- ``staleness_bounds(t, step, previous, bound, reason)``: every change of the staleness
+  bound under ``--max-staleness auto``, from the bound before it, with its reason (the
+  bound in force at each step is the scalar ``staleness/bound``).
 
 Times are Unix seconds (``time.time()``), so rows from different hosts line up.
 """
@@ -47,7 +50,7 @@ LAST_CHECKPOINT = "last_checkpoint"
 RESUMED = "resumed"
 """Meta key: the steps a run was resumed at (JSON list of ``{"step", "t"}``)."""
 
-EVENT_TYPES = ("scalar", "interval", "staleness", "weight_sync", "reward")
+EVENT_TYPES = ("scalar", "interval", "staleness", "weight_sync", "reward", "bound")
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -69,6 +72,9 @@ CREATE TABLE IF NOT EXISTS weight_sync (
 CREATE TABLE IF NOT EXISTS rewards (
     t REAL NOT NULL, step INTEGER, component TEXT NOT NULL, value REAL, reason TEXT);
 CREATE INDEX IF NOT EXISTS rewards_component_t ON rewards (component, t);
+CREATE TABLE IF NOT EXISTS staleness_bounds (
+    t REAL NOT NULL, step INTEGER NOT NULL, previous INTEGER NOT NULL, bound INTEGER NOT NULL,
+    reason TEXT);
 """
 
 # Column order of each event type's table; events are dicts with these keys plus "type".
@@ -78,6 +84,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "staleness": ("t", "step", "version", "staleness", "used"),
     "weight_sync": ("t", "version", "receiver", "bytes", "seconds"),
     "reward": ("t", "step", "component", "value", "reason"),
+    "bound": ("t", "step", "previous", "bound", "reason"),
 }
 TABLES = {
     "scalar": "scalars",
@@ -85,7 +92,12 @@ TABLES = {
     "staleness": "staleness",
     "weight_sync": "weight_sync",
     "reward": "rewards",
+    "bound": "staleness_bounds",
 }
+
+OPTIONAL_TABLES = ("staleness_bounds",)
+"""Tables added within schema 1: a database written before them has none (its readers
+read nothing from it)."""
 
 
 def scalar(name: str, value: float, *, role: str, replica: int = 0, step: int | None = None,
@@ -109,6 +121,12 @@ def interval(kind: Literal["busy", "idle"], what: str, t0: float, t1: float, *, 
 def staleness(step: int, version: int, lag: int, used: bool) -> dict[str, Any]:
     return {"type": "staleness", "t": time.time(), "step": step, "version": version,
             "staleness": lag, "used": int(used)}
+
+
+def bound_change(step: int, previous: int, bound: int, reason: str) -> dict[str, Any]:
+    """The staleness bound set to ``bound`` (from ``previous``) after ``step``, and why."""
+    return {"type": "bound", "t": time.time(), "step": step, "previous": previous, "bound": bound,
+            "reason": reason}
 
 
 def weight_sync(version: int, receiver: str, nbytes: int, seconds: float) -> dict[str, Any]:
@@ -138,6 +156,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {  # column -> (types, may b
     "t": (_NUMBER, False), "t0": (_NUMBER, False), "t1": (_NUMBER, False), "seconds": (_NUMBER, False),
     "step": (_INT, True), "replica": (_INT, False), "version": (_INT, False),
     "staleness": (_INT, False), "used": (_INT, False), "bytes": (_INT, False),
+    "previous": (_INT, False), "bound": (_INT, False),
     "role": (_TEXT, False), "kind": (_TEXT, False), "what": (_TEXT, False), "name": (_TEXT, False),
     "receiver": (_TEXT, False), "component": (_TEXT, False), "reason": (_TEXT, True),
 }
@@ -257,6 +276,7 @@ class MetricsWriter:
                 self._db.execute(f"DELETE FROM {table} WHERE step > ? OR (step IS NULL AND t > ?)",
                                  (step, saved_at))
             self._db.execute("DELETE FROM staleness WHERE step > ?", (step,))
+            self._db.execute("DELETE FROM staleness_bounds WHERE step > ?", (step,))
             self._db.execute("DELETE FROM weight_sync WHERE version > ? OR t > ?", (step, saved_at))
             self._db.execute("DELETE FROM intervals WHERE t0 > ?", (saved_at,))
             self._db.execute("DELETE FROM meta WHERE key = 'finished_at'")

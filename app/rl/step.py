@@ -239,7 +239,8 @@ def _mismatch(seen: list[Tokens], rho_max: float, ranks: Ranks | None) -> dict[s
     sums, maxima = mismatch.mismatch_sums(logp_N.cpu(), mu_N.cpu(), lag_N.cpu(), rho_max=rho_max, lags=lags)
     if ranks is not None:
         sums, maxima = ranks.sum(sums), ranks.max(maxima)
-    return mismatch.mismatch_metrics(sums, maxima)
+    by_lag = mismatch.mismatch_metrics(sums, maxima)
+    return {**by_lag, **mismatch.worst_lag(by_lag)}
 
 
 def score_groups(groups: list[RolloutGroup], reward: CompositeReward,

@@ -8,6 +8,8 @@ in ``Controller``:
   the resumed one with what was recorded after its checkpoint deleted);
 - publishes the run's config, prompts and policy, the slot records the generators
   reserve from (``llamarl.app.control.slots.publish_start``) and the resume point;
+- with ``--max-staleness auto``, decides the staleness bound between steps
+  (``llamarl.app.control.bound``);
 - watches which executors are alive (``llamarl.app.control.membership``) and waits for
   every generator's check of the prompts;
 - keeps a whole copy of the policy (with several ranks; with one it is the policy): what
@@ -41,7 +43,7 @@ import torch.distributed as dist
 
 from llamarl.app import cli, names
 from llamarl.app.config import GeneratorConfig, TrainerConfig
-from llamarl.app.control import health, membership, overdue, runtime, slots
+from llamarl.app.control import bound, health, membership, overdue, runtime, slots
 from llamarl.app.control.seen_groups import REPLAY, SeenIds
 from llamarl.app.data import sources as data
 from llamarl.app.metrics import events as metrics
@@ -137,6 +139,8 @@ class Controller:
         # of the wait for members, survivable while others of its role are alive.
         self.membership = membership.Membership(rt.signed, {"generator": num_generators, "reward": num_reward},
                                                 watch_heartbeats=False)
+        self.bound = (bound.AutoBound(rt.signed, cfg, generators=lambda: len(self.membership.alive("generator")),
+                                      emit=rt.emit) if cfg.auto else None)
 
     # --- start -------------------------------------------------------------------------
     def prepare(self) -> Path:
@@ -221,12 +225,14 @@ class Controller:
         self.tensorboard = TensorBoardMirror(self.run_dir) if cfg.tensorboard else None
         # Signed records (llamarl.app.control.signed), re-published if anyone overwrites them.
         slots.publish_start(signed, ledger, carried.given_back)  # their slots were refilled
+        if self.bound is not None:  # auto starts again at its first bound after a resume
+            self.bound.publish(resume.step if resume else 0)
         signed.put(names.RESUME_KEY, {
             "step": resume.step if resume else 0,
             "train_state": str(resume.train_state) if resume and resume.train_state else ""}, keep=True)
 
     def _config_dict(self) -> dict:
-        return {"mode": "async" if self.cfg.max_staleness > 0 else "sync",
+        return {"mode": "async" if self.cfg.auto or self.cfg.max_staleness > 0 else "sync",
                 "num_generators": self.num_generators, "num_reward": self.num_reward,
                 "trainer_ranks": self.world, **cli.to_dict(self.cfg), **cli.to_dict(self.gen)}
 
@@ -286,6 +292,11 @@ class Controller:
         health.check_health(self.rt.control)
         self._drain_metrics()
         log.info("%s", steps.summary(step, cfg.steps, done.groups, done.values))
+
+    def next_bound(self, step: int, version: int, values: dict[str, float]) -> int:
+        """``--max-staleness auto``: the bound for the batches from ``version`` on, decided
+        from ``step``'s scalars and published to the generators (``llamarl.app.control.bound``)."""
+        return self.bound.decide(step, version, values).bound
 
     def evaluate(self, step: int) -> dict[str, float]:
         if not self.data.held_out:  # a dataset without --eval-dataset or --eval-fraction
@@ -356,6 +367,8 @@ class Controller:
             self._record(events)
 
     def _record(self, events: list[dict]) -> None:
+        if self.bound is not None:
+            self.bound.saw(events)
         self.writer.write(events)
         if self.tensorboard is not None:
             self.tensorboard.write(events)
@@ -413,6 +426,9 @@ class Follower:
 
     def before_steps(self, start_step: int) -> None:
         pass
+
+    def next_bound(self, step: int, version: int, values: dict[str, float]) -> int:
+        return -1  # replica 0 decides; the trainer's loop shares its decision (a collective)
 
     def after_step(self, done: StepDone) -> None:
         """Its shard of the step's checkpoint, into the directory replica 0 made."""

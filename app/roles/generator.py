@@ -14,6 +14,8 @@ ceil(n / B) (B groups per step), so weights of
 version v may fill slots up to (v + 1 + max_staleness) * B (plus the groups the trainer
 dropped). Past that the generator waits for newer weights: it never runs more than
 ``max_staleness`` versions ahead, and ``max_staleness = 0`` is the synchronous baseline.
+With ``--max-staleness auto`` the bound is the controller's signed record, read at every
+reservation (``SlotBudget``).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
     device = next(model.parameters()).device
     ledger = slots.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger"))
     budget = slots.SlotBudget(rt.signed, groups_per_step=trainer_cfg.prompts_per_step,
-                        max_staleness=trainer_cfg.max_staleness, ledger=ledger)
+                              max_staleness=trainer_cfg.start_bound, ledger=ledger, auto=trainer_cfg.auto)
     out_queue = rt.queue(names.ROLLOUTS)
     sampling = gen_cfg.sampling()
     rng = devices.seeded_generator(device, gen_cfg.gen_seed)  # reseeded per batch: batch_seed

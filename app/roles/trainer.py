@@ -123,7 +123,7 @@ class Trainer:
         resumed = rt.wait_key(names.RESUME_KEY, 60.0, "resume point")
         self.start_step = self.version = resumed["step"]
         self.slots = slots.Settlement(
-            rt.signed, rank=self.rank, world=self.world, max_staleness=cfg.max_staleness,
+            rt.signed, rank=self.rank, world=self.world, max_staleness=cfg.start_bound,
             ledger=slots.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger")),
             rejections=self.rejections, emit=rt.emit, dropped=carried.dropped, freed=carried.given_back)
         self.duties.watch_slots(self.slots.ledger, self.waited)
@@ -194,6 +194,8 @@ class Trainer:
             self.version += 1
             step_s, t_prev = time.time() - t_prev, time.time()
             values = self._record_step(step, groups, train, t_train, step_s)
+            if cfg.auto:
+                self._next_bound(step, values)
             self.publish_weights()
             snapshot = (Snapshot(self.model, self.optimizer, self.version, self.slots.ledger, self.slots.dropped,
                                  self.guard.skipped) if save else None)
@@ -222,6 +224,16 @@ class Trainer:
                             "--resume %s continues from it", step, self.cfg.run_id or "<run id>")
         return wanted
 
+    def _next_bound(self, step: int, values: dict[str, float]) -> None:
+        """``--max-staleness auto``, every rank at the same point of the loop: replica 0
+        decides the bound for the batches from the new version on (and publishes it to the
+        generators before that version's weights go out); the others take its decision in
+        a collective (``llamarl.app.control.bound``)."""
+        bound = self.duties.next_bound(step, self.version, values)
+        if self.ranks is not None:
+            bound = int(self.ranks.max([bound])[0])  # the followers offer -1
+        self.stream.set_bound(bound)
+
     def train_step(self, groups: list[RolloutGroup], step: int) -> dict[str, float] | None:
         """One optimizer step on ``groups`` (None: skipped). Every rank decides alone: with
         several ranks, one rank's share may have no usable rollout while another's has;
@@ -240,6 +252,7 @@ class Trainer:
         values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
                                    consumed_version=self.version - 1, skipped=self.guard.skipped,
                                    dropped=self.slots.dropped, idle_fraction=self.timeline.idle_fraction())
+        values[names.STALENESS_BOUND] = self.stream.filter.max_staleness
         values.update(devices.device_metrics(self.device))
         values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
         values.update(self.rejections.metrics())
