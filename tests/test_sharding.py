@@ -75,9 +75,12 @@ def _sharded_step(store, rank: int, world_size: int, share: str, trainer_pass: s
         model = _model()
         full = copy.deepcopy(model) if rank == 0 else None
         total = sum(p.numel() for p in model.parameters())
-        said = sharding.shard(model)  # what the trainer logs once
+        said = sharding.shard(model)  # what trainer rank 0 logs once
         local = sum(p.to_local().numel() for p in model.parameters())
-        assert 0 < local < total and f"over {world_size} ranks on cpu; rank {rank} holds {local:,} of {total:,}" in said, said
+        assert 0 < local < total and f"over {world_size} ranks on cpu" in said, said
+        assert f" of {total:,} parameters, kept in float32 (no FSDP mixed precision" in said, said
+        shares = said.split(" hold ")[1].split(" of ")[0].split(", ")  # every rank's, the same on each
+        assert len(shares) == world_size and shares[rank].startswith(f"{local:,} ("), said
         # SGD: the update is the gradient itself, so the parameters compare the gradients.
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         groups = _groups(6)

@@ -55,11 +55,13 @@ def shard(model: nn.Module) -> str:
     """FSDP2 over the default process group, in place: every decoder layer, then the root,
     on the device the model is on (``--device``): FSDP2's default mesh is CUDA whenever a
     GPU exists, and would move a trainer forced onto the CPU there. Returns what was done,
-    for the log: the units, the ranks, this rank's share of the parameters, their dtype."""
+    the same on every rank, for rank 0 to log: the units, the ranks, each rank's share of
+    the parameters (gathered: one small collective), their dtype, the mixed precision."""
     layers = decoder_layers(model)
     total = sum(p.numel() for p in model.parameters())
     dtype = next(model.parameters()).dtype
-    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -69,9 +71,12 @@ def shard(model: nn.Module) -> str:
         # A plain SUM (no NCCL PreMulSum, which gloo lacks; scaling by 1 is then a no-op).
         unit.set_force_sum_reduction_for_comms(True)
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([local], dtype=torch.int64, device=device))
+    shares = ", ".join(f"{int(c.item()):,} ({100 * int(c.item()) / max(total, 1):.1f}%)" for c in counts)
     return (f"FSDP2: {len(layers)} decoder layers and the root sharded over {dist.get_world_size()} ranks on "
-            f"{mesh.device_type}; rank {dist.get_rank()} holds {local:,} of {total:,} parameters "
-            f"({100 * local / max(total, 1):.1f}%), kept in {str(dtype).removeprefix('torch.')} (no FSDP mixed "
+            f"{mesh.device_type}, every parameter on dim 0; ranks 0..{dist.get_world_size() - 1} hold "
+            f"{shares} of {total:,} parameters, kept in {str(dtype).removeprefix('torch.')} (no FSDP mixed "
             "precision: --train-precision bf16 autocasts the forward); gradients reduce-scattered as sums")
 
 

@@ -129,7 +129,9 @@ class Trainer:
         self.duties.watch_slots(self.slots.ledger, self.waited)
         if self.world > 1:  # replica 0 keeps a whole copy (``Controller.open_run``)
             self.ranks = sharding.Ranks(next(self.model.parameters()).device)
-            log.info(sharding.shard(self.model))
+            described = sharding.shard(self.model)  # every rank: it gathers each rank's share
+            if self.rank == 0:
+                log.info(described)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         if resumed["train_state"]:
             train_state.load(resumed["train_state"], self.model, self.optimizer)
