@@ -198,10 +198,10 @@ def weight_role(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -
                 sender.send(version)
                 if method == "digest_overlap":
                     t1 = time.perf_counter()
-                    timed("trainer_digest_overlapped", pending.publish(), r)
+                    timed("trainer_digest_overlapped", pending.wait(), r)
                     timed("trainer_digest_wait", time.perf_counter() - t1, r)
                 elif pending is not None:
-                    pending.publish()
+                    pending.wait()
                 timed(f"trainer_{method}", time.perf_counter() - t0, r)  # what a trainer step pays
                 _wait(lambda: store.check([f"bench/staged/{version}"]), f"version {version} staged")
                 timed(method, time.perf_counter() - t0, r)  # until the generator has it staged

@@ -154,7 +154,7 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
     def send_shard_digest(rep: int) -> None:
         pending = shard_digest.start(rep)
         sharded.send(rep)
-        pending.publish()
+        pending.wait()
 
     per_sender: list[float] = []
 

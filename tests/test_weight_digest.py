@@ -200,21 +200,28 @@ def test_old_records_are_deleted_as_new_ones_are_published(store):
     assert kept == [6, 7, 8, 9]
 
 
-def test_a_record_published_while_the_generator_waits_is_taken(store):
-    """The trainer rank publishes once its own hash is done (it hashed while sending): a
-    generator that finished first waits for the record, within its deadline."""
-    import threading
-
+def test_a_record_is_published_once_hashed_though_the_send_has_not_returned(store, monkeypatch):
+    """A trainer rank's hashing thread publishes the record as soon as the hash is done, not
+    after the send returns: a send that fails on a lost generator is resent in a new
+    weight group, and a generator that received the version whole in the old group waits
+    for the record before it joins the new one (waiting for the resend, it was refused as
+    ``no_record`` after a regroup). Here the send never returns; the generator, done
+    first, waits for the record, which comes with the hash."""
     params = flattened(model_params(2))
+    hashing = threading.Event()
+    whole_digest = weight_digest.digest
+    monkeypatch.setattr(weight_digest, "digest", lambda runs: hashing.wait(30) and whole_digest(runs))
     rank0 = ShardDigest(signed(store, "trainer/0"), params, rank=0, ranks=1)
     pending = rank0.start(5)
-    check = DigestCheck(signed(store, "generator/0"), 0, wait_s=60.0)
-    later = threading.Timer(0.2, pending.publish)
+    check = DigestCheck(signed(store, "generator/0"), 0, wait_s=30.0)
+    assert not store.check([names.weight_digest_key(5, 0)])  # the generator will wait for it
+    later = threading.Timer(0.2, hashing.set)
     later.start()
     try:
-        assert check(5, [runs_of(params)])
+        assert check(5, [runs_of(params)]) and not check.counts
     finally:
         later.join()
+    assert pending.wait() >= 0.0
     stopped = DigestCheck(signed(store, "generator/0"), 0, wait_s=60.0, should_stop=lambda: True)
     assert not stopped(6, [runs_of(params)]) and stopped.refused == {0: "no_record"}
 
@@ -252,7 +259,7 @@ def _refuse_an_altered_version(store, rank: int, world_size: int) -> str:
                     p.copy_(new)
             pending = shard.start(version)  # hashed while the weights are on the wire
             sender.send(version)
-            pending.publish()
+            pending.wait()
             _wait_checked(store, version)
         return "sent"
     os.environ[weight_digest.TEST_CORRUPT_ENV] = "0:2,5:3"  # generator 0, version 2 (and another's)
@@ -307,7 +314,7 @@ def _tamper_one_shard(store, index: int, world_size: int, tampered: int) -> str:
             else:
                 pending = shard.start(version)
                 sender.send(version)
-                pending.publish()
+                pending.wait()
             _wait_checked(store, version)
         torch.distributed.destroy_process_group()
         return "sent"

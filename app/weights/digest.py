@@ -6,8 +6,8 @@ write into a broadcast. So every trainer rank publishes, for each version, a dig
 the bytes it sends (its shard: ``llamarl.app.weights.shards``; with one rank the whole model), a
 record signed by that rank (``llamarl.app.control.signed``, writer ``trainer/<rank>``) at
 ``names.weight_digest_key(version, rank)``. A generator hashes what it received from each
-trainer rank the same way (its runs as they lie in the generator's staging:
-``weight_shards.Landing.received``) and takes the version only when every rank's digest
+trainer rank the same way (its runs as they lie in that rank's staging on the
+generator: ``llamarl.app.weights.receiver``) and takes the version only when every rank's digest
 matches. A mismatch (or a record that is missing, forged, or for another version or
 rank) is refused: the generator keeps the version it has, counts it
 (``security/weight_digest/<reason>``) and logs, naming the trainer ranks, the first of
@@ -24,7 +24,12 @@ Cryptographic on purpose: a checksum (a sum, a CRC) is easy to keep while changi
 weights, and the attacker here chooses the bytes.
 
 Overlapped with the send (``ShardDigest.start``): a trainer rank hashes its shard on a
-thread while the shard is on the wire and publishes the record when both are done.
+thread while the shard is on the wire, and that thread publishes the record as soon as
+the hash is done, whether or not the send is: a send that fails on a lost generator is
+resent in a new weight group (``llamarl.app.weights.epochs``), and a generator that
+received the version whole in the old group waits for its record before it joins the
+new one. A record published only after the resend would keep it out until its wait
+ran out, then the version was refused (``no_record``) with nothing altered.
 
 Overlapped with the receive, on a generator (``DigestCheck.start``, ``Arriving``): the
 receiver feeds each broadcast's bytes, as it lands, to a ``Digest`` per trainer rank,
@@ -221,16 +226,15 @@ def _key_writer(rank: int) -> str:
 
 
 class Pending:
-    """A digest being computed on a thread (``ShardDigest.start``); ``publish`` waits for it."""
+    """A digest being computed and published on a thread (``ShardDigest.start``)."""
 
-    def __init__(self, owner: "ShardDigest", version: int, future: Future) -> None:
-        self.owner, self.version, self.future = owner, version, future
+    def __init__(self, version: int, future: Future) -> None:
+        self.version, self.future = version, future
 
-    def publish(self) -> float:
-        """Wait for the hash, publish the signed record; the seconds the hash took."""
-        hexdigest, seconds = _hashed(self.future, time.monotonic() + HASH_WAIT_S)
-        self.owner.publish(self.version, hexdigest)
-        return seconds
+    def wait(self) -> float:
+        """Wait until the record is published (or raise why it was not); the seconds the
+        hash took."""
+        return _hashed(self.future, time.monotonic() + HASH_WAIT_S)
 
 
 class ShardDigest:
@@ -240,7 +244,8 @@ class ShardDigest:
 
     def __init__(self, signed: SignedStore, params: Sequence[tuple[str, torch.Tensor]], *, rank: int,
                  ranks: int) -> None:
-        self.signed, self.params, self.rank, self.ranks = signed, list(params), rank, ranks
+        # A connection of its own: the hashing thread publishes while the caller sends.
+        self.signed, self.params, self.rank, self.ranks = signed.clone(), list(params), rank, ranks
         local, _ = local_parts(self.params, rank, ranks)
         # Only the runs' order matters to the digest (dtype by dtype, params order), not buckets.
         self.layout = Layout(local, int(DEFAULT_BUCKET_MB * 2**20))
@@ -256,26 +261,31 @@ class ShardDigest:
             self.signed.store.delete_key(names.weight_digest_key(version - KEEP_VERSIONS, self.rank))
 
     def now(self, version: int) -> float:
-        """Hash and publish ``version`` before it is sent; the seconds it took."""
-        return self.start(version, overlap=False).publish()
+        """Hash and publish ``version`` before it is sent; the seconds the hash took."""
+        return self.start(version, overlap=False).wait()
 
     def start(self, version: int, *, overlap: bool = True) -> Pending:
-        """Start hashing ``version`` (on a thread of its own when ``overlap``, so the
-        caller sends meanwhile; the weights must not change until ``publish``)."""
+        """Start hashing ``version`` and publishing its record once hashed (on a thread of
+        its own when ``overlap``, so the caller sends meanwhile; the weights must not
+        change until ``Pending.wait`` returns)."""
         runs = self.runs()
 
-        def hashed() -> tuple[str, float]:
+        def hashed() -> float:
             t0 = time.perf_counter()
-            return digest(runs), time.perf_counter() - t0
+            hexdigest = digest(runs)
+            seconds = time.perf_counter() - t0
+            self.publish(version, hexdigest)
+            return seconds
 
         if not overlap:
             done: Future = Future()
             done.set_result(hashed())
-            return Pending(self, version, done)
+            return Pending(version, done)
         global _overlap
-        if _overlap is None:
-            _overlap = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-digest-send")
-        return Pending(self, version, _overlap.submit(hashed))
+        with _pool_lock:
+            if _overlap is None:
+                _overlap = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-digest-send")
+        return Pending(version, _overlap.submit(hashed))
 
 
 def _corrupt(replica: int) -> dict[int, int]:

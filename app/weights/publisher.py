@@ -4,8 +4,9 @@ Every trainer rank builds one ``Publisher`` at start (``start()`` joins the plan
 for the generators to ask in and builds the first epoch) and calls ``publish`` once per
 version, all ranks the same versions. One call does, in this order:
 
-1. with the digest on, starts hashing this rank's shard on a thread
-   (``llamarl.app.weights.digest.ShardDigest``: it overlaps the send);
+1. with the digest on, starts hashing this rank's shard on a thread, which publishes the
+   signed digest record as soon as it is hashed (``llamarl.app.weights.digest.ShardDigest``:
+   it overlaps the send, and a generator never waits for the record on a resend);
 2. on rank 0, publishes the policy version (``Control.set_version``) before the send: a
    generator may push a group of this version as soon as it has the weights, and a
    reader (a reward executor) refuses a version it has not seen published;
@@ -13,8 +14,8 @@ version, all ranks the same versions. One call does, in this order:
    (``llamarl.app.weights.epochs``: rank 0 takes joiners in and regroups around a lost
    generator, resending the same version; ranks > 0 follow its attempts, each sending its
    FSDP2 shard in its own group);
-4. publishes the signed digest record once the hash is done (a generator hashes what it
-   received first, then waits for the record);
+4. waits for that record to be published (a generator hashes what it received first,
+   then waits for the record);
 5. records what it cost: the ``weight_sync`` and ``weight_digest`` busy intervals of the
    rank's timeline, ``weights/digest_s`` and ``weights/digest_wait_s`` at the version's step,
    and the ``weight_sync`` event of this sender (``trainer/<rank>``: its shard's bytes
@@ -87,7 +88,7 @@ class Publisher:
         if pending is not None:
             t0 = time.perf_counter()
             with self.timeline.busy("weight_digest"):
-                stats.hashed_s = pending.publish()
+                stats.hashed_s = pending.wait()
             stats.digest_wait_s = time.perf_counter() - t0
             self.rt.emit(metrics.scalars({names.WEIGHT_DIGEST_S: stats.hashed_s,
                                           names.WEIGHT_DIGEST_WAIT_S: stats.digest_wait_s},
