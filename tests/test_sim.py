@@ -183,7 +183,7 @@ def test_cli_predicts_a_run_and_writes_what_if(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["report"]["median_step_s"] == pytest.approx(0.56, rel=0.03)
     cases = {c["case"]: c for c in report["what_if"]}
-    assert cases["max_staleness 1"]["median_step_s"] < cases["as given"]["median_step_s"]
+    assert cases["max_staleness 1"]["median_step_s"] < cases["as run"]["median_step_s"]
     assert "median step time" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         sim_cli.main(["--from-run", str(tmp_path / "run"), "--spec", "x.json"])

@@ -66,13 +66,6 @@ class SimConfig:
         return out
 
 
-def what_if(loop: Loop, *, seed: int = 0) -> list[tuple[str, engine.Report]]:
-    """``loop`` and its neighbours: one more generator, and staleness bounds 0 to 3."""
-    cases = [("as given", loop), (f"{loop.generators + 1} generators", replace(loop, generators=loop.generators + 1))]
-    cases += [(f"max_staleness {k}", replace(loop, max_staleness=k)) for k in range(4) if k != loop.max_staleness]
-    return [(label, engine.simulate(case, seed=seed)) for label, case in cases]
-
-
 def build(cfg: SimConfig) -> tuple[Loop, dict]:
     """The loop to simulate and what it was built from."""
     if cfg.from_run:
@@ -99,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         loop, source = build(cfg)
     except (OSError, ValueError) as e:
         sys.exit(f"llamarl.app.sim: {e}")
-    cases = what_if(loop, seed=cfg.seed)
+    cases = engine.what_if(loop, seed=cfg.seed)
     report = cases[0][1]
     print(describe(loop, report))
     print("\nwhat if                 step (s)   idle: generator  reward  trainer")

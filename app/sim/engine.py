@@ -28,7 +28,7 @@ import itertools
 import random
 import statistics
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from llamarl.app.sim.costs import Loop
@@ -283,3 +283,11 @@ def simulate(loop: Loop, *, seed: int = 0) -> Report:
     sim = _Sim(loop, seed)
     sim.run()
     return sim.report()
+
+
+def what_if(loop: Loop, *, seed: int = 0) -> list[tuple[str, Report]]:
+    """``loop`` and its neighbours: one more generator, and staleness bounds 0 to 3 (what the
+    CLI prints and the dashboard's "What if" tab shows beside the measured run)."""
+    cases = [("as run", loop), (f"{loop.generators + 1} generators", replace(loop, generators=loop.generators + 1))]
+    cases += [(f"max_staleness {k}", replace(loop, max_staleness=k)) for k in range(4) if k != loop.max_staleness]
+    return [(label, simulate(case, seed=seed)) for label, case in cases]
