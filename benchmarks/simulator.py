@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -86,6 +86,11 @@ CONFIGS = [
 
 
 def launch(case: Case, args: argparse.Namespace) -> Path:
+    """Runs ``case``; its run directory. The machine's load average before and after goes to
+    ``<runs_dir>/loads.json``: the context of every measured figure on a shared machine."""
+    loads_file = Path(args.runs_dir) / "loads.json"
+    loads = json.loads(loads_file.read_text()) if loads_file.exists() else {}
+    before = os.getloadavg()[0]
     with get_runner() as runner:
         t0 = time.time()
         handle = apps.start(runner, case.options(args), case.flags(args), log_dir=f"{args.runs_dir}/torchx-logs")
@@ -94,6 +99,8 @@ def launch(case: Case, args: argparse.Namespace) -> Path:
         if state != AppState.SUCCEEDED:
             raise RuntimeError(f"{case.name} ended {state}: see {args.runs_dir}/torchx-logs")
     print(f"{case.name}: finished in {time.time() - t0:.0f} s ({app_id})", file=sys.stderr)
+    loads[case.name] = [before, os.getloadavg()[0]]
+    loads_file.write_text(json.dumps(loads, indent=2))
     return Path(args.runs_dir) / app_id
 
 
@@ -107,6 +114,8 @@ def predict(fit: calibrate.Calibration, case: Case, args: argparse.Namespace) ->
 
 
 def compare(manifest: dict[str, str], args: argparse.Namespace) -> dict:
+    loads_file = Path(args.runs_dir) / "loads.json"
+    loads = json.loads(loads_file.read_text()) if loads_file.exists() else {}
     fit = calibrate.from_run(manifest[CALIBRATION.name])
     rows = []
     for case in CONFIGS:
@@ -117,7 +126,8 @@ def compare(manifest: dict[str, str], args: argparse.Namespace) -> dict:
                      "error": report.median_step_s / measured.median_step_s - 1,
                      "measured_idle": measured.idle, "predicted_idle": report.idle,
                      "measured_mean_staleness": measured.mean_staleness,
-                     "predicted_mean_staleness": report.mean_staleness, "run_dir": manifest[case.name]})
+                     "predicted_mean_staleness": report.mean_staleness, "run_dir": manifest[case.name],
+                     "load_before_after": loads.get(case.name)})
     by_name = {r["name"]: r for r in rows}
     ratios = []
     for case in CONFIGS:
@@ -132,7 +142,7 @@ def compare(manifest: dict[str, str], args: argparse.Namespace) -> dict:
         m, p = a["measured_step_s"] / s["measured_step_s"], a["predicted_step_s"] / s["predicted_step_s"]
         ratios.append({"async": case.name, "sync": twin.name, "measured": m, "predicted": p, "diff": p - m})
     return {"calibration": {"run_dir": manifest[CALIBRATION.name], "config": CALIBRATION.name,
-                            "fit": fit.summary()},
+                            "fit": fit.summary(), "load_before_after": loads.get(CALIBRATION.name)},
             "configs": rows, "async_sync_ratios": ratios,
             "within_10pct": sum(abs(r["error"]) <= 0.10 for r in rows),
             "ratios_within_0.1": sum(abs(r["diff"]) <= 0.1 for r in ratios),
@@ -170,12 +180,13 @@ def main() -> None:
     for r in result["configs"]:
         idle = "  ".join(f"{k} {r['measured_idle'].get(k, 0):.2f}/{r['predicted_idle'].get(k, 0):.2f}"
                          for k in sorted(r["measured_idle"]))
-        print(f"{r['name']:18}{r['measured_step_s']:10.2f}{r['predicted_step_s']:10.2f}{r['error']:+8.0%}   {idle}")
+        load = r["load_before_after"]
+        load = f"   load {load[0]:.0f}-{load[1]:.0f}" if load else ""
+        print(f"{r['name']:18}{r['measured_step_s']:10.2f}{r['predicted_step_s']:10.2f}{r['error']:+8.0%}   {idle}{load}")
     for r in result["async_sync_ratios"]:
         print(f"async/sync {r['async']} / {r['sync']}: measured {r['measured']:.2f}, predicted {r['predicted']:.2f}")
     print(f"{result['within_10pct']}/{len(result['configs'])} step times within 10 %, "
           f"{result['ratios_within_0.1']}/{len(result['async_sync_ratios'])} ratios within 0.1; wrote {args.json}")
-    _ = statistics  # medians come from calibrate.measured
 
 
 if __name__ == "__main__":
