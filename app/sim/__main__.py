@@ -80,10 +80,26 @@ def describe(loop: Loop, report: engine.Report) -> str:
              f"reward executors={loop.reward_executors} trainer ranks={loop.trainer_ranks}",
              f"median step time  {report.median_step_s:.3f} s",
              f"throughput        {report.samples_per_s:.1f} rollouts/s, {report.tokens_per_s:.0f} tokens/s",
-             "idle fraction     " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(report.idle_per_executor.items())),
+             "idle fraction     " + idle_line(report),
              "staleness         " + ", ".join(f"{k}: {v}" for k, v in sorted(report.staleness.items()))
              + f" groups (mean {report.mean_staleness:.2f}, dropped {report.dropped})"]
     return "\n".join(lines)
+
+
+def idle_line(report: engine.Report) -> str:
+    """Each executor's idle fraction; a role of more than four replicas as its mean and range."""
+    by_role: dict[str, list[tuple[str, float]]] = {}
+    for name, value in report.idle_per_executor.items():
+        by_role.setdefault(name.split("/")[0], []).append((name, value))
+    parts = []
+    for role, items in sorted(by_role.items()):
+        values = [v for _, v in items]
+        if len(items) > 4:
+            parts.append(f"{role} x{len(items)} mean {sum(values) / len(values):.2f} "
+                         f"(min {min(values):.2f}, max {max(values):.2f})")
+        else:
+            parts += [f"{name} {v:.2f}" for name, v in sorted(items)]
+    return ", ".join(parts)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
