@@ -121,7 +121,8 @@ def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, to
         g = gen_s + 0.001 * (step % 3)
         evs.append(events.interval("busy", "generate", t, t + g, role="generator"))
         # the generator at its bound until the step's weights arrive, the trainer waiting for rollouts
-        evs.append(events.interval("idle", "staleness_bound", t + g, t + g + score_s + train_s + sync_s,
+        evs.append(events.interval("idle", "staleness_bound", t + g, t + g + score_s + train_s * n_tokens
+                                   / (rows * tokens_per_row) + sync_s,
                                    role="generator"))
         evs.append(events.interval("idle", "wait_rollouts", t, t + g + score_s, role="trainer"))
         evs += [events.scalar(names.GEN_TOKENS_PER_S, n_tokens / g, role="generator", t=t + g + 0.001),
@@ -130,11 +131,12 @@ def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, to
         evs.append(events.interval("busy", "score", t, t + score_s, role="reward"))
         evs.append(events.scalar(names.REWARD_SAMPLES_PER_S, rows / score_s, role="reward", t=t + score_s))
         t += score_s
-        evs.append(events.interval("busy", "train", t, t + train_s, role="trainer"))
-        evs.append(events.scalar(names.TRAIN_TOKENS_PER_S, n_tokens / train_s, role="trainer", t=t + train_s))
-        evs.append(events.scalar(names.TRAIN_STEP_S, gen_s + score_s + train_s + sync_s, role="trainer",
-                                 step=step, t=t + train_s))
-        t += train_s
+        tr = train_s * n_tokens / (rows * tokens_per_row)  # a training pass costs per token
+        evs.append(events.interval("busy", "train", t, t + tr, role="trainer"))
+        evs.append(events.scalar(names.TRAIN_TOKENS_PER_S, n_tokens / tr, role="trainer", t=t + tr))
+        evs.append(events.scalar(names.TRAIN_STEP_S, g + score_s + tr + sync_s, role="trainer",
+                                 step=step, t=t + tr))
+        t += tr
         evs.append(events.interval("busy", "weight_sync", t, t + sync_s, role="trainer"))
         evs.append(events.weight_sync(step, "trainer/0", 1000, sync_s))
         t += sync_s
@@ -148,6 +150,7 @@ def test_from_run_fits_the_costs_a_run_recorded(tmp_path):
     loop = fit.loop()
     assert loop.gen.seconds([20] * 16) == pytest.approx(0.3, abs=0.003)
     assert loop.train.seconds(320) == pytest.approx(0.2, abs=0.002)
+    assert loop.train.seconds(640) == pytest.approx(0.4, abs=0.004)  # one batch size: per token
     assert loop.sync.seconds(senders=1, receivers=1) == pytest.approx(0.05)
     assert loop.reward.seconds(16) == pytest.approx(0.01, abs=1e-4)
     assert fit.lengths.capped_mean() == pytest.approx(20.0, abs=1.0)

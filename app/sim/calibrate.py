@@ -39,6 +39,11 @@ from llamarl.app.sim.costs import GenCost, Lengths, Loop, RewardCost, SyncCost, 
 from llamarl.app.sim.engine import Report
 
 
+NARROW = 0.2
+"""A regressor whose spread (standard deviation over mean) is below this cannot separate a
+constant from a slope in a run's timings."""
+
+
 def _normal_cdf(x: float) -> float:
     return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
 
@@ -283,7 +288,14 @@ def _fit(db: _Db, lengths_sigma: float | None) -> Calibration:
         notes.append("no reward executor: inline scoring taken as free (untimed in the trainer's thread)")
 
     steps = _paired(db, "trainer", "train", [names.TRAIN_TOKENS_PER_S])
-    ta, tb = robust_fit([[1.0, amt[0]] for *_, amt in steps], [s for _, _, s, _ in steps])
+    step_tokens = [amt[0] for *_, amt in steps]
+    if len(steps) > 2 and statistics.pstdev(step_tokens) < NARROW * statistics.mean(step_tokens):
+        # Batches of one size: a constant and a per-token cost cannot be told apart, and a
+        # training pass is forward and backward over its tokens: all of it per token.
+        ta, (tb,) = 0.0, robust_fit([[t] for t in step_tokens], [s for _, _, s, _ in steps])
+        notes.append("one training batch size: the training step taken as proportional to its tokens")
+    else:
+        ta, tb = robust_fit([[1.0, t] for t in step_tokens], [s for _, _, s, _ in steps])
     trainer = db.intervals("trainer")
     per_step_sync = _per_train(trainer, ("weight_sync", "weight_digest"))
     evals = [t1 - t0 for _, _, w, t0, t1 in trainer if w == "eval"]
