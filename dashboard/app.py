@@ -29,6 +29,7 @@ import streamlit as st  # noqa: E402
 
 from llamarl.app import names# noqa: E402
 from llamarl.dashboard import charts, data, episodes  # noqa: E402
+from llamarl.dashboard.what_if import what_if_tab  # noqa: E402
 
 log = logging.getLogger("llamarl.dashboard")
 
@@ -290,6 +291,7 @@ TABS: dict[str, Callable[[data.Run], None]] = {
     "Queues": queues_tab,
     "Security": security_tab,
     "All scalars": other_scalars_tab,
+    "What if": what_if_tab,
 }
 
 

@@ -45,7 +45,7 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
     assert metrics["last checkpoint"] == "step 40"
     tabs = [t.label for t in at.tabs]
     assert tabs == ["Throughput", "Executors", "Off-policy", "Weight sync", "Learning", "Episodes", "Queues",
-                    "Security", "All scalars"]
+                    "Security", "All scalars", "What if"]
     drawn = {}
     for tab in tabs:  # only the open tab runs its queries, so open each in turn
         at.session_state["tab"] = tab
@@ -58,7 +58,7 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
     # Off-policy: staleness (2), the mismatch by lag (2), versions per episode; Episodes: 6 (the
     # fixture run has episodes); Weight sync: syncs, senders, quantization.
     assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 5, "Weight sync": 3, "Learning": 6,
-                     "Episodes": 6, "Queues": 2, "Security": 1, "All scalars": 0}
+                     "Episodes": 6, "Queues": 2, "Security": 1, "All scalars": 0, "What if": 0}
 
 
 def test_off_policy_tab_of_an_auto_run_shows_the_bound_and_every_change(monkeypatch, tmp_path):
@@ -163,3 +163,16 @@ def test_live_run_refreshes_while_it_is_written(monkeypatch, tmp_path):
         at.run()
         assert_no_exception(at)
         assert int(at.metric[0].value) >= first + 3
+
+
+def test_what_if_tab_puts_predictions_next_to_the_measured_run(monkeypatch, runs_root):
+    at = start(monkeypatch, runs_root, run="sync-run")
+    at.session_state["tab"] = "What if"
+    at.run()
+    assert_no_exception(at)
+    table = at.dataframe[0].value
+    assert list(table["case"])[:2] == ["measured", "predicted: as run"]
+    assert "predicted: max_staleness 1" in set(table["case"]) and "predicted: 2 generators" in set(table["case"])
+    by_case = dict(zip(table["case"], table["median step (s)"]))
+    # The fixture's generators are the faster side: a bound of 1 overlaps them with training.
+    assert by_case["predicted: max_staleness 1"] < by_case["predicted: as run"]

@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPICS = ["getting-started", "data", "rewards", "environments", "gpus", "slurm", "kubernetes", "failures",
-          "security", "dashboard", "architecture"]
+          "security", "dashboard", "architecture",
+          "simulator"]
 """The pages the README links one paragraph each to (issue 28), besides benchmarks/README.md."""
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
