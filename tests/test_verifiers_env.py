@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from torchx.specs import AppState
 
-pytest.importorskip("verifiers.v1", reason="verifiers is not installed: it pins openai 2.x, which the test "
-                                           "extra's llm cannot share, so it is not in any extra")
+import verifiers.v1  # noqa: E402,F401  (the test extra installs it: a missing one fails, not skips)
 
 from app_launch import SMALL, launch, rows  # noqa: E402
 from llamarl.app.envs.spec import build_env  # noqa: E402
