@@ -37,8 +37,8 @@ stops the benchmark):
   model and publishes, then sends; each generator hashes and checks the whole after
   its receive.
 
-The first ``sharded`` round is checked: the generators' staging equals the trainer's
-full weights bit for bit.
+The first ``sharded`` round is checked: the generators' weights, once swapped in, equal
+the trainer's full weights bit for bit.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from llamarl.app.weights.group import init_weight_group
 from llamarl.app.weights.layout import flatten_parameters_
 from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
+from llamarl.app.weights.subscriber import swap_staged
 from benchmarks import spawn
 from benchmarks.weight_sync import llama_like_params
 
@@ -261,7 +262,8 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
             if name == "sharded" and not checked:  # outside the timed window
                 torch.manual_seed(0)
                 expected = torch.cat([t.reshape(-1) for _, t in llama_like_params(args.params)])
-                if not torch.equal(sharded._staging[0], expected):
+                if swap_staged(sharded) != rep or not torch.equal(
+                        torch.cat([p.detach().reshape(-1) for _, p in params]), expected):
                     raise RuntimeError(f"benchmark: generator {replica} staged other weights than the trainer's")
                 checked = True
                 del expected
