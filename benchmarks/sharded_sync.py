@@ -193,7 +193,8 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
                 barrier.wait_key(key + "/go")
                 fn(rep)
                 barrier.arrive(key + "/done")
-    out.put((f"trainer/{rank}", {"result": result, "per_sender_s": per_sender, "bytes": sharded.layout.nbytes}))
+    out.put((f"trainer/{rank}", {"result": result, "per_sender_s": per_sender, "bytes": sharded.layout.nbytes,
+                                 "broadcasts": sharded.broadcasts}))
     if ranks > 1:
         dist.destroy_process_group()
 
@@ -323,6 +324,7 @@ def run(ranks: int, args) -> dict:
         "paired_gather_vs_raw": paired["gather"], "paired_p2p_vs_raw": paired["p2p"],
         "per_sender_s": {r: statistics.median(reports[f"trainer/{r}"]["per_sender_s"]) for r in range(ranks)},
         "shard_bytes": {r: reports[f"trainer/{r}"]["bytes"] for r in range(ranks)},
+        "broadcasts_per_sync": {r: reports[f"trainer/{r}"].get("broadcasts") for r in range(ranks)},
         "checked_bit_for_bit": all(reports[f"generator/{g}"]["checked"] for g in range(args.generators)),
         "all_seconds": times,
     }
