@@ -37,8 +37,8 @@ stops the benchmark):
   model and publishes, then sends; each generator hashes and checks the whole after
   its receive.
 
-The first ``sharded`` round is checked: the generators' staging equals the trainer's
-full weights bit for bit.
+The first ``sharded`` round is checked: the generators' weights, once swapped in, equal
+the trainer's full weights bit for bit.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from llamarl.app.weights.group import init_weight_group
 from llamarl.app.weights.layout import flatten_parameters_
 from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
+from llamarl.app.weights.subscriber import swap_staged
 from benchmarks import spawn
 from benchmarks.weight_sync import llama_like_params
 
@@ -192,7 +193,8 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
                 barrier.wait_key(key + "/go")
                 fn(rep)
                 barrier.arrive(key + "/done")
-    out.put((f"trainer/{rank}", {"result": result, "per_sender_s": per_sender, "bytes": sharded.layout.nbytes}))
+    out.put((f"trainer/{rank}", {"result": result, "per_sender_s": per_sender, "bytes": sharded.layout.nbytes,
+                                 "broadcasts": sharded.broadcasts}))
     if ranks > 1:
         dist.destroy_process_group()
 
@@ -261,7 +263,8 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
             if name == "sharded" and not checked:  # outside the timed window
                 torch.manual_seed(0)
                 expected = torch.cat([t.reshape(-1) for _, t in llama_like_params(args.params)])
-                if not torch.equal(sharded._staging[0], expected):
+                if swap_staged(sharded) != rep or not torch.equal(
+                        torch.cat([p.detach().reshape(-1) for _, p in params]), expected):
                     raise RuntimeError(f"benchmark: generator {replica} staged other weights than the trainer's")
                 checked = True
                 del expected
@@ -321,6 +324,7 @@ def run(ranks: int, args) -> dict:
         "paired_gather_vs_raw": paired["gather"], "paired_p2p_vs_raw": paired["p2p"],
         "per_sender_s": {r: statistics.median(reports[f"trainer/{r}"]["per_sender_s"]) for r in range(ranks)},
         "shard_bytes": {r: reports[f"trainer/{r}"]["bytes"] for r in range(ranks)},
+        "broadcasts_per_sync": {r: reports[f"trainer/{r}"].get("broadcasts") for r in range(ranks)},
         "checked_bit_for_bit": all(reports[f"generator/{g}"]["checked"] for g in range(args.generators)),
         "all_seconds": times,
     }

@@ -50,46 +50,37 @@ def test_landing_puts_each_rank_part_where_it_belongs():
         shards = Shards(rank=rank, ranks=3, full_shapes=((6, 2), (5,), (1, 4)),
                         starts=(4 * rank, 2 * rank, 0 if rank == 0 else 4))
         layout = Layout(local, bucket_bytes=1024)  # one bucket: a, b, c packed together
-        landing = Landing(layout, shards, full_layout)
         (bucket,) = layout.runs[0].buckets
-        sent = torch.cat([t.reshape(-1) for _, t in local])
-        assert landing.direct(bucket) is None  # a's part and b's part are not neighbours in staging
-        for src, dst, n in landing.pieces(bucket):
+        sent = torch.cat([t.reshape(-1) for _, t in local])  # what lands in the rank's staging
+        moves = Landing(layout, shards, full_layout).moves(layout.runs[0])
+        # One copy per part: a rank's parts of a, b and c lie apart in the full weights.
+        assert moves == {0: [(0, 0, 4), (4, 12, 2), (6, 17, 4)], 1: [(0, 4, 4), (4, 14, 2)],
+                         2: [(0, 8, 4), (4, 16, 1)]}[rank]
+        assert moves == Landing(layout, shards, full_layout).moves(bucket)
+        for src, dst, n in moves:
             staging[dst:dst + n] = sent[src:src + n]
         senders.append((shards, layout))
     assert torch.equal(staging, torch.cat([p.reshape(-1) for _, p in full]))
-    for rank, (shards, layout) in enumerate(senders):
-        # What each rank sent, read back from staging (what a generator hashes): views, in
-        # the rank's order; rank 0's a and b parts lie apart there, c follows b at once.
-        received = Landing(layout, shards, full_layout).received(layout.runs[0], staging)
-        assert torch.equal(torch.cat(received), torch.cat([t.reshape(-1) for _, t in parts(rank, 3)]))
-        assert all(v.untyped_storage().data_ptr() == staging.untyped_storage().data_ptr() for v in received)
-        assert [(v.storage_offset(), v.numel()) for v in received] == {
-            0: [(0, 4), (12, 2), (17, 4)], 1: [(4, 4), (14, 2)], 2: [(8, 4), (16, 1)]}[rank]
     check_tiling(senders, full)
     with pytest.raises(ValueError, match="cover elements"):
         check_tiling(senders[:2], full)  # rank 2's rows missing
 
 
-def test_one_rank_lands_whole_and_a_lone_part_lands_in_place():
+def test_one_rank_moves_in_one_copy_and_a_bucket_from_its_own_offset():
     full = full_params()
     full_layout = Layout(full, bucket_bytes=1024)
     local, shards = local_parts(full, rank=0, ranks=1)
     layout = Layout(local, bucket_bytes=1024)
-    assert Landing(layout, shards, full_layout).direct(layout.runs[0]) == 0
-    staging = torch.zeros(21)
-    assert [(v.storage_offset(), v.numel()) for v in Landing(layout, shards, full_layout).received(
-        layout.runs[0], staging)] == [(0, 21)]  # the whole run, one view
-    # A rank with no part of a run: one empty view of it (its dtype still counts).
+    assert Landing(layout, shards, full_layout).moves(layout.runs[0]) == [(0, 0, 21)]  # the whole run
+    # A rank with no part of a run: nothing to move.
     local, shards = local_parts(full, rank=1, ranks=2)
-    empty = Landing(Layout(local, 1024), shards, full_layout).received(Layout(local, 1024).runs[0], staging)
-    assert [v.numel() for v in empty] == [0] and empty[0].dtype == staging.dtype
-    # Rank 1 of 3 of "a" alone in its bucket (alone_bytes 8): rows 2..4 sit at element 4.
+    assert Landing(Layout(local, 1024), shards, full_layout).moves(Layout(local, 1024).runs[0]) == []
+    # Rank 1 of 3 with "a" alone in its bucket (alone_bytes 16): then b with c (empty on
+    # this rank); a bucket's moves count from its own start.
     layout = Layout(parts(1, 3), bucket_bytes=1024, alone_bytes=16)
     shards = Shards(rank=1, ranks=3, full_shapes=((6, 2), (5,), (1, 4)), starts=(4, 2, 4))
     landing = Landing(layout, shards, full_layout)
-    # a alone; then b with c (empty on this rank): only b has bytes, at 12 + 2.
-    assert [landing.direct(b) for b in layout.runs[0].buckets] == [4, 14]
+    assert [landing.moves(b) for b in layout.runs[0].buckets] == [[(0, 4, 4)], [(0, 14, 2)]]
     # Plain tensors with several ranks: rank 0 sends them whole, the others nothing.
     local, shards = local_parts(full, rank=1, ranks=2)
     assert [t.numel() for _, t in local] == [0, 0, 0] and shards.starts == (12, 5, 4)

@@ -2,12 +2,16 @@
 each version from every trainer rank into staging on a background thread.
 
 A generator takes each trainer rank's broadcasts in order, whichever rank's next is in
-first (``wait_first``), and works on each as it lands: packed parts are scattered into
-place, and the bytes are fed to the version's ``Verification`` (the weight digest,
-``llamarl.app.weights.digest``) so they are hashed while the rest is on the wire. There is one
-staging buffer per run (``Staging``, the hand-off to the swap: the receive thread writes
-it, ``llamarl.app.weights.subscriber`` copies a complete version from it into the live model
-between decode batches), so a generator busy decoding never holds up the trainer.
+first (``wait_first``), each straight into that rank's staging (one buffer per run, in
+the rank's own layout: a broadcast is one slice of it, however many parameter parts the
+sender packed into it), and feeds it to the version's ``Verification`` (the weight
+digest, ``llamarl.app.weights.digest``) so it is hashed while the rest is on the wire.
+``Staging`` is the hand-off to the swap: the receive thread writes the ranks' buffers,
+``llamarl.app.weights.subscriber`` copies a complete version from them into the live model
+between decode batches (``llamarl.app.weights.shards.Landing.moves``: with one trainer
+rank one copy per run, with several one per parameter part), so a generator busy
+decoding never holds up the trainer, and a sharded sync costs a generator no copy
+beyond that one.
 """
 
 from __future__ import annotations
@@ -70,17 +74,22 @@ class Verifier(Protocol):
 
 @dataclass
 class Staging:
-    """Where a generator's receive thread leaves each version for the swap: one buffer per
-    run of the layout, the model's live parameters as one view per run (the same runs), the
-    newest version complete and accepted in the buffers and the newest copied into the
-    parameters. ``lock`` is held by a whole receive and by a swap, so a swap never copies a
-    version half written."""
+    """Where a generator's receive thread leaves each version for the swap: each trainer
+    rank's bytes as they came (``buffers``) and where they go in the parameters (``moves``),
+    the model's live parameters as one view per run, the newest version complete and
+    accepted in the buffers and the newest copied into the parameters. ``lock`` is held by
+    a whole receive and by a swap, so a swap never copies a version half written."""
 
-    buffers: list[torch.Tensor]
+    buffers: list[list[torch.Tensor]]
+    """Per trainer rank, one flat buffer per run of that rank's layout (its parts of the
+    parameters, in its order)."""
+    moves: list[list[list[tuple[int, int, int]]]]
+    """Per trainer rank and run, ``(offset in its buffer, offset in the live run, numel)``:
+    the copies a swap makes (``llamarl.app.weights.shards.Landing.moves``). A rank's run k
+    is the live run k (the same dtypes in the same order)."""
     live: list[torch.Tensor]
-    """The parameters as one 1-d view per run (``flatten_parameters_``'s buffers): a swap is
-    one copy per run. Fixed when the receiver is built: the parameters' ``.data`` must not
-    be rebound after that."""
+    """The parameters as one 1-d view per run (``flatten_parameters_``'s buffers). Fixed
+    when the receiver is built: the parameters' ``.data`` must not be rebound after that."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     version: int | None = None
     """The version the buffers hold complete and accepted; after a refused one, ``applied``
@@ -91,20 +100,23 @@ class Staging:
 
 @dataclass
 class _Landed:
-    """One broadcast of a sync on a generator, and what follows once it is in."""
+    """One broadcast of a sync on a generator."""
 
     group: WeightGroup
     work: dist.Work
     run: int
-    pieces: list[torch.Tensor]
-    """Its bytes once in, where they lie in staging (views, in the sender's order)."""
-    scatters: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    """``(scratch view, staging view)``: its packed parts, copied into place once it is in."""
+    piece: torch.Tensor
+    """Its bytes once in: a slice of its sender's staging."""
 
 
 @dataclass
 class _SenderPlan:
-    """What a generator receives from one trainer rank, and where it puts it."""
+    """What a generator receives from one trainer rank, and where it puts it.
+
+    The rank's bytes are staged as they come, in its own layout: one flat buffer per run
+    (``buffers``), each broadcast a slice of it at its bucket's offset, so nothing is
+    unpacked while the sync is on the wire; ``moves`` says where those bytes go in the
+    live model, for the copy a swap makes anyway (both handed to the swap in ``Staging``)."""
 
     group: WeightGroup
     layout: Layout
@@ -113,23 +125,10 @@ class _SenderPlan:
     landing: Landing
 
     def __post_init__(self) -> None:
-        # Where each run and bucket lands, fixed with the layout: a staging offset, or a
-        # place in one scratch buffer per run (the packed small parts, scattered after
-        # the receive; none with one trainer rank).
-        self._run_at = [self.landing.direct(run) for run in self.layout.runs]
-        self._bucket_at: dict[tuple[int, int], int | None] = {}
-        self._scratch_at: dict[tuple[int, int], int] = {}
-        self._scratch = []
-        for k, run in enumerate(self.layout.runs):
-            size = 0
-            for b, bucket in enumerate(run.buckets):
-                self._bucket_at[(k, b)] = at = self.landing.direct(bucket)
-                if bucket.numel and at is None:
-                    self._scratch_at[(k, b)] = size
-                    size += bucket.numel
-            self._scratch.append(host_or_device(self.group, size, run.dtype))
+        self.buffers = [host_or_device(self.group, run.numel, run.dtype) for run in self.layout.runs]
+        self.moves = [self.landing.moves(run) for run in self.layout.runs]
 
-    def post(self, header: list[int], staging: list[torch.Tensor]) -> list[_Landed]:
+    def post(self, header: list[int]) -> list[_Landed]:
         """Start receiving one sync whose header is ``header``; its broadcasts, in order."""
         g, layout = self.group, self.layout
         version, fingerprint, whole = header
@@ -138,26 +137,12 @@ class _SenderPlan:
                 f"weight sync of version {version}: trainer rank {self.shards.rank}'s layout "
                 f"(fingerprint {fingerprint}) differs from the one it announced ({layout.fingerprint})")
         landed: list[_Landed] = []
-        for k, (run, flat) in enumerate(zip(layout.runs, staging)):
-            if whole >> k & 1:
-                if (at := self._run_at[k]) is None:
-                    raise WeightLayoutError(f"weight sync of version {version}: trainer rank "
-                                            f"{self.shards.rank} sent a run whole that does not land whole")
-                for a, b in whole_cuts(run, layout.bucket_bytes):
-                    piece = flat[at + a:at + b]
-                    landed.append(_Landed(g, g.broadcast(piece), k, [piece]))
-                continue
-            for b, bucket in enumerate(run.buckets):
-                if bucket.numel == 0:
-                    continue
-                if (at := self._bucket_at[(k, b)]) is not None:  # lands where it belongs as it comes
-                    piece = flat[at:at + bucket.numel]
-                    landed.append(_Landed(g, g.broadcast(piece), k, [piece]))
-                    continue
-                start = self._scratch_at[(k, b)]
-                scratch = self._scratch[k][start:start + bucket.numel]
-                landed.append(_Landed(g, g.broadcast(scratch), k, self.landing.received(bucket, flat), [
-                    (scratch[src:src + n], flat[dst:dst + n]) for src, dst, n in self.landing.pieces(bucket)]))
+        for k, (run, flat) in enumerate(zip(layout.runs, self.buffers)):
+            cuts = (whole_cuts(run, layout.bucket_bytes) if whole >> k & 1 else
+                    [(b.offset, b.offset + b.numel) for b in run.buckets if b.numel])
+            for a, b in cuts:
+                piece = flat[a:b]
+                landed.append(_Landed(g, g.broadcast(piece), k, piece))
         return landed
 
 
@@ -166,18 +151,19 @@ class WeightReceiver:
     decode batches.
 
     ``groups``: one weight group per trainer rank, in trainer-rank order (a single group
-    for one trainer rank). Each trainer rank's part of a version lands in the one staging
-    buffer per run (``llamarl.app.weights.shards.Landing``), all ranks' parts at once.
+    for one trainer rank). Each trainer rank's part of a version lands in that rank's
+    staging, all ranks' parts at once (``_SenderPlan``).
 
     ``start_background()`` (or ``receive_until`` on a thread of the caller's) once; the
     versions it receives wait in ``staging`` until ``llamarl.app.weights.subscriber.swap_staged``
     copies the newest into the parameters between decode batches. There is one staging
-    buffer per run, so a swap that finds a receive in progress takes nothing at once and
+    per version, so a swap that finds a receive in progress takes nothing at once and
     the next one picks the version up.
 
     ``params`` must be laid out by ``flatten_parameters_`` (as the generator's model is),
-    so applying a version is one copy per run. The buckets are the senders' (read in the
-    layout handshake); ``bucket_mb`` only cuts this side's own layout document.
+    so applying a version from one trainer rank is one copy per run. The buckets are the
+    senders' (read in the layout handshake); ``bucket_mb`` only cuts this side's own
+    layout document.
     ``verify`` (``llamarl.app.weights.digest.DigestCheck``), when given, is told of each version as
     its header lands, fed each broadcast's bytes (views of staging) as it lands, sender
     by sender in order, and asked at the end whether to take it; a version it refuses is
@@ -213,7 +199,7 @@ class WeightReceiver:
             check_tiling([(p.shards, p.layout) for p in self._senders], self.params)
         except ValueError as e:
             raise WeightLayoutError(str(e)) from None
-        self.staging = Staging([host_or_device(self.group, run.numel, run.dtype) for run in self.layout.runs], live)
+        self.staging = Staging([p.buffers for p in self._senders], [p.moves for p in self._senders], live)
         self.verify = verify
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -283,7 +269,7 @@ class WeightReceiver:
                                       "in one sync")
             verification = None if self.verify is None else self.verify.start(
                 int(version), [[run.dtype for run in plan.layout.runs] for plan in self._senders])
-            self._land([plan.post(header.tolist(), self.staging.buffers) for plan, header in zip(self._senders, headers)],
+            self._land([plan.post(header.tolist()) for plan, header in zip(self._senders, headers)],
                        verification)
             for group in self.groups:
                 group.synchronize()
@@ -302,18 +288,15 @@ class WeightReceiver:
 
     def _land(self, broadcasts: list[list[_Landed]], verification: Verification | None) -> None:
         """Wait for every sender's ``broadcasts``, each sender's in order, taking whichever
-        sender's next is in first: its packed parts are copied into place and, with a
-        ``verification``, its bytes fed to it, so they are hashed while the rest arrives."""
+        sender's next is in first: with a ``verification``, its bytes are fed to it, so
+        they are hashed while the rest arrives."""
         queues = [deque(b) for b in broadcasts]
         while live := [s for s, q in enumerate(queues) if q]:
             s = live[wait_first([(queues[s][0].group, queues[s][0].work) for s in live])]
             item = queues[s].popleft()
-            with torch.no_grad():
-                for src, dst in item.scatters:
-                    dst.copy_(src)
             if verification is not None:
                 item.group.synchronize()  # on a GPU: landed before another thread reads them
-                verification.feed(s, item.run, item.pieces)
+                verification.feed(s, item.run, [item.piece])
 
     def start_background(self, should_stop: Callable[[], bool] | None = None) -> None:
         """Receive every new version into staging on a daemon thread, as soon as it is sent."""

@@ -4,9 +4,14 @@ broadcasts its part of the policy's weights as one version.
 A run that is one slice of a ``flatten_parameters_`` buffer goes out whole, with no copy
 (what the one-rank trainer does), in slices of one bucket's bytes (``whole_cuts``: a
 generator hashes each as it lands, ``llamarl.app.weights.digest``, instead of the whole run
-after it); any other run goes bucket by bucket, packing those that are not one contiguous
-tensor into two reused buffers, so parameters that are not one flat buffer (a trainer
-rank's FSDP2 shards) sync too.
+after it); any other run (a trainer rank's FSDP2 shards, one allocation per parameter)
+goes bucket by bucket: a bucket of several parameter parts is packed into one of two
+packing buffers kept for the sender's life, while the bucket before it is on the wire,
+and a part of a bucket's size or more goes as it is. A sync is then a handful of
+broadcasts of about a bucket each, not one per parameter: each broadcast has a fixed
+cost on the sender and on every generator (a collective's setup and its wake-ups), paid
+per bucket rather than per parameter, for one copy of the small parts into a buffer
+that is sent while the next is packed.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from llamarl.app.weights.group import (
     whole_cuts,
 )
 from llamarl.app.weights.layout import DEFAULT_BUCKET_MB, Layout, pack, span_view
-from llamarl.app.weights.shards import SHARD_ALONE_BYTES, Landing, local_parts, meta_params
+from llamarl.app.weights.shards import local_parts
 
 __all__ = ["WeightSender"]
 
@@ -55,23 +60,23 @@ class WeightSender:
         self.params = list(params)
         self.rank, self.ranks = rank, ranks
         local, self.shards = local_parts(self.params, rank, ranks)
-        bucket_bytes = int(bucket_mb * 2**20)
-        self.layout = Layout(local, bucket_bytes,
-                             alone_bytes=bucket_bytes if ranks == 1 else min(bucket_bytes, SHARD_ALONE_BYTES))
+        self.layout = Layout(local, int(bucket_mb * 2**20))
         entries = full_entries(self.layout, self.shards)
-        landing = Landing(self.layout, self.shards, Layout(meta_params(entries), bucket_bytes))
-        # A run goes whole only where the generators can take it as it is (one trainer rank).
-        self._whole_ok = [landing.direct(run) is not None for run in self.layout.runs]
         doc = {"fingerprint": self.layout.fingerprint, "bucket_bytes": self.layout.bucket_bytes,
                "alone_bytes": self.layout.alone_bytes, "params": self.layout.entries,
                "shards": self.shards.describe()}
         for r, theirs in enumerate(handshake(group, doc), start=1):
             check_same_model(group, entries, theirs["params"], r)
-        # Packing buffers, grown to the largest bucket packed so far (a flattened model
-        # never packs, so they stay empty).
-        self._ring = [host_or_device(group, 0, torch.uint8) for _ in range(_RING)]
+        # Packing buffers, for the sender's life: as large as the largest bucket of several
+        # parts in a run that is not one flat buffer (a flattened model never packs; a
+        # lone part that is not one contiguous tensor grows them at its first sync).
+        packed = max((b.nbytes for run in self.layout.runs if span_view(run, local, group.device) is None
+                      for b in run.buckets if len(b.slots) > 1), default=0)
+        self._ring = [host_or_device(group, packed, torch.uint8) for _ in range(_RING)]
         self.zero_copy_buckets = 0
         """Buckets of the last sync that went out without packing (for tests and benchmarks)."""
+        self.broadcasts = 0
+        """Broadcasts of the last sync's bytes, its header not counted (for tests and benchmarks)."""
 
     def _local(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's current part of each parameter (DTensors' local tensors move)."""
@@ -88,8 +93,7 @@ class WeightSender:
         try:
             params = self._local()
             announce(g, version)
-            views = [span_view(run, params, g.device) if ok else None
-                     for run, ok in zip(layout.runs, self._whole_ok)]
+            views = [span_view(run, params, g.device) for run in layout.runs]
             whole = sum(1 << r for r, view in enumerate(views) if view is not None)
             header = torch.tensor([version, layout.fingerprint, whole], dtype=torch.int64,
                                   device=g.device)
@@ -125,7 +129,7 @@ class WeightSender:
                 f"after {time.perf_counter() - t0:.1f} s (group timeout {g.timeout_s:g} s): a "
                 f"generator is gone or stopped receiving. The weight group is unusable now. "
                 f"Cause: {e}") from None
-        self.zero_copy_buckets = zero_copy
+        self.zero_copy_buckets, self.broadcasts = zero_copy, len(works) - 1 + packed
         g.syncs += 1
         return SyncStats(version=int(version), bytes=layout.nbytes,
                          seconds=time.perf_counter() - t0)

@@ -10,11 +10,10 @@ parameter FSDP2 left unsharded: every rank holds all of it) is rank 0's whole, t
 ranks' empty.
 
 Each trainer rank sends its part of every parameter in its own ``Layout`` (runs and
-buckets of its local tensors). A generator stages the full weights, one flat buffer per
-dtype, in its own layout's order; ``Landing`` maps every span of a sender's layout to
-where its bytes go there: one slice when the span's pieces lie back to back in the full
-weights (always so for one rank, and for a parameter of its own with several), else
-pieces that the receiver copies out of a scratch buffer (the packed small shards).
+buckets of its local tensors, its small parts packed into large buckets). A generator
+stages each rank's bytes as they come, in that rank's layout; ``Landing`` maps every span
+of a sender's layout to where its bytes go in the full weights (the generator's own
+layout, one flat buffer per dtype): the copies its swap makes into the live model.
 """
 
 from __future__ import annotations
@@ -27,14 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from llamarl.app.weights.layout import Layout, Span
 
-__all__ = ["Landing", "SHARD_ALONE_BYTES", "Shards", "check_tiling", "chunk_rows", "local_parts", "meta_params"]
-
-SHARD_ALONE_BYTES = 256 * 2**10
-"""With several trainer ranks a rank's part of a parameter this large or larger goes in a
-bucket of its own: it is one tensor (sent with no copy) and one slice of the generator's
-staging (received with no copy). Smaller parts are packed and copied into place; they
-are a small share of a model's bytes (norms, biases)."""
-
+__all__ = ["Landing", "Shards", "check_tiling", "chunk_rows", "local_parts", "meta_params"]
 
 def chunk_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
     """Rows ``[start, stop)`` of a dim-0 chunk: ``torch.chunk``'s sizes, empty past the end."""
@@ -114,7 +106,7 @@ def meta_params(entries: Sequence[Sequence]) -> list[tuple[str, torch.Tensor]]:
 
 
 class Landing:
-    """Where each span of a sender's layout lands in the generator's staging (``full``'s
+    """Where each span of a sender's layout goes in the generator's full weights (``full``'s
     runs, one flat buffer per dtype; ``sent`` cuts the same dtypes in the same order)."""
 
     def __init__(self, sent: Layout, shards: Shards, full: Layout) -> None:
@@ -127,33 +119,22 @@ class Landing:
         self.sent, self.shards = sent, shards
 
     def pieces(self, span: Span) -> list[tuple[int, int, int]]:
-        """``(offset in the span, offset in the staging run, numel)`` of each non-empty part."""
+        """``(offset in the span, offset in the full run, numel)`` of each non-empty part."""
         return [(slot.offset - span.offset, self.full_offset[slot.index] + self.shards.starts[slot.index],
                  slot.numel) for slot in span.slots if slot.numel]
 
-    def received(self, span: Span, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The span's bytes as they lie in ``flat`` (its staging run) once received: views
-        of ``flat``, in the span's order, parts back to back there as one (no copy). Never
-        empty: a span with no elements is one empty view (the digest reads its dtype)."""
-        out: list[tuple[int, int]] = []  # (staging offset, numel)
-        for _, dst, n in self.pieces(span):
-            if out and out[-1][0] + out[-1][1] == dst:
-                out[-1] = (out[-1][0], out[-1][1] + n)
+    def moves(self, span: Span) -> list[tuple[int, int, int]]:
+        """``pieces``, with parts that follow each other on both sides merged: the copies
+        that take the span's bytes from where they landed (the sender's order) into the
+        full run. One for a whole run of one trainer rank; with several, about one per
+        parameter part (a rank's parts of consecutive parameters lie apart)."""
+        out: list[tuple[int, int, int]] = []
+        for src, dst, n in self.pieces(span):
+            if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
             else:
-                out.append((dst, n))
-        return [flat[at:at + n] for at, n in out] or [flat[:0]]
-
-    def direct(self, span: Span) -> int | None:
-        """The staging offset the span's bytes land at as they are, or None when its parts
-        are not back to back there (the receiver scatters them)."""
-        pieces = self.pieces(span)
-        if not pieces:
-            return None
-        at = pieces[0][1]
-        for src, dst, _ in pieces:
-            if dst - at != src:
-                return None
-        return at
+                out.append((src, dst, n))
+        return out
 
 
 def check_tiling(senders: Sequence[tuple[Shards, Layout]], params: Sequence[tuple[str, torch.Tensor]]) -> None:

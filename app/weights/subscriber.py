@@ -1,8 +1,9 @@
 """A generator's side of the weight plane behind one call: ``Subscriber.swap_into(model)``.
 
 Built once per generator from its model: it lays the model's parameters out as one flat
-buffer per dtype (``flatten_parameters_``: a swap is then one copy per dtype), sets its
-linear layers to ``--gen-precision`` (``llamarl.app.sampling.precision.quantize_``, refused
+buffer per dtype (``flatten_parameters_``: a swap is then one copy per dtype from one
+trainer rank, one per parameter part from several), sets its linear layers to
+``--gen-precision`` (``llamarl.app.sampling.precision.quantize_``, refused
 here when this device cannot run it), and joins the plane across its epochs
 (``llamarl.app.weights.epochs``): it asks to join (``names.weight_joins_key``: a token of
 the request and the newest epoch it was in), waits for an epoch whose roster holds it,
@@ -54,9 +55,10 @@ __all__ = ["Subscriber", "swap_staged"]
 
 
 def swap_staged(receiver: WeightReceiver) -> int | None:
-    """Copy the newest version staged in ``receiver`` into the parameters it receives for,
-    when it is not the one they hold: the version now in them, or ``None`` when nothing
-    changed (nothing new, or a receive is writing staging: the next call takes it).
+    """Copy the newest version staged in ``receiver`` into the parameters it receives for
+    (each trainer rank's buffers through their ``moves``), when it is not the one they
+    hold: the version now in them, or ``None`` when nothing changed (nothing new, or a
+    receive is writing staging: the next call takes it).
     ``WeightSyncError`` when the receiver's loop failed (staging may be half written)."""
     staging = receiver.staging
     if not staging.lock.acquire(blocking=False):
@@ -67,8 +69,10 @@ def swap_staged(receiver: WeightReceiver) -> int | None:
         if staging.version is None or staging.version == staging.applied:
             return None
         with torch.no_grad():
-            for live, flat in zip(staging.live, staging.buffers):
-                live.copy_(flat)
+            for buffers, moves in zip(staging.buffers, staging.moves):  # trainer rank by rank
+                for live, flat, run_moves in zip(staging.live, buffers, moves):
+                    for src, dst, n in run_moves:
+                        live[dst:dst + n].copy_(flat[src:src + n])
         staging.applied = staging.version
         return staging.applied
     finally:
