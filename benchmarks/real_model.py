@@ -90,13 +90,14 @@ def main(argv: list[str] | None = None) -> None:
     acc_start = statistics.mean(r["async"]["acc_start"] for r in runs.values())
     acc_end = statistics.mean(r["async"]["acc"] for r in runs.values())
     acc_se = statistics.stdev(gains) / math.sqrt(len(gains)) if len(gains) > 1 else float("nan")
-    eval_size = int(DEFAULT_JOB_ARGS[DEFAULT_JOB_ARGS.index("--eval-size") + 1])
+    flags = [*DEFAULT_JOB_ARGS, *args.extra]  # the last --eval-size is the one the runs used
+    eval_size = int(flags[len(flags) - 1 - flags[::-1].index("--eval-size") + 1])
     pairs = [r for r in runs.values() if "sync" in r]
     ratios = [r["sync"]["median_step_s"] / r["async"]["median_step_s"] for r in pairs]
     result = {
         "acc_start": acc_start, "acc_end": acc_end, "gain": acc_end - acc_start, "acc_se": acc_se,
         "gain_in_se": (acc_end - acc_start) / acc_se if acc_se and acc_se > 0 else None,
-        "acc_se_eval": math.sqrt(acc_end * (1 - acc_end) / eval_size),
+        "acc_se_eval": math.sqrt(acc_end * (1 - acc_end) / eval_size), "eval_size": eval_size,
         "steps": args.steps, "minutes": statistics.mean(r["async"]["minutes"] for r in runs.values()),
         "minutes_all": (time.time() - t0) / 60,
         "step_ratio": statistics.median(ratios) if ratios else None, "step_ratios": ratios,

@@ -47,7 +47,7 @@ answer: told only to end with '#### N', the model writes '#### N' literally."""
 DEFAULT_JOB_ARGS = (
     "--dataset", DEFAULT_DATASET, "--chat-template", "--system-prompt", DEFAULT_SYSTEM_PROMPT,
     "--max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS), "--prompts-per-step", "8", "--group-size", "8",
-    "--lr", "2e-5", "--eval-every", "5", "--eval-size", "100",
+    "--lr", "3e-5", "--eval-every", "5", "--eval-size", "100",
 )
 """Trainer flags of the default job, given to the trainer before the user's own (which
 override them) when the policy is ``DEFAULT_POLICY``: the shipped sample with its held-out
