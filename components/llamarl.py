@@ -46,13 +46,15 @@ candidates of benchmarks/system_prompts.py (docs/data.md#the-default-job). It sh
 answer: told only to end with '#### N', the model writes '#### N' literally."""
 DEFAULT_JOB_ARGS = (
     "--dataset", DEFAULT_DATASET, "--chat-template", "--system-prompt", DEFAULT_SYSTEM_PROMPT,
-    "--max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS), "--prompts-per-step", "8", "--group-size", "8",
+    "--max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS), "--temperature", "0.7", "--prompts-per-step", "8",
+    "--group-size", "8",
     "--lr", "1e-5", "--eval-every", "5", "--eval-size", "100",
 )
 """Trainer flags of the default job, given to the trainer before the user's own (which
 override them) when the policy is ``DEFAULT_POLICY``: the shipped sample with its held-out
 split, the model's chat template and a system prompt that works for it, room for a few
-steps of working, a batch of a minute or two a step on two CPU cores, and a cautious
+steps of working, a temperature at which more samples are right (more groups to learn
+from), a batch of a minute or two a step on two CPU cores, and a cautious
 learning rate (benchmarks/real_model.py measures what it gains; docs/data.md)."""
 
 

@@ -103,6 +103,7 @@ def test_the_default_job_is_smollm2_on_the_shipped_sample_and_tiny_the_builtin_t
     assert (cfg.policy, cfg.dataset, cfg.chat_template) == ("smollm2-135m-instruct", "gsm8k-sample", True)
     assert cfg.system_prompt == component_module.DEFAULT_SYSTEM_PROMPT.replace("\\n", "\n")
     assert "\n#### 12" in cfg.system_prompt and gen.max_new_tokens == component_module.DEFAULT_MAX_NEW_TOKENS
+    assert gen.temperature == 0.7
     cfg, gen = _trainer_config(llamarl("--lr", "1e-6", "--no-chat-template", "--system-prompt", "",
                                        dataset="mine.jsonl"))
     assert (cfg.lr, cfg.chat_template, cfg.dataset) == (1e-6, False, "mine.jsonl")
