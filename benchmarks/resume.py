@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--eval-size", type=int, default=200)
-    p.add_argument("--policy", default="warmstart")
+    p.add_argument("--policy", default="tiny")
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="resume-bench-"))

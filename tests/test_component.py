@@ -88,6 +88,37 @@ def test_max_staleness_takes_auto_and_refuses_other_words():
         llamarl(max_staleness="often")
 
 
+def _trainer_config(app: specs.AppDef):
+    """The trainer's and generators' configs as the trainer parses the app's command line
+    (its flags from the first trainer flag after the launcher's own on)."""
+    import shlex
+
+    from llamarl.app import cli
+    from llamarl.app.config import GeneratorConfig, TrainerConfig
+
+    cmd = roles(app)["trainer"].args[-1].replace(specs.macros.app_id, "app")
+    tokens = shlex.split(cmd)
+    return cli.parse(tokens[tokens.index("--steps"):], TrainerConfig, GeneratorConfig)
+
+
+def test_the_default_job_is_tiny_and_the_real_model_job_brings_its_flags():
+    """``torchx run`` with no options trains the tiny policy on the built-in task;
+    ``--policy smollm2-135m-instruct`` trains SmolLM2-135M-Instruct on the shipped
+    GSM8K-format sample with its chat template and the shipped system prompt (newlines and
+    all, through bash); the user's trainer flags and --dataset override the job's."""
+    cfg, gen = _trainer_config(llamarl())
+    assert (cfg.policy, cfg.dataset, cfg.chat_template, gen.max_new_tokens) == ("tiny", "", False, 48)
+    real = component_module.REAL_MODEL_POLICY
+    cfg, gen = _trainer_config(llamarl(policy=real))
+    assert (cfg.policy, cfg.dataset, cfg.chat_template) == ("smollm2-135m-instruct", "gsm8k-sample", True)
+    assert cfg.system_prompt == component_module.DEFAULT_SYSTEM_PROMPT.replace("\\n", "\n")
+    assert "\n#### 12" in cfg.system_prompt and gen.max_new_tokens == component_module.DEFAULT_MAX_NEW_TOKENS
+    assert gen.temperature == 0.7
+    cfg, gen = _trainer_config(llamarl("--lr", "1e-6", "--no-chat-template", "--system-prompt", "",
+                                       policy=real, dataset="mine.jsonl"))
+    assert (cfg.lr, cfg.chat_template, cfg.dataset) == (1e-6, False, "mine.jsonl")
+
+
 def test_default_store_port_is_derived_by_each_role_from_the_app_id():
     app = llamarl(num_reward=1)
     assert "--store-port 0 " in app.roles[0].args[-1]
@@ -100,13 +131,14 @@ def test_dataset_option_reaches_the_trainer_quoted():
     path = "/data/my gsm8k/train.jsonl"
     cmd = llamarl("--answer-format", "gsm8k", dataset=path).roles[0].args[-1]
     assert "--dataset '/data/my gsm8k/train.jsonl' --answer-format gsm8k" in cmd
-    assert "--dataset" not in llamarl().roles[0].args[-1]  # empty: the built-in task
+    assert "--dataset gsm8k-sample" in llamarl(policy="smollm2-135m-instruct").roles[0].args[-1]  # the real-model job's sample
+    assert "--dataset" not in llamarl().roles[0].args[-1]  # empty, the default tiny policy: the built-in task
     assert "--dataset" not in llamarl(dataset=path).roles[1].args[-1]  # generators read the trainer's
 
 
 def test_trainer_args_survive_bash_whole():
     prompt = r"Solve it. Put the answer in \boxed{}, then stop; it's $5?"
-    cmd = llamarl("--chat-template", "--system-prompt", prompt).roles[0].args[-1]
+    cmd = llamarl("--chat-template", "--system-prompt", prompt, policy="tiny").roles[0].args[-1]
     echoed = subprocess.run(["bash", "-c", "printf '%s\\n' " + cmd.split("--gen-threads 1 ", 1)[1]],
                             capture_output=True, text=True, check=True).stdout.splitlines()
     assert echoed == ["--chat-template", "--system-prompt", prompt]

@@ -72,6 +72,42 @@ def test_eval_dataset_and_no_evaluation(tmp_path, tokenizer):
     assert alone.held_out == [] and any("no held-out evaluation" in line for line in lines)
 
 
+def test_the_shipped_sample_is_named_graded_and_reproducible(tmp_path, tokenizer, monkeypatch):
+    """``--dataset gsm8k-sample``: 320 training and 100 held-out problems, distinct, every
+    reference an integer the verifier reads and its worked steps right; its held-out file
+    gives way to the run's own choice; the script that wrote it writes the same bytes;
+    its name survives the paths trainer replica 0 publishes."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    from llamarl.app.rewards.verifiers import math_verifier
+    from llamarl.app.tasks import samples
+
+    run = data.load(cfg(dataset="gsm8k-sample"), tokenizer, log=quiet)
+    train, held = run.order.problems, run.held_out
+    assert (len(train), len(held)) == (320, 100)
+    assert not {p.question for p in train} & {p.question for p in held}
+    for p in [*train, *held]:
+        assert int(p.answer) >= 0 and math_verifier("", f"so #### {p.answer}", p.meta()) == 1.0
+    rows = [json.loads(line) for line in samples.NAMED["gsm8k-sample"].train.read_text().splitlines()]
+    for row in rows:  # every calculator annotation <<a op b=c>> is right
+        for expr, value in re.findall(r"<<([^=]+)=([^>]+)>>", row["answer"]):
+            assert eval(expr) == int(value), row  # noqa: S307 (our own file, digits and + - * /)
+    own = data.load(cfg(dataset="gsm8k-sample", eval_fraction=0.2), tokenizer, log=quiet)
+    assert len(own.order) + len(own.held_out) == 320
+    assert data.absolute_paths(cfg(dataset="gsm8k-sample")).dataset == "gsm8k-sample"
+
+    spec = importlib.util.spec_from_file_location("make_sample",
+                                                  Path(__file__).parents[1] / "scripts" / "make_gsm8k_sample.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "OUT", tmp_path)
+    script.main()
+    for sample_file in ("train.jsonl", "test.jsonl"):
+        assert (tmp_path / sample_file).read_bytes() == (samples.HERE / "gsm8k_sample" / sample_file).read_bytes()
+
+
 def test_an_eval_fraction_that_leaves_a_side_empty_is_refused(tmp_path):
     path = write_jsonl(tmp_path / "g.jsonl", gsm8k_rows()[:2], GSM8K)
     fraction = 0.999  # both prompts of this file hash below it

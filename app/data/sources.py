@@ -58,8 +58,9 @@ from llamarl.app.config import GeneratorConfig, TrainerConfig, parse_levels
 from llamarl.app.data.datafile import FieldMap, read_problems
 from llamarl.app import errors
 from llamarl.app.errors import DataError
-from llamarl.app.model import gguf_policy
+from llamarl.app.model import gguf_policy, hub
 from llamarl.app.model.policy import check_causal_lm, context_length, encode_prompts
+from llamarl.app.tasks import samples
 from llamarl.app.tasks.arithmetic import Problem
 from llamarl.app.rl.warmstart import ensure_warmstart
 
@@ -67,14 +68,21 @@ BUILTIN = "the built-in task"
 TOKENIZE_CHUNK = 1024  # prompts tokenized at once when measuring lengths
 
 
+TINY = ("tiny", "warmstart")
+"""``--policy`` names of the embedded 0.9M policy (``warmstart``: its name before the
+default job trained a pretrained model; configs saved then still say it)."""
+
+
 def resolve_policy(spec: str, *, log: Callable[[str], None] = print) -> Path:
-    """``warmstart`` (the embedded policy, warm-started once and cached), a GGUF file
+    """``tiny`` (the embedded policy, warm-started once and cached), a GGUF file
     (``gguf:<path>`` or a named one such as ``smollm2-135m-instruct``, converted once into
-    ``checkpoints/<name>/``) or a directory."""
-    if spec == "warmstart":
+    ``checkpoints/<name>/``), a directory, or a model hub id (its cached snapshot)."""
+    if spec in TINY:
         return ensure_warmstart(log=log)
     if gguf_policy.is_gguf_policy(spec):
         return gguf_policy.ensure_converted(spec, log=log)
+    if hub.is_hub_id(spec):
+        return hub.download(spec, log=log)
     check_causal_lm(spec)
     return Path(spec)
 
@@ -104,7 +112,8 @@ def absolute_paths(cfg: TrainerConfig) -> TrainerConfig:
     """``cfg`` with its dataset paths absolute: what trainer replica 0 publishes, so that
     a role started in another directory reads the same file."""
     def absolute(p: str) -> str:
-        return str(Path(p).resolve()) if p else p
+        # A named dataset stays a name: every role finds it in its own installation.
+        return str(Path(p).resolve()) if p and p not in samples.NAMED else p
     return dataclasses.replace(cfg, dataset=absolute(cfg.dataset), eval_dataset=absolute(cfg.eval_dataset))
 
 
@@ -138,8 +147,21 @@ so ``--steps`` in the billions costs nothing up front. Its stories are of a few 
 shapes, so the first thousand show the longest a prompt gets."""
 
 
+def named_dataset(cfg: TrainerConfig) -> TrainerConfig:
+    """``cfg`` with a named ``--dataset`` (``app/tasks/samples.py``) replaced by its files:
+    its training file, and its held-out file as ``--eval-dataset`` unless the run chose
+    its own held-out problems."""
+    sample = samples.NAMED.get(cfg.dataset)
+    if sample is None:
+        return cfg
+    own_eval = cfg.eval_dataset or cfg.eval_fraction > 0
+    return dataclasses.replace(cfg, dataset=str(sample.train),
+                               eval_dataset=cfg.eval_dataset if own_eval else str(sample.held_out))
+
+
 def read(cfg: TrainerConfig, *, log: Callable[[str], None] = print) -> Sources:
     """The run's training and held-out problems; ``DataError`` names a bad file or row."""
+    cfg = named_dataset(cfg)
     if not cfg.dataset:
         levels = parse_levels(cfg.levels)
         return Sources(

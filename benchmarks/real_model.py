@@ -1,0 +1,119 @@
+"""Does the real-model job teach SmolLM2-135M-Instruct? Held-out accuracy before and after
+N steps, over seeds, and the same job synchronous (``max_staleness 0``) beside it.
+
+    python benchmarks/real_model.py --json benchmarks/results/real_model.json
+    python benchmarks/real_model.py --seeds 0 --sync-seeds 0 --steps 10 --json out.json   # one pair
+
+Every run is the real-model job (``torchx run llamarl.llamarl --policy
+smollm2-135m-instruct``: SmolLM2-135M-Instruct on the shipped GSM8K-format sample with its chat template and
+system prompt, ``components.llamarl.REAL_MODEL_JOB_ARGS``) with ``--steps N``, one torch
+thread per process, the seed of the data order and of sampling set per run, and
+held-out greedy accuracy (100 problems) at step 0 and step N only. For each seed the
+asynchronous run (``max_staleness 1``, the default) and, for ``--sync-seeds``, the
+synchronous one run back to back, so that the machine's load falls on both alike.
+
+``acc_start`` and ``acc_end`` are means over the asynchronous seeds; ``acc_se`` is the
+standard error of the mean gain over them (the spread of the gains, over sqrt(seeds));
+``acc_se_eval`` the binomial standard error of one accuracy on the held-out set, the
+floor that sampling 100 problems puts under any comparison. The target: ``acc_end -
+acc_start >= 3 * acc_se``. ``step_ratio`` is the synchronous median step time over the
+asynchronous one, per seed and its median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from torchx.runner import get_runner
+from torchx.specs import AppState
+
+if not __package__:  # `python benchmarks/real_model.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import apps  # noqa: E402
+from benchmarks.async_vs_sync import summarise  # noqa: E402
+from llamarl.app.data import sources as data  # noqa: E402
+from llamarl.components.llamarl import REAL_MODEL_JOB_ARGS, REAL_MODEL_POLICY  # noqa: E402
+
+TARGET_SE = 3.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--steps", type=int, default=30, help="RL steps per run (the real-model job's)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the asynchronous runs")
+    p.add_argument("--sync-seeds", type=int, nargs="*", default=[0, 1, 2],
+                   help="seeds also run with --max-staleness 0 (none: skip the comparison)")
+    p.add_argument("--runs-dir", default="runs/bench-real-model")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                   help="more trainer flags for every run (after the real-model job's)")
+    return p.parse_args(argv)
+
+
+def run(seed: int, max_staleness: int, args: argparse.Namespace) -> dict:
+    """One real-model job; its summary (``benchmarks.async_vs_sync.summarise``) and minutes."""
+    options = ["--policy", REAL_MODEL_POLICY, "--steps", str(args.steps), "--max_staleness", str(max_staleness),
+               "--threads", "1", "--runs_dir", args.runs_dir]
+    flags = ["--seed", str(seed), "--gen-seed", str(seed), "--eval-every", str(args.steps), *args.extra]
+    mode = f"seed {seed} max_staleness {max_staleness}"
+    with get_runner() as runner:
+        t0 = time.time()
+        handle = apps.start(runner, options, flags, log_dir=f"{args.runs_dir}/torchx-logs")
+        state = apps.wait(runner, handle, args.timeout_s).state
+        if state != AppState.SUCCEEDED:
+            raise RuntimeError(f"{mode}: the run ended {state}: see {args.runs_dir}/torchx-logs")
+    minutes = (time.time() - t0) / 60
+    out = {**summarise(Path(args.runs_dir) / handle.rsplit("/", 1)[-1]), "minutes": minutes}
+    print(f"{mode}: accuracy {out['acc_start']:.3f} -> {out['acc']:.3f}, median step {out['median_step_s']:.1f} s, "
+          f"{minutes:.1f} min", file=sys.stderr, flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    t0 = time.time()
+    data.resolve_policy(REAL_MODEL_POLICY)  # converted once, outside every run's timing
+    runs: dict[int, dict] = {}
+    for seed in args.seeds:
+        runs[seed] = {"async": run(seed, 1, args)}
+        if seed in args.sync_seeds:
+            runs[seed]["sync"] = run(seed, 0, args)
+    gains = [r["async"]["acc"] - r["async"]["acc_start"] for r in runs.values()]
+    acc_start = statistics.mean(r["async"]["acc_start"] for r in runs.values())
+    acc_end = statistics.mean(r["async"]["acc"] for r in runs.values())
+    acc_se = statistics.stdev(gains) / math.sqrt(len(gains)) if len(gains) > 1 else float("nan")
+    flags = [*REAL_MODEL_JOB_ARGS, *args.extra]  # the last --eval-size is the one the runs used
+    eval_size = int(flags[len(flags) - 1 - flags[::-1].index("--eval-size") + 1])
+    pairs = [r for r in runs.values() if "sync" in r]
+    ratios = [r["sync"]["median_step_s"] / r["async"]["median_step_s"] for r in pairs]
+    result = {
+        "acc_start": acc_start, "acc_end": acc_end, "gain": acc_end - acc_start, "acc_se": acc_se,
+        "gain_in_se": (acc_end - acc_start) / acc_se if acc_se and acc_se > 0 else None,
+        "acc_se_eval": math.sqrt(acc_end * (1 - acc_end) / eval_size), "eval_size": eval_size,
+        "steps": args.steps, "minutes": statistics.mean(r["async"]["minutes"] for r in runs.values()),
+        "minutes_all": (time.time() - t0) / 60,
+        "step_ratio": statistics.median(ratios) if ratios else None, "step_ratios": ratios,
+        "acc_end_sync": statistics.mean(r["sync"]["acc"] for r in pairs) if pairs else None,
+        "acc_end_async_same_seeds": statistics.mean(r["async"]["acc"] for r in pairs) if pairs else None,
+        "default_job_args": list(REAL_MODEL_JOB_ARGS), "extra": args.extra,
+        "runs": {str(s): r for s, r in runs.items()},
+    }
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"held-out accuracy {acc_start:.3f} -> {acc_end:.3f} over {len(gains)} seeds, gain SE {acc_se:.3f} "
+          f"(target: gain >= {TARGET_SE:g} SE); {args.steps} steps, {result['minutes']:.1f} min a run")
+    if ratios:
+        print(f"sync/async median step time {result['step_ratio']:.2f}x; accuracy sync {result['acc_end_sync']:.3f}, "
+              f"async {result['acc_end_async_same_seeds']:.3f} (eval SE {result['acc_se_eval']:.3f})")
+
+
+if __name__ == "__main__":
+    main()
