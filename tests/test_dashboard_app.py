@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -56,8 +57,13 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
     # Executors: idle share, idle over time, timeline, GPU utilisation and memory (this run's
     # executors are on GPUs; a CPU run has no GPU charts: test_cpu_runs_draw_no_gpu_charts).
     # Off-policy: staleness (2) and the mismatch by lag (2); Weight sync: syncs, senders, quantization.
-    assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 4, "Weight sync": 3, "Learning": 6,
+    assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 4, "Weight sync": 3, "Learning": 7,
                      "Queues": 2, "Security": 1, "All scalars": 0}
+    at.session_state["tab"] = "Learning"
+    at.run()
+    figures = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    (signal,) = [f for f in figures if "learns little" in f["layout"]["title"]["text"]]
+    assert {t["name"] for t in signal["data"]} == {"frac_zero_var", "frac_no_answer", "frac_cut_off"}
 
 
 def test_security_tab_totals_every_security_counter(monkeypatch, runs_root):
