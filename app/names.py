@@ -282,6 +282,12 @@ RESPONSE_LEN = "response_len"
 GRAD_NORM = "grad_norm"
 FRAC_SKIPPED = "frac_skipped"
 FRAC_ZERO_VAR = "frac_zero_var"
+"""Share of the step's groups whose rewards are all equal: zero advantage, nothing learned from them."""
+FRAC_NO_ANSWER = "frac_no_answer"
+"""Share of the step's completions with no final answer a verifier can read (no ``####``,
+no ``\\boxed{}``): a step where it is 1 learns nothing, usually because of the prompt."""
+FRAC_CUT_OFF = "frac_cut_off"
+"""Share of the step's completions cut off at ``--max-new-tokens`` (no EOS)."""
 
 # AIPO importance ratios.
 AIPO_RATIO_MEAN = "aipo/ratio_mean"

@@ -39,10 +39,12 @@ TIMELINE_WINDOWS_S = {"last 30 s": 30.0, "last 2 min": 120.0, "last 10 min": 600
 THROUGHPUT = [names.GEN_TOKENS_PER_S, names.TRAIN_TOKENS_PER_S]
 LEARNING = [names.EVAL_ACCURACY, names.REWARD_TOTAL, names.LOSS, names.KL, names.RESPONSE_LEN]
 AIPO = [names.AIPO_RATIO_MEAN, names.AIPO_RATIO_MAX, names.AIPO_FRAC_TRUNCATED]
+# Why a step trains little: groups without signal, completions without an answer or cut off.
+SIGNAL = [names.FRAC_ZERO_VAR, names.FRAC_NO_ANSWER, names.FRAC_CUT_OFF]
 COUNTS = [names.DROPPED_STALE, names.TRAIN_SKIPPED_STEPS]
 LOSSES = [names.FAULTS_LOST_GROUPS, names.FAULTS_OVERDUE_GROUPS, names.FAULTS_DUPLICATE_GROUPS, names.WEIGHT_REGROUPS]
 # Scalars drawn by a dedicated view; the "All scalars" tab offers the rest.
-SHOWN = {*THROUGHPUT, *LEARNING, *AIPO, *COUNTS, *LOSSES, names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S,
+SHOWN = {*THROUGHPUT, *LEARNING, *SIGNAL, *AIPO, *COUNTS, *LOSSES, names.GEN_SEQS_PER_S, names.TRAIN_SAMPLES_PER_S,
          names.TRAIN_STEPS_PER_MIN, names.TRAIN_STEP_S, names.IDLE_FRACTION, names.STALENESS_MEAN,
          names.STALENESS_MAX, names.DEVICE_UTILIZATION, names.DEVICE_MAX_MEMORY_GB, names.WEIGHTS_QUANTIZE_S}
 # Prefixes of counters drawn in the Queues tab (what security refused: the Security tab).
@@ -235,6 +237,8 @@ def learning_tab(run: data.Run) -> None:
                                    "Accuracy and mean reward", markers=marks), "learn-acc"))
     chart_pair((charts.line_figure(run.scalar_series([names.LOSS]), "AIPO loss", markers=marks), "learn-loss"),
                (charts.line_figure(run.scalar_series([names.KL]), "KL to reference", markers=marks), "learn-kl"))
+    chart(charts.line_figure(run.scalar_series(SIGNAL), "Why a step learns little (shares per step)",
+                             y_title="share", markers=marks), "learn-signal")
     chart_pair((charts.line_figure(run.scalar_series(AIPO), "AIPO importance ratio"), "learn-aipo"),
                (charts.line_figure(run.scalar_series([names.RESPONSE_LEN]), "Response length",
                                    y_title="tokens"), "learn-len"))

@@ -260,6 +260,8 @@ def simulate(mode: Mode, *, steps: int, n_generators: int, t_start: float, seed:
             "aipo/ratio_max": 1.5 + rng.random() * (2 + max_staleness),
             "aipo/frac_truncated": 0.0 if mode == "sync" else 0.02 * rng.random(),
             "response_len": tokens_per_rollout * (1 + 0.2 * rng.random()),
+            "frac_zero_var": 0.8 - 0.4 * progress, "frac_no_answer": 0.3 * (1 - progress),
+            "frac_cut_off": 0.1 * rng.random(),
             "staleness/mean": sum(used) / max(1, len(used)), "staleness/max": float(max(used, default=0)),
             "dropped_stale": float(len(lags) - len(used)), "quarantined/timeout": float(quarantined),
             "queue/rollouts": float(rng.randint(0, 2) if mode == "sync" else rng.randint(4, 12)),

@@ -38,7 +38,7 @@ def start(c: Controller) -> tuple[torch.nn.Module, Carried]:
     return model, c.open_run(model, tokenizer)
 
 
-def test_a_run_directory_from_its_start_to_its_end_and_its_resume(tiny_policy, tmp_path):
+def test_a_run_directory_from_its_start_to_its_end_and_its_resume(tiny_policy, tmp_path, caplog):
     store = loopback_store(timeout_s=30)
     with runtime.Runtime.join("trainer", 0, store, TEST_SECRET) as rt:
         c = controller(rt, tmp_path, policy=str(tiny_policy))
@@ -58,8 +58,10 @@ def test_a_run_directory_from_its_start_to_its_end_and_its_resume(tiny_policy, t
         rt.signed.put(names.dropped_key("trainer/0"), 2)
         ledger = slots.SlotLedger(frontier=2, done={3})
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        c.after_step(StepDone(step=1, version=1, groups=[], values={}, duplicates=1,
+        # No completion of this first step had an answer: the warning names the flags.
+        c.after_step(StepDone(step=1, version=1, groups=[], values={names.FRAC_NO_ANSWER: 1.0}, duplicates=1,
                               checkpoint=Snapshot(model, optimizer, 1, ledger, dropped=2, skipped=1)))
+        assert [r for r in caplog.records if r.levelname == "WARNING" and "--system-prompt" in r.getMessage()]
         run_dir = c.run_dir
         assert scalars(run_dir, "test/from_generator") == [(1, "generator", 7.0)]
         assert scalars(run_dir, names.FAULTS_DUPLICATE_GROUPS) == [(1, "trainer", 1.0)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,14 @@ def test_run_page_draws_every_view(monkeypatch, runs_root):
     # executors are on GPUs; a CPU run has no GPU charts: test_cpu_runs_draw_no_gpu_charts).
     # Off-policy: staleness (2), the mismatch by lag (2), versions per episode; Episodes: 6 (the
     # fixture run has episodes); Weight sync: syncs, senders, quantization.
-    assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 5, "Weight sync": 3, "Learning": 6,
+    assert drawn == {"Throughput": 4, "Executors": 5, "Off-policy": 5, "Weight sync": 3, "Learning": 7,
                      "Episodes": 6, "Queues": 2, "Security": 1, "All scalars": 0, "What if": 0}
+
+    at.session_state["tab"] = "Learning"
+    at.run()
+    figures = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    (signal,) = [f for f in figures if "learns little" in f["layout"]["title"]["text"]]
+    assert {t["name"] for t in signal["data"]} == {"frac_zero_var", "frac_no_answer", "frac_cut_off"}
 
 
 def test_off_policy_tab_of_an_auto_run_shows_the_bound_and_every_change(monkeypatch, tmp_path):

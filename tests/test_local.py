@@ -52,7 +52,8 @@ def test_local_run_writes_the_run_directory(tiny_warmstart, tmp_path):
     assert all(0.0 <= m["accuracy"] <= 1.0 for _, m in result.evals)
 
     for name in ("loss", "reward/math_verifier", "reward/total", "aipo/ratio_mean", "aipo/frac_truncated",
-                 "grad_norm", "response_len", "gen/tokens_per_s", "train/tokens_per_s", "quarantined/total"):
+                 "grad_norm", "response_len", "gen/tokens_per_s", "train/tokens_per_s", "quarantined/total",
+                 "frac_zero_var", "frac_no_answer", "frac_cut_off"):
         assert _scalar_steps(run_dir, name) == [1, 2], name
     assert _scalar_steps(run_dir, "eval/accuracy") == [0, 2]
     assert _scalar_steps(run_dir, "eval/sampled_accuracy") == [0, 2]
@@ -129,6 +130,19 @@ def test_a_step_whose_rollouts_are_all_quarantined_is_skipped(tiny_warmstart, tm
     assert [step for step, _ in result.evals] == [0, 2]
     assert _query(result.run_dir, "SELECT step, value FROM scalars WHERE name = 'quarantined/total' "
                                   "ORDER BY step") == [(1, 4.0), (2, 4.0)]
+
+
+def test_a_first_step_without_any_answer_logs_the_warning(tiny_warmstart, tmp_path):
+    # One token is never a final answer ('####' and each digit are tokens of their own).
+    cfg = TrainerConfig(policy=str(tiny_warmstart), steps=1, prompts_per_step=2, group_size=2, eval_size=2,
+                        runs_dir=str(tmp_path), run_id="cut")
+    lines: list[str] = []
+    local.run(cfg, GeneratorConfig(max_new_tokens=1), log=lines.append)
+    (warning,) = [line for line in lines if line.startswith("WARNING")]
+    assert "step 1: no completion has a final answer" in warning and "--system-prompt" in warning
+    assert "100% of the completions were cut off at 1 tokens" in warning
+    (step_line,) = [line for line in lines if line.startswith("step 1/1")]
+    assert "no answer 1.00 cut off 1.00" in step_line
 
 
 @pytest.mark.integration

@@ -10,10 +10,12 @@ import torch
 
 from llamarl.app.rl import losses
 from llamarl.app.rl import step as rl
+from llamarl.app.tasks import answers
 from llamarl.app.tasks import arithmetic as tasks
-from llamarl.app.model.policy import create_default_policy
+from llamarl.app.model.policy import create_default_policy, load_policy
 from llamarl.app.rl.contract import GroupId, RolloutGroup
 from llamarl.app.rewards import RewardResult, build_reward
+from llamarl.app.rewards.verifiers import math_verifier
 from llamarl.app.sampling import Samples
 from tiny_models import PAD, VOCAB, tiny_llama
 
@@ -318,3 +320,28 @@ def test_evaluate_counts_per_level(default_policy, monkeypatch):
     assert m["accuracy"] == pytest.approx(3 / 9)
     assert m["accuracy_level1"] == 1.0 and m["accuracy_level2"] == 0.0 and m["accuracy_level3"] == 0.0
     assert m["format"] == pytest.approx(6 / 9)
+
+
+
+
+def test_batched_evaluation_gives_the_one_by_one_verdicts(default_policy):
+    """The held-out evaluation decodes its problems in batches (prompts of different
+    lengths, left-padded): each problem's greedy completion, and so its verdict, is the
+    one it gets decoded alone (the verdict is a function of the text: ``grade``)."""
+    model, tok = default_policy
+    problems = tasks.make_split("eval", 16, seed=3)
+    assert len({len(tok(p.question)["input_ids"]) for p in problems}) > 6
+    batched = rl.eval_completions(model, tok, problems, max_new_tokens=24, batch_size=16)
+    alone = rl.eval_completions(model, tok, problems, max_new_tokens=24, batch_size=1)
+    assert batched == alone
+    assert rl.grade(problems, batched) == rl.evaluate(model, tok, problems, max_new_tokens=24, batch_size=16)
+
+
+def test_evaluation_grades_as_the_default_reward():
+    problems = tasks.make_split("eval", 4, seed=0)
+    texts = [f"so #### {problems[0].answer}", f"\\boxed{{{problems[1].answer}}}",
+             f"#### {problems[2].answer} or rather #### {problems[2].answer + 1}", f"{problems[3].answer}"]
+    rewards = [math_verifier("", text, p.meta()) for p, text in zip(problems, texts)]
+    assert rewards == [1.0, 1.0, 0.0, 0.0]
+    assert rl.grade(problems, texts)["accuracy"] == sum(rewards) / 4
+    assert rl.grade(problems, texts)["format"] == 3 / 4

@@ -10,6 +10,9 @@ from llamarl.app.rl.contract import GroupId, Rollout, RolloutGroup
 from llamarl.app.rewards import RewardResult
 
 
+EOS = 2
+
+
 def group(seq: int, rewards: list[float | None], *, version: int = 0) -> RolloutGroup:
     gid = GroupId(0, seq)
     return RolloutGroup(group_id=gid, version=version, rollouts=[
@@ -43,7 +46,7 @@ def test_step_values_name_every_scalar_and_skip_throughput_for_a_skipped_step():
     train = {"loss": 0.5, "ratio_mean": 1.1, "ratio_max": 2.0, "frac_truncated": 0.25,
              "response_len": 1.5, "grad_norm": 0.3}
     values = steps.step_values(groups=groups, train=train, t_train=2.0, step_s=4.0, consumed_version=3,
-                               skipped=1, dropped=2, idle_fraction=0.5)
+                               skipped=1, dropped=2, idle_fraction=0.5, eos_id=EOS)
     assert values[names.AIPO_RATIO_MEAN] == 1.1 and values[names.AIPO_FRAC_TRUNCATED] == 0.25
     assert values[names.TRAIN_TOKENS_PER_S] == (1 + 2 + 1 + 2) / 2.0
     assert values[names.TRAIN_SAMPLES_PER_S] == 4 / 2.0
@@ -59,7 +62,7 @@ def test_step_values_name_every_scalar_and_skip_throughput_for_a_skipped_step():
     assert scalars[names.reward_metric("v")] == 0.75 and scalars[names.QUARANTINED_TOTAL] == 0.0
 
     skipped = steps.step_values(groups=[group(2, [None])], train=None, t_train=0.0, step_s=1.0,
-                                consumed_version=3, skipped=2, dropped=0, idle_fraction=0.0)
+                                consumed_version=3, skipped=2, dropped=0, idle_fraction=0.0, eos_id=EOS)
     assert names.TRAIN_TOKENS_PER_S not in skipped and names.LOSS not in skipped
     events, skipped = steps.step_events(8, [group(2, [None])], skipped, consumed_version=3,
                                         reward_names=["v"], role="trainer")
@@ -74,3 +77,51 @@ def test_staleness_counts_a_rollouts_oldest_policy_segment():
     rows, values = steps.staleness([single, episode], consumed_version=5, step=6)
     assert [(row["version"], row["staleness"]) for row in rows] == [(4, 1), (2, 3)]
     assert values == {names.STALENESS_MEAN: 2.0, names.STALENESS_MAX: 3}
+
+
+def texts_group(seq: int, completions: list[tuple[str, bool]], rewards: list[float]) -> RolloutGroup:
+    """A group of completions given as (text, ended with EOS), with their rewards."""
+    gid = GroupId(0, seq)
+    return RolloutGroup(group_id=gid, version=0, rollouts=[
+        Rollout(prompt_ids=[1], completion_ids=[5, 6, EOS] if ended else [5, 6, 7], behaviour_logprobs=[-1.0] * 3,
+                version=0, group_id=gid, completion=text, result=RewardResult(r, {"v": r}))
+        for (text, ended), r in zip(completions, rewards)])
+
+
+def test_the_shares_that_say_why_a_step_learns_little():
+    groups = [
+        # answers in both formats, one cut off: the rewards differ, so this group has signal
+        texts_group(0, [("3 + 4 = 7\n#### 7", True), ("\\boxed{8}", True), ("3 + 4 = 7 and then", False)],
+                    [1.0, 0.0, 0.0]),
+        # '#### N' written literally is no answer; every reward equal: zero advantage
+        texts_group(1, [("#### N", True), ("The answer is 5.", False), ("#### 5", True)], [0.0, 0.0, 0.0]),
+        texts_group(2, [("#### 9", True), ("#### 9", True)], [1.0, 1.0]),
+        texts_group(3, [("no", False)], [0.0]),  # a group of one: advantage 0
+    ]
+    values = steps.step_values(groups=groups, train=None, t_train=0.0, step_s=1.0, consumed_version=0,
+                               skipped=0, dropped=0, idle_fraction=0.0, eos_id=EOS)
+    assert values[names.FRAC_ZERO_VAR] == 3 / 4
+    assert values[names.FRAC_NO_ANSWER] == 4 / 9  # "and then", "#### N", "The answer is 5.", "no"
+    assert values[names.FRAC_CUT_OFF] == 3 / 9
+    # an episode's environment tokens at the end do not make it cut off: the policy's last token is EOS
+    episode = Rollout(prompt_ids=[1], completion_ids=[5, EOS, 8, 8], behaviour_logprobs=[-1.0] * 4,
+                      policy_mask=[True, True, False, False], version=0, completion="#### 1")
+    assert not steps.cut_off(episode, EOS) and steps.cut_off(groups[0].rollouts[2], EOS)
+    train = {"loss": 0.5, "response_len": 3.0}
+    line = steps.summary(4, 10, groups, {**values, **train, names.DROPPED_STALE: 0})
+    assert "zero-adv groups 0.75 no answer 0.44 cut off 0.33" in line
+
+
+def test_a_first_step_without_any_answer_warns_and_names_the_flags():
+    none_parse = [texts_group(0, [("#### N", True), ("I think it is 7", False)], [0.0, 0.0])]
+    values = steps.step_values(groups=none_parse, train=None, t_train=0.0, step_s=1.0, consumed_version=0,
+                               skipped=0, dropped=0, idle_fraction=0.0, eos_id=EOS)
+    warning = steps.no_answer_warning(1, values, max_new_tokens=48)
+    assert warning is not None and warning.startswith("step 1: no completion has a final answer")
+    for flag in ("--system-prompt", "--chat-template", "--max-new-tokens"):
+        assert flag in warning
+    assert "50% of the completions were cut off at 48 tokens" in warning
+    one_parses = [texts_group(0, [("#### N", True), ("so #### 7", True)], [0.0, 1.0])]
+    values = steps.step_values(groups=one_parses, train=None, t_train=0.0, step_s=1.0, consumed_version=0,
+                               skipped=0, dropped=0, idle_fraction=0.0, eos_id=EOS)
+    assert steps.no_answer_warning(1, values, max_new_tokens=48) is None

@@ -311,29 +311,46 @@ def generate_groups(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     return kept
 
 
-def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: Sequence[tasks.Problem],
-             *, max_new_tokens: int, temperature: float = 0.0, batch_size: int = 128,
-             generator: torch.Generator | None = None,
-             format_prompt: Callable[[str], str] = tasks.format_prompt) -> dict[str, float]:
-    """Held-out accuracy overall and per level (built-in problems; a dataset's have level
-    0, none), and ``format``, the share of answers the verifier can read (a ``####`` or
-    ``\\boxed{}`` final answer), greedy (``temperature=0``) or sampled at ``temperature``
-    (one sample per problem). Correct is ``math_verifier``'s verdict: the last of either
-    marker equals the reference (``llamarl.app.tasks.answers``)."""
+def eval_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                     problems: Sequence[tasks.Problem], *, max_new_tokens: int, temperature: float = 0.0,
+                     batch_size: int = 128, generator: torch.Generator | None = None,
+                     format_prompt: Callable[[str], str] = tasks.format_prompt) -> list[str]:
+    """One completion per problem, in order: greedy (``temperature=0``) or sampled at
+    ``temperature``, ``batch_size`` problems per ``sample`` call (the generators' sampler;
+    ``batch_size=1`` decodes them one at a time, the reference a batched run must match)."""
     model.eval()
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
-    correct: dict[int, list[bool]] = {}
-    formatted = 0
+    texts = []
     for i in range(0, len(problems), batch_size):
         chunk = problems[i: i + batch_size]
         prompts = encode_prompts(tokenizer, [format_prompt(p.question) for p in chunk])
         out = sample(model, prompts, params, eos_id=tokenizer.eos_token_id,
                      pad_id=tokenizer.pad_token_id, generator=generator)
-        for j, p in enumerate(chunk):
-            text = tokenizer.decode(out.completion_ids(j), skip_special_tokens=True)
-            correct.setdefault(p.level, []).append(answers.is_correct(text, p.answer))
-            formatted += answers.final_answer(text) is not None
+        texts += [tokenizer.decode(out.completion_ids(j), skip_special_tokens=True) for j in range(len(chunk))]
+    return texts
+
+
+def grade(problems: Sequence[tasks.Problem], completions: Sequence[str]) -> dict[str, float]:
+    """Accuracy overall and per level (built-in problems; a dataset's have level 0, none)
+    and ``format``, the share of completions whose final answer the verifier can read (a
+    ``####`` or ``\\boxed{}`` one). Correct is ``math_verifier``'s verdict: the last of
+    either marker equals the reference (``llamarl.app.tasks.answers``)."""
+    correct: dict[int, list[bool]] = {}
+    for p, text in zip(problems, completions, strict=True):
+        correct.setdefault(p.level, []).append(answers.is_correct(text, p.answer))
     flat = [c for cs in correct.values() for c in cs]
+    formatted = sum(answers.final_answer(text) is not None for text in completions)
     metrics = {"accuracy": sum(flat) / max(1, len(flat)), "format": formatted / max(1, len(problems))}
     metrics.update({f"accuracy_level{k}": sum(v) / len(v) for k, v in sorted(correct.items()) if k > 0})
     return metrics
+
+
+def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: Sequence[tasks.Problem],
+             *, max_new_tokens: int, temperature: float = 0.0, batch_size: int = 128,
+             generator: torch.Generator | None = None,
+             format_prompt: Callable[[str], str] = tasks.format_prompt) -> dict[str, float]:
+    """Held-out ``grade`` of ``eval_completions``: greedy (``temperature=0``) or sampled
+    at ``temperature`` (one sample per problem)."""
+    return grade(problems, eval_completions(model, tokenizer, problems, max_new_tokens=max_new_tokens,
+                                            temperature=temperature, batch_size=batch_size,
+                                            generator=generator, format_prompt=format_prompt))

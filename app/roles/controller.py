@@ -125,6 +125,7 @@ class Controller:
         self.resume: train_state.Resume | None = None
         self.policy: Path | None = None
         self.version = 0  # the last step's policy version: what the last metrics are recorded at
+        self.first_step = 1  # this start's first step (``before_steps``)
         self.data: data.RunData | None = None
         self.full_model: torch.nn.Module | None = None  # the whole copy (``open_run``)
         self.tokenizer = None
@@ -271,6 +272,7 @@ class Controller:
 
     # --- every step --------------------------------------------------------------------
     def before_steps(self, start_step: int) -> None:
+        self.first_step = start_step + 1  # the step whose completions no_answer_warning looks at
         if start_step == 0:
             self.evaluate(0)
 
@@ -292,6 +294,10 @@ class Controller:
         health.check_health(self.rt.control)
         self._drain_metrics()
         log.info("%s", steps.summary(step, cfg.steps, done.groups, done.values))
+        warning = (steps.no_answer_warning(step, done.values, max_new_tokens=self.gen.max_new_tokens)
+                   if step == self.first_step else None)
+        if warning:
+            log.warning("%s", warning)
 
     def next_bound(self, step: int, version: int, values: dict[str, float]) -> int:
         """``--max-staleness auto``: the bound for the batches from ``version`` on, decided

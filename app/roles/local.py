@@ -115,7 +115,7 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
             rollouts = [r for g in groups for r in g.rollouts]
             values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
                                        consumed_version=step - 1, skipped=guard.skipped, dropped=0,
-                                       idle_fraction=timeline.idle_fraction())
+                                       idle_fraction=timeline.idle_fraction(), eos_id=tokenizer.eos_token_id)
             values.update(devices.device_metrics(device))
             values.update({names.GEN_TOKENS_PER_S: sum(len(r.completion_ids) for r in rollouts) / t_gen,
                            names.GEN_SEQS_PER_S: len(rollouts) / t_gen})
@@ -123,6 +123,9 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
                                                reward_names=reward.names, role="trainer")
             writer.write(events + timeline.drain())
             log(steps.summary(step, cfg.steps, groups, values))
+            warning = steps.no_answer_warning(step, values, max_new_tokens=gen.max_new_tokens) if step == 1 else None
+            if warning:
+                log(f"WARNING: {warning}")
             if prompts.held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
                 evaluate(step)
     finally:

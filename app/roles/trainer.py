@@ -253,7 +253,8 @@ class Trainer:
         scalars; the groups it trained were consumed at the version before this step's."""
         values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
                                    consumed_version=self.version - 1, skipped=self.guard.skipped,
-                                   dropped=self.slots.dropped, idle_fraction=self.timeline.idle_fraction())
+                                   dropped=self.slots.dropped, idle_fraction=self.timeline.idle_fraction(),
+                                   eos_id=self.tokenizer.eos_token_id)
         values[names.STALENESS_BOUND] = self.stream.filter.max_staleness
         values.update(devices.device_metrics(self.device))
         values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
