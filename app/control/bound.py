@@ -26,7 +26,7 @@ from typing import Callable
 
 from llamarl.app import names
 from llamarl.app.config import AUTO_START_BOUND, TrainerConfig
-from llamarl.app.control.signed import SignedStore
+from llamarl.app.control.signed import CONTROLLER, SignedStore
 from llamarl.app.metrics import events as metrics
 from llamarl.app.rl.staleness import BoundPolicy, Decision, Observation, blocked_share
 
@@ -74,3 +74,11 @@ class AutoBound:
             events.append(metrics.bound_change(step, previous, decision.bound, decision.reason))
         self.emit(events)
         return decision
+
+
+def published_bound(signed: SignedStore, default: int) -> int:
+    """The staleness bound the controller published (``names.STALENESS_BOUND_KEY``), or
+    ``default`` when there is no authentic, well-formed record."""
+    rec = signed.get(names.STALENESS_BOUND_KEY, writers=(CONTROLLER,))
+    bound = rec.get("bound") if isinstance(rec, dict) else None
+    return bound if isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0 else default

@@ -53,8 +53,11 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Hashable
 
+import torch
+import torch.distributed as dist
+
 __all__ = ["FUTURE_VERSION", "TOO_OLD", "INCARNATION_SHIFT", "REPLAY", "SEEN_WINDOW", "Admission", "SeenIds",
-           "first_seq", "incarnation_of", "taken_by_other_ranks"]
+           "all_gather_ids", "first_seq", "incarnation_of", "taken_by_other_ranks"]
 
 # Why a valid group was refused (counted under ``names.REJECTED_PREFIX`` with the others).
 REPLAY, FUTURE_VERSION, TOO_OLD = "replay", "future_version", "too_old"
@@ -192,3 +195,14 @@ def taken_by_other_ranks(batches: list[list[tuple[int, int]]], rank: int,
             for generator, seq in batch:
                 trained_elsewhere.add(generator, seq)
     return refused  # type: ignore[return-value]
+
+
+def all_gather_ids(ids: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's 1-d int64 ``ids`` (of any length), by rank: a collective over the
+    default group. Ids travel as tensors, never pickled."""
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(ids)]))
+    longest = int(max(s.item() for s in sizes))
+    parts = [torch.zeros(longest, dtype=torch.int64) for _ in sizes]
+    dist.all_gather(parts, torch.cat([ids, torch.zeros(longest - len(ids), dtype=torch.int64)]))
+    return [p[:int(n.item())] for p, n in zip(parts, sizes)]

@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from llamarl.app import names
-from llamarl.app.control.seen_groups import REPLAY, TOO_OLD, SeenIds, taken_by_other_ranks
+from llamarl.app.control.bound import published_bound
+from llamarl.app.control.seen_groups import REPLAY, TOO_OLD, SeenIds, all_gather_ids, taken_by_other_ranks
 from llamarl.app.control.signed import CONTROLLER, SignedStore
 from llamarl.app.control.transport import Control
 from llamarl.app.metrics import events as metrics
@@ -149,17 +150,6 @@ class SlotLedger:
         return cls(frontier, set(done))
 
 
-def all_gather_ids(ids: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's 1-d int64 ``ids`` (of any length), by rank: a collective over the
-    default group. Ids travel as tensors, never pickled."""
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([len(ids)]))
-    longest = int(max(s.item() for s in sizes))
-    parts = [torch.zeros(longest, dtype=torch.int64) for _ in sizes]
-    dist.all_gather(parts, torch.cat([ids, torch.zeros(longest - len(ids), dtype=torch.int64)]))
-    return [p[:int(n.item())] for p, n in zip(parts, sizes)]
-
-
 def slots_taken_back(stale_first: list[bool], batch_first: list[bool]) -> int:
     """How many places the generators' staleness budget loses at one step's settling
     (``SlotLedger.consume_across_ranks`` flags: whether each group was its slot's first).
@@ -213,12 +203,10 @@ class SlotBudget:
     highest seen stands. The trainer's dropped groups are one signed counter per trainer
     rank (``names.dropped_key``), added up here.
 
-    ``auto`` (``--max-staleness auto``): the bound is the controller's signed record
-    ``names.STALENESS_BOUND_KEY``, read at every reservation (``max_staleness`` until
-    there is one). A raised bound lets generators reserve further ahead at once; after a
-    lowered one they wait until the trainer catches up, and a group reserved under the
-    higher bound that reaches the trainer too old is dropped and its place given back,
-    as any stale group.
+    ``auto`` (``--max-staleness auto``): the bound is the controller's signed record,
+    read at every reservation (``llamarl.app.control.bound.published_bound``). A raised
+    bound lets generators reserve further ahead at once; after a lowered one they wait,
+    and a group that reaches the trainer too old is dropped and its place given back.
     """
 
     def __init__(self, signed: SignedStore, *, groups_per_step: int, max_staleness: int,
@@ -235,8 +223,7 @@ class SlotBudget:
         return given_back(self.signed, [m for m in self.control.members() if m.startswith("trainer/")])
 
     def slot_ids(self, reserved: range) -> list[int]:
-        """The slots (prompt-order positions) of counter values ``reserved``: after a
-        resume, those the trainer's ledger lacks come first (rollouts lost in flight)."""
+        """The slots of counter values ``reserved`` (after a resume, the ledger's missing first)."""
         return self.ledger.slot_ids(reserved)
 
     def reserve(self, want: int, version: int) -> range:
@@ -260,14 +247,6 @@ class SlotBudget:
             if won:
                 self._highest = start + take
                 return range(start, start + take)
-
-
-def published_bound(signed: SignedStore, default: int) -> int:
-    """The staleness bound the controller published (``names.STALENESS_BOUND_KEY``), or
-    ``default`` when there is no authentic, well-formed record."""
-    rec = signed.get(names.STALENESS_BOUND_KEY, writers=(CONTROLLER,))
-    bound = rec.get("bound") if isinstance(rec, dict) else None
-    return bound if isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0 else default
 
 
 # --------------------------------------------------------------------------- hold, pass, lose, regenerate
@@ -304,13 +283,12 @@ class HeldSlots:
             self.signed.put(self.key, self.slots)
 
 
-def _slot_id(value: object) -> bool:
+def _slot_id(value: object) -> bool:  # a well-formed slot id from a record
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def return_held(signed: SignedStore, member: str) -> int:
-    """The controller: push the slots ``member`` (lost) held to the lost-slots queue
-    (``return_slots``); how many."""
+    """The controller: the slots ``member`` (lost) held to the lost-slots queue; how many."""
     slots = held_by(signed, member)
     return_slots(signed, slots)
     signed.store.delete_key(names.held_key(member))
@@ -351,21 +329,18 @@ def take_lost_slots(signed: SignedStore, max_n: int) -> list[int]:
 
 
 def lost_slots_waiting(store: dist.Store) -> int:
-    """How many lost slots wait to be regenerated (a generator at its staleness bound
-    stops waiting for newer weights for them: a synchronous step needs them)."""
+    """How many lost slots wait to be regenerated (a generator at its bound takes them)."""
     return int(store.queue_len(names.queue_key(names.LOST_SLOTS)))
 
 
 # --------------------------------------------------------------------------- consume: the trainer's side
 
 class Settlement:
-    """One trainer rank's side of consumption: the groups it dropped as stale (from the
-    rollout pipeline's thread) and its batches, settled in the ``ledger`` at each step
-    alike on every rank, and its net count of places given back to the generators'
-    budget, a signed record (``names.dropped_key``). ``dropped``: groups dropped as
-    stale (this rank's, continued from the checkpoint on replica 0); ``duplicates``:
-    second copies dropped; ``freed``: the places given back, net (replica 0 continues
-    from the run's total at the checkpoint: ``publish_start``)."""
+    """One trainer rank's side of consumption: groups dropped as stale (from the pipeline's
+    thread) and its batches, settled in the ``ledger`` at each step alike on every rank;
+    its net places given back to the budget, a signed record (``names.dropped_key``).
+    ``dropped``: stale groups (replica 0 continues the checkpoint's); ``duplicates``: second
+    copies dropped; ``freed``: places given back, net (from the run's total: ``publish_start``)."""
 
     def __init__(self, signed: SignedStore, *, rank: int, world: int, ledger: SlotLedger, max_staleness: int,
                  rejections: Rejections, emit: Callable[[list[dict]], None], dropped: int = 0,
