@@ -153,7 +153,7 @@ def test_the_mismatch_is_measured_when_no_rank_has_a_rollout_to_train():
                               policy_version=3)
     sharded = json.loads(results[0][1])
     expected = {k: v for k, v in reference.items() if k.startswith("mismatch/")}
-    assert set(expected) == {f"mismatch/lag2/{s}" for s in ("ratio_mean", "ratio_max", "frac_truncated", "kl")}
+    assert set(expected) == {f"mismatch/lag2/{s}" for s in ("ratio_mean", "ratio_max", "frac_truncated", "kl", "ess")}
     assert sharded == pytest.approx(expected, rel=1e-5)
 
 

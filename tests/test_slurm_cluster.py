@@ -274,7 +274,8 @@ def test_a_time_limit_saves_a_checkpoint_and_resume_continues_from_it(tiny_polic
     saves at the end of its step, without --save-every; the job ends TIMEOUT, named
     as such, with no traceback; --resume continues from that step."""
     replicas = ("--num_generators", "1", "--num_reward", "0")
-    handle = submit(tiny_policy, tmp_path, steps=500, extra=LONG, replicas=replicas, cfg=("-cfg", f"time={TIME_LIMIT_MIN}"),
+    # More steps than any machine trains in the limit (500 took under a minute on a quiet one).
+    handle = submit(tiny_policy, tmp_path, steps=100_000, extra=LONG, replicas=replicas, cfg=("-cfg", f"time={TIME_LIMIT_MIN}"),
                     options=("--save_before_time_limit_s", "30"))
     run = app_id(handle)
     assert wait_state(handle, tmp_path) == AppState.FAILED
