@@ -15,7 +15,6 @@ makes one environment at once, so a bad spec fails at startup with a one-line er
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 from typing import Any, Callable
 
@@ -24,7 +23,7 @@ from llamarl.app.envs.builtins import Calculator, GuessNumber, ReasoningGym
 from llamarl.app.envs.protocol import Environment
 from llamarl.app.envs.verifiers_adapter import verifiers_factory
 from llamarl.app.errors import ConfigError
-from llamarl.app.rewards.spec import parse_spec
+from llamarl.app.rewards.spec import import_target, parse_spec
 
 ENTRY_POINT_GROUP = "llamarl.envs"
 
@@ -32,18 +31,10 @@ BUILTINS: dict[str, Callable[..., Environment]] = {"calculator": Calculator, "gu
 
 
 def _import(target: str) -> Any:
-    module, _, attr = target.partition(":")
-    if not module or not attr:
-        raise ConfigError(f"env {target!r}: expected package.module:Class")
     try:
-        obj = importlib.import_module(module)
-    except ImportError as e:
-        raise ConfigError(f"env {target!r}: cannot import {module!r} ({e}); is it on PYTHONPATH?") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"env {target!r}: module {module!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+        return import_target(target, "env", "package.module:Class")
+    except ValueError as e:  # a module that fails to import: a refusal at startup, as any bad --env
+        raise ConfigError(str(e)) from e
 
 
 def _factory(target: str, options: dict[str, Any]) -> Callable[[], Environment]:

@@ -171,25 +171,27 @@ def available() -> dict[str, list[str]]:
     return {"builtins": sorted(BUILTINS), "plugins": sorted(installed_plugins())}
 
 
-def _import_attr(target: str) -> Any:
+def import_target(target: str, what: str = "reward", shape: str = "package.module:function") -> Any:
+    """The object ``target`` (``package.module:attr``, ``attr`` may be dotted) names, for a
+    ``what`` spec (``reward``, ``env``): a missing colon or attribute is a refusal
+    (``ConfigError``); a module that fails to import is not (``ValueError``): it may be the
+    user's, failing on its own bug, whose traceback shows where."""
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise ConfigError(f"reward {target!r}: expected package.module:function")
+        raise ConfigError(f"{what} {target!r}: expected {shape}")
     try:
         obj = importlib.import_module(module_name)
     except ImportError as exc:
-        # Not a refusal (ConfigError): the module may be the user's, failing on its own
-        # bug, whose traceback shows where.
-        raise ValueError(f"reward {target!r}: cannot import module {module_name!r} ({exc}); "
+        raise ValueError(f"{what} {target!r}: cannot import module {module_name!r} ({exc}); "
                          f"is its directory on PYTHONPATH?") from exc
     except Exception as exc:  # the module's own code raised while it was imported
-        raise ValueError(f"reward {target!r}: importing module {module_name!r} raised "
+        raise ValueError(f"{what} {target!r}: importing module {module_name!r} raised "
                          f"{type(exc).__name__}: {exc} (its traceback is above)") from exc
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ConfigError(f"reward {target!r}: module {module_name!r} has no attribute {attr!r}") from None
+            raise ConfigError(f"{what} {target!r}: module {module_name!r} has no attribute {attr!r}") from None
     return obj
 
 
@@ -204,7 +206,7 @@ def resolve(c: ComponentSpec, device: str | None = None) -> Any:
         if c.target in plugins:
             factory = plugins[c.target].load()
         elif ":" in c.target:
-            factory = _import_attr(c.target)
+            factory = import_target(c.target)
         else:
             found = available()
             close = difflib.get_close_matches(c.target, found["builtins"] + found["plugins"], n=1)
