@@ -214,10 +214,8 @@ class Trainer:
         if not request_file:
             return False
         wanted = os.path.exists(request_file)
-        if self.world > 1:
-            flag = torch.tensor([float(wanted)], device=next(self.model.parameters()).device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            wanted = bool(flag.item())
+        if self.ranks is not None:
+            wanted = bool(self.ranks.max([float(wanted)])[0])
         if wanted:
             if self.rank == 0:
                 with contextlib.suppress(FileNotFoundError):
