@@ -214,3 +214,21 @@ def test_forged_exit_and_dataset_check_acknowledgements_are_ignored(store):
     control(store, "generator/0").mark_exited("generator", 0)
     assert trainer.exited("generator/0")
     assert counts(trainer) == {"security/rejected_writes/membership": 2.0}
+
+
+def test_a_read_that_lost_a_race_with_another_thread_is_not_a_replay(store):
+    """Clones (one per thread) share the reader state: a value one thread read before
+    another thread read and accepted a newer one is stale, not replayed, and not counted;
+    the newest accepted record is the answer."""
+    writer = signed(store, "trainer/0")
+    reader = signed(store, "generator/0")
+    other_thread = reader.clone()
+    writer.put(names.VERSION_KEY, 1)
+    read_first = store.get(names.VERSION_KEY)  # this thread's read, not yet opened
+    writer.put(names.VERSION_KEY, 2)
+    assert other_thread.record(names.VERSION_KEY).value == 2
+    assert reader.open(names.VERSION_KEY, read_first).value == 2
+    assert counts(reader) == {}
+    store.set(names.VERSION_KEY, read_first)  # the same old record, now in the store: a replay
+    assert reader.record(names.VERSION_KEY).value == 2
+    assert counts(reader) == {"security/rejected_writes/version": 1.0}

@@ -306,9 +306,17 @@ class SignedStore:
         with self._state.lock:
             newest = self._state.newest.get(full, {}).get(writer, -1)
         if n <= newest:
+            if not once and self._superseded(key, raw):
+                # Not a replay: this read lost a race with another thread of this process
+                # (clones share the reader state), which read and accepted a newer value.
+                return self.last(key)
             self.rejections(full, raw, f"a replay: counter {n} of {writer}, newest seen {newest}")
             return None
         return self._accept(key, raw, writer, n, msg.get("value"))
+
+    def _superseded(self, key: str, raw: bytes) -> bool:
+        """Whether the store now holds another value of ``key`` than ``raw`` (read before it)."""
+        return self.store.check([key]) and self.store.get(key) != raw
 
     def _accept(self, key: str, raw: bytes, writer: str, n: int, value: Any) -> Record:
         rec, full = Record(raw, writer, n, value), self.prefix + key
