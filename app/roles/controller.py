@@ -157,7 +157,7 @@ class Controller:
         self.resume = train_state.find_resume(cfg.runs_dir, cfg.run_id, cfg.resume)
         if self.resume is not None:  # before anything of the run is read or written
             self.run_lock = train_state.hold_run_dir(self.resume.run_dir, self._holder())
-        policy = data.resolve_policy(cfg.policy, log=log.info)
+        policy = data.resolve_policy(cfg.policy, env=self.gen.env, log=log.info)
         # Capped before it is checked against a resumed run's config and published.
         cfg = self.cfg = data.fit_prompt_budget(cfg, self.gen, policy, log=log.info)
         if self.resume is not None:
