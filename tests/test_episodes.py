@@ -135,3 +135,33 @@ def test_a_slow_step_does_not_stall_the_other_episodes(policy):
     r.close()
     assert groups[0].rollouts[0].task["env_reward"] == 1.0  # the fast one finished first
     assert groups[1].rollouts[0].task["turns"] == 3
+
+
+class Graded:
+    """Two turns per episode, then the row's own reward; a training row scores -1, so a
+    held-out evaluation that played one would show it."""
+
+    tools = ()
+
+    def rows(self, split, n, seed):
+        return [{"split": split, "reward": float(i % 3 == 0)} for i in range(n)]
+
+    def reset(self, row):
+        self.row, self.n = row, 0
+        return "Q: go\nA:"
+
+    def step(self, turn):
+        self.n += 1
+        if self.n < 2:
+            return Step(observation="again")
+        return Step(reward=self.row["reward"] if self.row["split"] == "test" else -1.0, done=True)
+
+
+def test_held_out_evaluation_plays_the_environment_s_test_rows_with_its_reward(policy):
+    from llamarl.app.config import GeneratorConfig, TrainerConfig
+    from llamarl.app.envs.slots import evaluate
+
+    gen = GeneratorConfig(env="test_episodes:Graded", max_new_tokens=3, max_turns=3, max_episode_tokens=32)
+    m = evaluate(*policy, TrainerConfig(eval_size=6), gen, step=2)
+    # Rows 0 and 3 of six score 1, whatever the policy wrote (the math verifier would give 0).
+    assert m == {"accuracy": 2 / 6, "sampled_accuracy": 2 / 6, "episode_turns": 2.0, "tool_calls": 0.0}

@@ -3,7 +3,8 @@ checkpoint is started again with ``--resume auto`` (what a scheduler's applicati
 does); it continues the same run directory and metrics database, trains the remaining
 steps on the same prompts in the same order, and every step is recorded once. A resume
 that cannot work fails before anything trains and leaves the run as it was; a finished
-run goes on for more steps with ``--resume RUN_ID``. (Two trainer ranks saving and
+run goes on for more steps with ``--resume RUN_ID``. Multi-turn episodes killed in flight
+are played again from their start, each row trained once. (Two trainer ranks saving and
 loading collectively: tests/test_train_state.py.)"""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torchx.specs import AppState
 from llamarl.app.data import sources as data
 from llamarl.app import names
 from llamarl.app.config import TrainerConfig
+from llamarl.app.envs.spec import build_env
 from llamarl.app.metrics.events import RESUMED
 from llamarl.app.model.policy import load_tokenizer
 from app_launch import GROUP_SIZE, PROMPTS_PER_STEP, SMALL, launch, rows
@@ -101,3 +103,49 @@ def test_a_killed_run_resumes_from_its_checkpoint(tiny_policy, tmp_path):
     state = json.loads((run_dir / "checkpoints" / "step-6" / "train_state" / "state.json").read_text())
     assert state["ledger"] == {"frontier": 6 * PROMPTS_PER_STEP, "done": []}
     assert [r["step"] for r in json.loads(dict(rows(db, "SELECT key, value FROM meta"))[RESUMED])] == [2, 4]
+
+
+def test_episodes_in_flight_at_a_kill_are_played_again_once(tiny_policy, tmp_path):
+    """Multi-turn episodes (guess the number, one secret per row) killed in flight after
+    the step-1 checkpoint: the resumed run plays the slots after it from their start, so
+    every row is trained exactly once, in slot order."""
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    run_id, steps = "resumed-episodes", 3
+    env = "guess_number(high=1000000)"  # secrets that tell the rows apart
+
+    def start(record):
+        return launch(tiny_policy, tmp_path, steps=steps, num_generators=1, max_staleness=0,
+                      rewards=f"env_reward,{record_prompts.SPEC}", env=record_prompts.env(record),
+                      extra=[*SMALL, "--eval-every", "100", "--save-every", "1", "--env", env, "--max-turns", "3",
+                             "--max-episode-tokens", "48", "--run-id", run_id, "--resume", "auto"])
+
+    with start(first) as app:
+        run_dir = app.runs_dir / run_id
+        deadline = time.monotonic() + 240
+        while not (run_dir / "checkpoints" / "step-1").is_dir():
+            assert time.monotonic() < deadline, app.logs_tail()
+            assert app.runner.status(app.handle).state == AppState.RUNNING, app.logs_tail()
+            time.sleep(0.2)
+        app.runner.cancel(app.handle)
+        assert app.wait() != AppState.SUCCEEDED
+    with start(second) as app:
+        assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
+        assert f"resuming run {run_id} at step 1" in app.log("trainer"), app.logs_tail()
+
+    env_rows = build_env(env)().rows("train", steps * PROMPTS_PER_STEP, seed=TrainerConfig().seed)
+    secrets = [r["secret"] for r in env_rows]
+    assert len(set(secrets)) == len(secrets)
+
+    def played(record):
+        return [r["meta"]["secret"] for r in record_prompts.records(record)[::GROUP_SIZE]]
+
+    assert played(first)[:PROMPTS_PER_STEP] == secrets[:PROMPTS_PER_STEP]
+    # Whatever the first run had in flight past slot 4, the resumed one starts at slot 4.
+    assert played(second)[: 2 * PROMPTS_PER_STEP] == secrets[PROMPTS_PER_STEP:]
+    assert all(r["meta"]["turns"] >= 1 for r in record_prompts.records(second))
+    import sqlite3
+    db = sqlite3.connect(run_dir / "metrics.db")
+    assert [s for (s,) in rows(db, f"SELECT step FROM scalars WHERE name = '{names.TRAIN_VERSION}' "
+                                   "ORDER BY t")] == [1, 2, 3]
+    state = json.loads((run_dir / "checkpoints" / "step-3" / "train_state" / "state.json").read_text())
+    assert state["ledger"] == {"frontier": steps * PROMPTS_PER_STEP, "done": []}

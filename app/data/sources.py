@@ -63,6 +63,8 @@ from llamarl.app.model.policy import check_causal_lm, context_length, encode_pro
 from llamarl.app.tasks import samples
 from llamarl.app.tasks.arithmetic import Problem
 from llamarl.app.rl.warmstart import ensure_warmstart
+from llamarl.app.envs.spec import build_env
+from llamarl.app.envs.tool_warmstart import ensure_tool_warmstart, has_calculator
 
 BUILTIN = "the built-in task"
 TOKENIZE_CHUNK = 1024  # prompts tokenized at once when measuring lengths
@@ -73,11 +75,14 @@ TINY = ("tiny", "warmstart")
 default job trained a pretrained model; configs saved then still say it)."""
 
 
-def resolve_policy(spec: str, *, log: Callable[[str], None] = print) -> Path:
-    """``tiny`` (the embedded policy, warm-started once and cached), a GGUF file
+def resolve_policy(spec: str, *, env: str = "", log: Callable[[str], None] = print) -> Path:
+    """``tiny`` (the embedded policy, warm-started once and cached; for an ``env`` with the
+    calculator tool, its tool warm start: ``llamarl.app.envs.tool_warmstart``), a GGUF file
     (``gguf:<path>`` or a named one such as ``smollm2-135m-instruct``, converted once into
     ``checkpoints/<name>/``), a directory, or a model hub id (its cached snapshot)."""
     if spec in TINY:
+        if env and has_calculator(build_env(env)):
+            return ensure_tool_warmstart(log=log)
         return ensure_warmstart(log=log)
     if gguf_policy.is_gguf_policy(spec):
         return gguf_policy.ensure_converted(spec, log=log)

@@ -35,6 +35,11 @@ PLAIN_TOOLS_HEADER = ('Tools (call one as <tool_call>{"name": ..., "arguments": 
                       "its answer comes back as <tool_response>...</tool_response>):")
 
 
+def plain_tools_header(tools: Sequence[dict[str, Any]]) -> str:
+    """The plain format's lines describing ``tools`` above the first message ("" for none)."""
+    return "\n".join([PLAIN_TOOLS_HEADER, *(json.dumps(t) for t in tools)]) if tools else ""
+
+
 class ChatFormat:
     """Renders one environment's conversations for ``tokenizer``."""
 
@@ -58,8 +63,8 @@ class ChatFormat:
         if self.templated:
             text = self._render(messages, generation_prompt=True)
         else:
-            lines = [PLAIN_TOOLS_HEADER, *(json.dumps(t) for t in self.tools)] if self.tools else []
-            text = "\n".join(lines + [str(m["content"]) for m in messages])
+            header = plain_tools_header(self.tools)
+            text = "\n".join(([header] if header else []) + [str(m["content"]) for m in messages])
         return text, encode_prompts(self.tokenizer, [text])[0]
 
     def observation(self, history: list[Message], observation: list[Message]) -> tuple[str, list[int]]:
@@ -80,4 +85,4 @@ class ChatFormat:
         return text, self._ids(text)
 
 
-__all__ = ["ChatFormat", "PLAIN_TOOLS_HEADER"]
+__all__ = ["ChatFormat", "PLAIN_TOOLS_HEADER", "plain_tools_header"]

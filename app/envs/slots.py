@@ -1,9 +1,14 @@
-"""A generator's episodes, slot by slot: what ``--env`` changes in the generator's loop.
+"""A run's episodes, slot by slot: what ``--env`` changes in the generator's loop and in
+the trainer's held-out evaluation.
 
 Slot ``i`` (the staleness slots of ``llamarl.app.control.slots``) plays training row
 ``i mod ROWS`` of the environment, rows drawn from the run's seed: every generator, and a
 resumed run, gives a slot the same row, so an episode lost in flight (a generator that
 died, a resume) is played again from its start by whoever regenerates the slot.
+
+The held-out evaluation (``evaluate``) plays the environment's own ``test`` rows, one
+episode each, and scores them with the environment's rewards, not the built-in task's
+verifier: a tool's answer or a game's win counts as the training reward does.
 """
 
 from __future__ import annotations
@@ -16,12 +21,41 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from llamarl.app import names
 from llamarl.app.config import GeneratorConfig, TrainerConfig
-from llamarl.app.envs.episodes import EpisodeConfig, EpisodeRunner
+from llamarl.app.envs.episodes import EpisodeConfig, EpisodeRunner, episode_reward
 from llamarl.app.envs.spec import build_env
 from llamarl.app.rl.contract import RolloutGroup
 
 ROWS = 1000
 """Training rows drawn from the environment; slots cycle through them."""
+
+
+def episode_config(gen: GeneratorConfig) -> EpisodeConfig:
+    return EpisodeConfig(max_turns=gen.max_turns, max_episode_tokens=gen.max_episode_tokens,
+                         max_turn_tokens=gen.max_new_tokens, step_timeout_s=gen.env_step_timeout_s)
+
+
+def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: TrainerConfig, gen: GeneratorConfig,
+             step: int) -> dict[str, float]:
+    """Held-out accuracy through ``gen.env`` (see the module): the mean episode reward over
+    ``cfg.eval_size`` test rows, greedy and sampled (at the generators' temperature,
+    seeded by ``step``), an episode that could not start counting 0; and the greedy
+    episodes' mean turns and tool calls."""
+    make = build_env(gen.env)
+    rows = make().rows("test", cfg.eval_size, seed=cfg.seed)
+    out: dict[str, float] = {}
+    for key, temperature in (("accuracy", 0.0), ("sampled_accuracy", gen.temperature)):
+        runner = EpisodeRunner(model, tokenizer, make, episode_config(gen), temperature=temperature,
+                               top_p=gen.top_p if temperature else 1.0, decoder=gen.gen_decoder)
+        rng = torch.Generator(next(model.parameters()).device).manual_seed(step) if temperature else None
+        try:
+            episodes = [ep for g in runner.run(rows, group_size=1, version=lambda: step, rng=rng) for ep in g]
+        finally:
+            runner.close()
+        out[key] = sum(episode_reward(ep) for ep in episodes) / max(1, len(rows))
+        if not temperature:
+            out["episode_turns"] = runner.stats.turns / max(1, len(episodes))
+            out["tool_calls"] = runner.stats.tool_calls / max(1, len(episodes))
+    return out
 
 
 class SlotEpisodes:
@@ -32,8 +66,7 @@ class SlotEpisodes:
         make = build_env(gen.env)
         self.spec, self.group_size = gen.env, cfg.group_size
         self.rows = make().rows("train", ROWS, seed=cfg.seed)
-        episode = EpisodeConfig(max_turns=gen.max_turns, max_episode_tokens=gen.max_episode_tokens,
-                                max_turn_tokens=gen.max_new_tokens, step_timeout_s=gen.env_step_timeout_s)
+        episode = episode_config(gen)
         # Episodes per length bucket (tokens after the prompt, up to a power of two) and per
         # number of weight versions their turns were sampled with: the dashboard's histograms.
         self.lengths: Counter[int] = Counter()
@@ -67,4 +100,4 @@ class SlotEpisodes:
         self.runner.close()
 
 
-__all__ = ["ROWS", "SlotEpisodes"]
+__all__ = ["ROWS", "SlotEpisodes", "episode_config", "evaluate"]

@@ -82,9 +82,11 @@ def default_model_config(vocab_size: int, *, pad_id: int, bos_id: int, eos_id: i
     )
 
 
-def create_default_policy(seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """A freshly initialised default policy and its tokenizer, deterministic from ``seed``."""
-    tokenizer = build_tokenizer(tasks.corpus(seed))
+def create_default_policy(seed: int = 0, *, extra_corpus: list[str] | None = None,
+                          vocab_size: int = DEFAULT_VOCAB_SIZE) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """A freshly initialised default policy and its tokenizer, deterministic from ``seed``;
+    ``extra_corpus``: more text the tokenizer learns merges from (a tool format, say)."""
+    tokenizer = build_tokenizer(tasks.corpus(seed) + list(extra_corpus or ()), vocab_size)
     config = default_model_config(len(tokenizer), pad_id=tokenizer.pad_token_id,
                                   bos_id=tokenizer.bos_token_id, eos_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)

@@ -12,13 +12,28 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from llamarl.app import cli
 from llamarl.app.rl import step as rl
 from llamarl.app.tasks import arithmetic as tasks
-from llamarl.app.model.policy import create_default_policy, encode_prompts, save_policy
+from llamarl.app.model.policy import DEFAULT_VOCAB_SIZE, create_default_policy, encode_prompts, save_policy
+
+
+@dataclass(frozen=True)
+class ExtraDemonstrations:
+    """Demonstrations of another format, mixed in beside the worked solutions (the tool
+    warm start's tool calls, ``llamarl.app.envs.tool_warmstart``)."""
+
+    corpus: list[str]
+    """Texts the tokenizer also learns its merges from, so the format costs few tokens."""
+    make: Callable[[Any], list[rl.Rollout]]
+    """The demonstrations, given the tokenizer; their ``policy_mask`` says which tokens
+    carry loss (an environment's answer inside one does not)."""
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    """The tokenizer's vocabulary: room for the format's merges beside the task's."""
 
 
 @dataclass(kw_only=True)
@@ -65,12 +80,16 @@ def _lr_at(step: int, cfg: WarmStartConfig) -> float:
     return cfg.lr * 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item())
 
 
-def warm_start(cfg: WarmStartConfig, *, log=print) -> dict[str, float]:
-    """Train, evaluate and save; returns the held-out metrics."""
+def warm_start(cfg: WarmStartConfig, *, log=print, extra: ExtraDemonstrations | None = None) -> dict[str, float]:
+    """Train, evaluate and save; returns the held-out metrics. With ``extra``, its
+    demonstrations join the worked solutions in the shuffled order."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.time()
-    model, tokenizer = create_default_policy(cfg.seed)
+    if extra is None:
+        model, tokenizer = create_default_policy(cfg.seed)
+    else:
+        model, tokenizer = create_default_policy(cfg.seed, extra_corpus=extra.corpus, vocab_size=extra.vocab_size)
     problems = tasks.make_split("train", cfg.train_size, seed=cfg.seed)
     prompts = encode_prompts(tokenizer, [tasks.format_prompt(p.question) for p in problems])
     rng = random.Random(cfg.seed)
@@ -80,6 +99,8 @@ def warm_start(cfg: WarmStartConfig, *, log=print) -> dict[str, float]:
                    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     data = [rl.Rollout(prompt_ids=p, completion_ids=c, behaviour_logprobs=[], version=0)
             for p, c in zip(prompts, completions)]
+    if extra is not None:
+        data += extra.make(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()
     order: list[int] = []
@@ -105,8 +126,10 @@ def warm_start(cfg: WarmStartConfig, *, log=print) -> dict[str, float]:
     return metrics
 
 
-def ensure_warmstart(path: str | Path = "checkpoints/warmstart", *, log=print) -> Path:
-    """The warm-started default policy at ``path``, trained there first if it is missing.
+def ensure_warmstart(path: str | Path = "checkpoints/warmstart", *, log=print,
+                     train: Callable[[str], Any] | None = None) -> Path:
+    """The warm-started default policy at ``path``, trained there first if it is missing
+    (by ``train(path)``; the plain warm start when None).
 
     A file lock makes concurrent callers (several roles of one app) train it only once.
     """
@@ -117,5 +140,8 @@ def ensure_warmstart(path: str | Path = "checkpoints/warmstart", *, log=print) -
         if not (path / "config.json").is_file():
             log(f"no warm-started policy at {path}: training it now "
                 "(once; 3 to 6 minutes on 2 CPU cores)")
-            warm_start(WarmStartConfig(out=str(path)), log=log)
+            if train is None:
+                warm_start(WarmStartConfig(out=str(path)), log=log)
+            else:
+                train(str(path))
     return path

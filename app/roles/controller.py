@@ -12,9 +12,8 @@ in ``Controller``:
   (``llamarl.app.control.bound``);
 - watches which executors are alive (``llamarl.app.control.membership``) and waits for
   every generator's check of the prompts;
-- keeps a whole copy of the policy (with several ranks; with one it is the policy): what
-  held-out evaluation samples from and what a checkpoint's Hugging Face policy is
-  written from;
+- keeps a whole copy of the policy (with several ranks; with one it is the policy): what held-out
+  evaluation samples from (the environment's episodes with ``--env``) and what a checkpoint's policy is written from;
 - after every step: the losses and executors alive, evaluation, the checkpoint's
   directory, the health check, and the metrics: it is the only writer of the metrics
   database (and the TensorBoard mirror), draining every role's events;
@@ -46,6 +45,7 @@ from llamarl.app.config import GeneratorConfig, TrainerConfig
 from llamarl.app.control import bound, health, membership, overdue, runtime, slots
 from llamarl.app.control.seen_groups import REPLAY, SeenIds
 from llamarl.app.data import sources as data
+from llamarl.app.envs import slots as env_slots
 from llamarl.app.metrics import events as metrics
 from llamarl.app.metrics.tensorboard import TensorBoardMirror, summary_writer_class
 from llamarl.app.model.policy import load_tokenizer
@@ -157,7 +157,7 @@ class Controller:
         self.resume = train_state.find_resume(cfg.runs_dir, cfg.run_id, cfg.resume)
         if self.resume is not None:  # before anything of the run is read or written
             self.run_lock = train_state.hold_run_dir(self.resume.run_dir, self._holder())
-        policy = data.resolve_policy(cfg.policy, log=log.info)
+        policy = data.resolve_policy(cfg.policy, env=self.gen.env, log=log.info)
         # Capped before it is checked against a resumed run's config and published.
         cfg = self.cfg = data.fit_prompt_budget(cfg, self.gen, policy, log=log.info)
         if self.resume is not None:
@@ -305,11 +305,12 @@ class Controller:
         return self.bound.decide(step, version, values).bound
 
     def evaluate(self, step: int) -> dict[str, float]:
-        if not self.data.held_out:  # a dataset without --eval-dataset or --eval-fraction
+        if not self.data.held_out and not self.gen.env:  # a dataset without --eval-dataset or --eval-fraction
             return {}
         with self.timeline.busy("eval"):
-            m = steps.evaluate(self.full_model, self.tokenizer, self.data.held_out, self.gen, step,
-                               self.data.format_prompt)
+            m = (env_slots.evaluate(self.full_model, self.tokenizer, self.cfg, self.gen, step) if self.gen.env else
+                 steps.evaluate(self.full_model, self.tokenizer, self.data.held_out, self.gen, step,
+                                self.data.format_prompt))
         self.rt.emit(steps.eval_events(m, step=step, role="trainer"))
         log.info("step %d held-out accuracy %.3f (greedy), %.3f (sampled)", step, m["accuracy"],
                  m["sampled_accuracy"])
