@@ -40,17 +40,20 @@ class Block(nn.Module):
 
 class ShardedModel(nn.Module):
     """Llama-like parts with awkward row counts: 2 embedding rows (3 ranks: 1, 1, none),
-    and a float64 head in a module of its own (FSDP2 gathers one dtype per group)."""
+    and a float64 head in a module of its own (FSDP2 gathers one dtype per group). The
+    table's part is over the sender's ``DEFAULT_ALONE_MB`` with 2 ranks (1.07 MB: sent
+    as it is, between packed buckets), under it with 3 (packed)."""
 
     def __init__(self, seed: int) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.embed = nn.Embedding(2, 8)
+        self.table = nn.Embedding(2200, 256)
         self.layers = nn.ModuleList([Block(), Block()])
         self.head = nn.Linear(8, 5, dtype=torch.float64)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
+        h = self.embed(ids) + self.table(ids)[:, :8]
         for layer in self.layers:
             h = layer(h)
         return self.head(h.double())
@@ -116,8 +119,11 @@ def _trainer(store, rank: int, ranks: int, generators: int, versions: int, lose_
     if rank == 0:
         store.set(DONE, "1")
     out = f"sent {versions} versions, {sizes[0]} bytes each"
-    if ranks > 1:  # every part packed: one broadcast per dtype (float32, the float64 head)
-        assert sender._sender.broadcasts == 2, sender._sender.broadcasts
+    inner = sender._sender
+    if ranks == 3:  # every part packed: one broadcast per dtype (float32, the float64 head)
+        assert (inner.broadcasts, inner.zero_copy_buckets) == (2, 0), (inner.broadcasts, inner.zero_copy_buckets)
+    if ranks == 2:  # float32: embed, the table's part as it is, the rest packed; float64: the head
+        assert (inner.broadcasts, inner.zero_copy_buckets) == (4, 2), (inner.broadcasts, inner.zero_copy_buckets)
     if rank == 0:
         out += f"; epoch {sender.epoch} generators {sender.roster} regroups {sender.regroups}"
     if ranks > 1:

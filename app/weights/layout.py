@@ -26,6 +26,13 @@ DEFAULT_BUCKET_MB = 16.0
 """Sender and receivers must agree. Only packed runs depend on it: a run that is one
 flat buffer goes out as one broadcast whatever the bucket size."""
 
+DEFAULT_ALONE_MB = 1.0
+"""A parameter part of this size or more (a bucket's at most) is a bucket of its own and
+goes out as it is, with no copy; smaller ones are packed. Packing is a copy of the
+bytes on the sender, which costs a loaded host more than the extra broadcasts do
+(``benchmarks/weight_sync.py --trainer-ranks``: ``sharded`` against ``sharded_packed``,
+which packs every part below a bucket's size)."""
+
 
 @dataclass(frozen=True)
 class Slot:

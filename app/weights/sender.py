@@ -5,13 +5,13 @@ A run that is one slice of a ``flatten_parameters_`` buffer goes out whole, with
 (what the one-rank trainer does), in slices of one bucket's bytes (``whole_cuts``: a
 generator hashes each as it lands, ``llamarl.app.weights.digest``, instead of the whole run
 after it); any other run (a trainer rank's FSDP2 shards, one allocation per parameter)
-goes bucket by bucket: a bucket of several parameter parts is packed into one of two
-packing buffers kept for the sender's life, while the bucket before it is on the wire,
-and a part of a bucket's size or more goes as it is. A sync is then a handful of
-broadcasts of about a bucket each, not one per parameter: each broadcast has a fixed
-cost on the sender and on every generator (a collective's setup and its wake-ups), paid
-per bucket rather than per parameter, for one copy of the small parts into a buffer
-that is sent while the next is packed.
+goes bucket by bucket: a part of ``alone_mb`` or more (``DEFAULT_ALONE_MB``) goes as it
+is, with no copy, and the smaller parts between them are packed, a bucket of them into
+one of two packing buffers kept for the sender's life, while the bucket before it is on
+the wire. Each broadcast has a fixed cost on the sender and on every generator (a
+collective's setup and its wake-ups), so the many small parts (norms, biases, a small
+model's matrices) travel a bucket at a time; the large ones are not worth a copy, which
+costs more than their broadcast on a host whose cores are busy with the transfer.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from llamarl.app.weights.group import (
     host_or_device,
     whole_cuts,
 )
-from llamarl.app.weights.layout import DEFAULT_BUCKET_MB, Layout, pack, span_view
+from llamarl.app.weights.layout import DEFAULT_ALONE_MB, DEFAULT_BUCKET_MB, Layout, pack, span_view
 from llamarl.app.weights.shards import local_parts
 
 __all__ = ["WeightSender"]
@@ -50,17 +50,22 @@ class WeightSender:
     With ``ranks`` > 1 trainer ranks, each rank has a group of its own to every generator
     and sends only its shard (``llamarl.app.weights.shards``: FSDP2's DTensors, sharded on dim 0);
     the generators assemble the full weights. One rank sends the full tensors.
+    ``alone_mb``: parts of this size or more (up to a bucket's) go as they are, unpacked;
+    the receivers read it from the layout handshake.
     """
 
     def __init__(self, group: WeightGroup, params: Sequence[tuple[str, torch.Tensor]],
-                 bucket_mb: float = DEFAULT_BUCKET_MB, *, rank: int = 0, ranks: int = 1) -> None:
+                 bucket_mb: float = DEFAULT_BUCKET_MB, *, rank: int = 0, ranks: int = 1,
+                 alone_mb: float = DEFAULT_ALONE_MB) -> None:
         if group.rank != 0:
             raise ValueError(f"the weight sender must be rank 0 of the weight group, not {group.rank}")
         self.group = group
         self.params = list(params)
         self.rank, self.ranks = rank, ranks
         local, self.shards = local_parts(self.params, rank, ranks)
-        self.layout = Layout(local, int(bucket_mb * 2**20))
+        if alone_mb <= 0:
+            raise ValueError(f"weight sender: alone_mb must be > 0, not {alone_mb}")
+        self.layout = Layout(local, int(bucket_mb * 2**20), int(min(alone_mb, bucket_mb) * 2**20))
         entries = full_entries(self.layout, self.shards)
         doc = {"fingerprint": self.layout.fingerprint, "bucket_bytes": self.layout.bucket_bytes,
                "alone_bytes": self.layout.alone_bytes, "params": self.layout.entries,
