@@ -49,6 +49,7 @@ import torch.distributed as dist
 from llamarl.app import cli, devices, errors, names
 from llamarl.app.config import GeneratorConfig, TrainerConfig
 from llamarl.app.control import frames, health, incarnations, overdue, runtime, slots, transport
+from llamarl.app.control.bound import published_bound
 from llamarl.app.metrics import events as metrics
 from llamarl.app.model.policy import load_policy
 from llamarl.app.rewards import build_reward, parse_spec
@@ -122,8 +123,10 @@ class Trainer:
         attempt = runtime.run_attempt(rt)  # this start's: groups of another are refused
         resumed = rt.wait_key(names.RESUME_KEY, 60.0, "resume point")
         self.start_step = self.version = resumed["step"]
+        # auto: the bound replica 0 published before the resume point (a resumed run's own)
+        bound = published_bound(rt.signed, cfg.start_bound) if cfg.auto else cfg.start_bound
         self.slots = slots.Settlement(
-            rt.signed, rank=self.rank, world=self.world, max_staleness=cfg.start_bound,
+            rt.signed, rank=self.rank, world=self.world, max_staleness=bound,
             ledger=slots.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger")),
             rejections=self.rejections, emit=rt.emit, dropped=carried.dropped, freed=carried.given_back)
         self.duties.watch_slots(self.slots.ledger, self.waited)
@@ -151,6 +154,8 @@ class Trainer:
             # A version from the future is one above the newest published (replica 0 publishes
             # each before it sends it): one store read per new version.
             admit=incarnations.admission(rt.signed, attempt, published_version=rt.control.version))
+        if cfg.auto:
+            self.stream.set_bound(bound)
 
     def _gather_full_model(self) -> None:
         """Every rank (a collective with several): the shards' current values into replica
