@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -62,6 +63,24 @@ def test_generators_share_a_step_and_inline_scoring_overlaps_training():
     assert "reward" not in inline.idle  # the trainer's own thread, no executor
 
 
+def test_shared_cores_stretch_the_phases_that_run_at_once():
+    """One CPU host: generation (1.0) and training (1.0) of an asynchronous loop overlap.
+    With a device each (cores 0) or a core each, a step is 1.0; with one core, they split
+    it while both run and a step holds both costs; another program's thread on two cores
+    leaves each of the two phases two thirds of a core. Synchronous, they never overlap:
+    the cores change nothing until another program takes its share."""
+    def step(cores: int, load: float = 0.0, k: int = 1) -> float:
+        loop = fixed_loop(1.0, 0.0, 1.0, 0.0, max_staleness=k, reward_executors=0)
+        return engine.simulate(replace(loop, cores=cores, host_load=load)).median_step_s
+    assert step(0) == pytest.approx(1.0) and step(2) == pytest.approx(1.0)
+    assert step(1) == pytest.approx(2.0)
+    assert step(2, load=1.0) == pytest.approx(1.5)
+    assert step(1, k=0) == step(0, k=0) == pytest.approx(2.0)
+    assert step(1, load=1.0, k=0) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="host_load"):
+        Loop(host_load=-1.0)
+
+
 def test_idle_fractions_are_of_the_timed_intervals():
     report = engine.simulate(fixed_loop(1.0, 0.5, 2.0, 0.5, max_staleness=0))
     step = 4.0  # the run's edges (the first wait, the last step) shift each by less than 0.01
@@ -108,6 +127,9 @@ def test_robust_fit_recovers_coefficients_past_an_outlier():
 
 # --------------------------------------------------------------------------- calibration from a database
 
+GROUPS_PER_BATCH, PUSH_S = 4, 0.002
+
+
 def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, tokens_per_row=20):
     """A metrics database as the app writes it (``events.MetricsWriter``), of a synchronous
     loop whose every cost is known: one generator batch a step, scored by one reward
@@ -119,22 +141,29 @@ def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, to
     for step in range(1, steps + 1):
         n_tokens = rows * tokens_per_row + (step % 3) * 8  # batches differ a little
         g = gen_s + 0.001 * (step % 3)
-        evs.append(events.interval("busy", "generate", t, t + g, role="generator"))
+        # the batch as the app records it: a generate interval per group, each cut by its push
+        for k in range(GROUPS_PER_BATCH):
+            t0 = t + k * (g / GROUPS_PER_BATCH + PUSH_S)
+            evs.append(events.interval("busy", "generate", t0, t0 + g / GROUPS_PER_BATCH, role="generator"))
+            evs.append(events.interval("idle", "queue_full", t0 + g / GROUPS_PER_BATCH,
+                                       t0 + g / GROUPS_PER_BATCH + PUSH_S, role="generator"))
+        g_wall = g + GROUPS_PER_BATCH * PUSH_S
         # the generator at its bound until the step's weights arrive, the trainer waiting for rollouts
-        evs.append(events.interval("idle", "staleness_bound", t + g, t + g + score_s + train_s * n_tokens
+        evs.append(events.interval("idle", "staleness_bound", t + g_wall, t + g_wall + score_s + train_s * n_tokens
                                    / (rows * tokens_per_row) + sync_s,
                                    role="generator"))
-        evs.append(events.interval("idle", "wait_rollouts", t, t + g + score_s, role="trainer"))
-        evs += [events.scalar(names.GEN_TOKENS_PER_S, n_tokens / g, role="generator", t=t + g + 0.001),
-                events.scalar(names.GEN_SEQS_PER_S, rows / g, role="generator", t=t + g + 0.001)]
-        t += g
+        evs.append(events.interval("idle", "wait_rollouts", t, t + g_wall + score_s, role="trainer"))
+        # rates over the busy time (the pushes left out), reported once the batch is done
+        evs += [events.scalar(names.GEN_TOKENS_PER_S, n_tokens / g, role="generator", t=t + g_wall + 0.001),
+                events.scalar(names.GEN_SEQS_PER_S, rows / g, role="generator", t=t + g_wall + 0.001)]
+        t += g_wall
         evs.append(events.interval("busy", "score", t, t + score_s, role="reward"))
         evs.append(events.scalar(names.REWARD_SAMPLES_PER_S, rows / score_s, role="reward", t=t + score_s))
         t += score_s
         tr = train_s * n_tokens / (rows * tokens_per_row)  # a training pass costs per token
         evs.append(events.interval("busy", "train", t, t + tr, role="trainer"))
         evs.append(events.scalar(names.TRAIN_TOKENS_PER_S, n_tokens / tr, role="trainer", t=t + tr))
-        evs.append(events.scalar(names.TRAIN_STEP_S, g + score_s + tr + sync_s, role="trainer",
+        evs.append(events.scalar(names.TRAIN_STEP_S, g_wall + score_s + tr + sync_s, role="trainer",
                                  step=step, t=t + tr))
         t += tr
         evs.append(events.interval("busy", "weight_sync", t, t + sync_s, role="trainer"))
@@ -148,7 +177,8 @@ def test_from_run_fits_the_costs_a_run_recorded(tmp_path):
     write_run(tmp_path, gen_s=0.3, train_s=0.2, sync_s=0.05, score_s=0.01)
     fit = calibrate.from_run(tmp_path)
     loop = fit.loop()
-    assert loop.gen.seconds([20] * 16) == pytest.approx(0.3, abs=0.003)
+    assert loop.gen.seconds([20] * 16) == pytest.approx(0.3, abs=0.003)  # the batch, not one group
+    assert loop.gen.overhead_s == pytest.approx(GROUPS_PER_BATCH * PUSH_S)  # its pushes
     assert loop.train.seconds(320) == pytest.approx(0.2, abs=0.002)
     assert loop.train.seconds(640) == pytest.approx(0.4, abs=0.004)  # one batch size: per token
     assert loop.sync.seconds(senders=1, receivers=1) == pytest.approx(0.05)

@@ -191,16 +191,16 @@ class Trainer:
         for step in range(self.start_step + 1, cfg.steps + 1):
             with self.timeline.idle("wait_rollouts"), self.waited:
                 groups = self.stream.next_batch(self.version)  # settled: what this step trains
-            t0 = time.time()
+            t0, cpu0 = time.time(), time.thread_time()
             train = self.train_step(groups, step)
-            t_train = time.time() - t0
+            t_train, cpu_train = time.time() - t0, time.thread_time() - cpu0
             requested = self._save_requested(step)  # every step: with several ranks, a collective
             save = bool(cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or requested
             if step % cfg.eval_every == 0 or step == cfg.steps or save:
                 self._gather_full_model()  # the whole copy's uses: evaluation and checkpoints
             self.version += 1
             step_s, t_prev = time.time() - t_prev, time.time()
-            values = self._record_step(step, groups, train, t_train, step_s)
+            values = self._record_step(step, groups, train, t_train, step_s, cpu_train)
             if cfg.auto:
                 self._next_bound(step, values)
             self.publish_weights()
@@ -253,7 +253,7 @@ class Trainer:
                                  policy_version=self.version) or None  # {}: no rank had a rollout
 
     def _record_step(self, step: int, groups: list[RolloutGroup], train: dict[str, float] | None,
-                     t_train: float, step_s: float) -> dict[str, float]:
+                     t_train: float, step_s: float, cpu_train: float) -> dict[str, float]:
         """Emits the step's events (with the timeline's intervals so far) and returns its
         scalars; the groups it trained were consumed at the version before this step's."""
         values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
@@ -261,6 +261,8 @@ class Trainer:
                                    dropped=self.slots.dropped, idle_fraction=self.timeline.idle_fraction(),
                                    eos_id=self.tokenizer.eos_token_id)
         values[names.STALENESS_BOUND] = self.stream.filter.max_staleness
+        if train is not None:
+            values[names.TRAIN_CPU_S] = cpu_train
         values.update(devices.device_metrics(self.device))
         values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
         values.update(self.rejections.metrics())

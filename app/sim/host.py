@@ -1,0 +1,70 @@
+"""A run's shared CPU host, read from its metrics database: what each phase cost with a
+core to itself, and how much of the cores other programs took.
+
+On a CPU host every executor's process competes for the same cores (a thread each: the
+app's ``--threads 1``): a trainer step is slower while a generator decodes beside it and
+slower still under another program's load, so the wall time of a phase is its cost over
+the share of a core it had. Generators and the trainer record the CPU seconds of their
+work (``names.GEN_CPU_S``, ``names.TRAIN_CPU_S``): that is the cost with a core to itself,
+and CPU over wall is the share. The share, with the run's own phases running at the same
+time, tells the other programs' load (``Loop.host_load``): ``share = cores / (running +
+load)`` once the cores are oversubscribed. A phase without CPU seconds (scoring,
+evaluation) is costed at its wall time times the share the model gives it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from typing import Any
+
+from llamarl.app.sim.costs import cpu_share
+
+CPU_PHASES = (("generator", "generate"), ("reward", "score"), ("trainer", "train"), ("trainer", "eval"))
+"""The busy intervals that are CPU work (``llamarl.app.sim.engine``'s shared cores)."""
+
+Spans = list[tuple[float, float]]
+
+
+def busy_spans(db: Any) -> Spans:
+    """Every CPU phase's interval of the run, every executor's, in time order."""
+    spans: Spans = []
+    for role, what in CPU_PHASES:
+        spans += [(t0, t1) for _, _, _, t0, t1 in db.intervals(role, what)]
+    return sorted(spans)
+
+
+def running(t0: float, t1: float, spans: Spans) -> float:
+    """The mean number of CPU phases running over ``[t0, t1]`` (the one timed included)."""
+    if t1 <= t0:
+        return 1.0
+    ends = [s[0] for s in spans]
+    covered = sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in spans[:bisect.bisect_right(ends, t1)])
+    return max(1.0, covered / (t1 - t0))
+
+
+def cpu_seconds(db: Any, role: str, name: str, units: list[tuple]) -> list[float | None]:
+    """For each unit of work (``calibrate._paired``'s: replica, t0, t1, ...), the CPU
+    seconds its executor reported after it (``name``), or None where none was."""
+    series: dict[int, list[tuple[float, float]]] = {}
+    for rep, t, v in db.scalars(name, role):
+        series.setdefault(rep, []).append((t, v))
+    out: list[float | None] = []
+    for rep, _, t1, *_ in units:
+        s = series.get(rep, [])
+        i = bisect.bisect_left(s, (t1 - 1e-6, float("-inf")))
+        out.append(s[i][1] if i < len(s) and s[i][0] - t1 <= 5.0 else None)
+    return out
+
+
+def fit_load(cores: int, samples: list[tuple[float, float]]) -> float:
+    """Other programs' runnable threads, from (share of a core, own phases running) per
+    unit of work: the median of ``cores / share - running`` (0 where the share is full)."""
+    loads = [max(0.0, cores / got - n) for got, n in samples if got > 0]
+    return statistics.median(loads) if loads else 0.0
+
+
+
+def work(wall: float, cores: int, load: float, n: float) -> float:
+    """A phase's cost with a core to itself, from its wall time with ``n`` phases running."""
+    return wall * cpu_share(cores, load, n)
