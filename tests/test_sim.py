@@ -4,6 +4,7 @@ the fits against a metrics database written with known costs, the spec files, th
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 from dataclasses import replace
@@ -130,12 +131,14 @@ def test_robust_fit_recovers_coefficients_past_an_outlier():
 GROUPS_PER_BATCH, PUSH_S = 4, 0.002
 
 
-def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, tokens_per_row=20):
+def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, tokens_per_row=20, cpu_share=None):
     """A metrics database as the app writes it (``events.MetricsWriter``), of a synchronous
     loop whose every cost is known: one generator batch a step, scored by one reward
-    executor, trained, synced."""
+    executor, trained, synced. With ``cpu_share``, a run on CPUs whose generator and
+    trainer had that share of a core (their CPU seconds recorded)."""
     config = {"prompts_per_step": rows // 4, "group_size": 4, "max_staleness": 0, "num_generators": 1,
-              "num_reward": 1, "gen_batch_prompts": rows // 4, "max_new_tokens": 48, "steps": steps, "eval_every": 0}
+              "num_reward": 1, "gen_batch_prompts": rows // 4, "max_new_tokens": 48, "steps": steps, "eval_every": 0,
+              "device": "cpu" if cpu_share else "cuda"}
     writer = events.MetricsWriter(run_dir, run_id="fixture", config=config)
     t, evs = 1000.0, []
     for step in range(1, steps + 1):
@@ -156,6 +159,8 @@ def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, to
         # rates over the busy time (the pushes left out), reported once the batch is done
         evs += [events.scalar(names.GEN_TOKENS_PER_S, n_tokens / g, role="generator", t=t + g_wall + 0.001),
                 events.scalar(names.GEN_SEQS_PER_S, rows / g, role="generator", t=t + g_wall + 0.001)]
+        if cpu_share:
+            evs.append(events.scalar(names.GEN_CPU_S, g * cpu_share, role="generator", t=t + g_wall + 0.001))
         t += g_wall
         evs.append(events.interval("busy", "score", t, t + score_s, role="reward"))
         evs.append(events.scalar(names.REWARD_SAMPLES_PER_S, rows / score_s, role="reward", t=t + score_s))
@@ -163,6 +168,8 @@ def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, to
         tr = train_s * n_tokens / (rows * tokens_per_row)  # a training pass costs per token
         evs.append(events.interval("busy", "train", t, t + tr, role="trainer"))
         evs.append(events.scalar(names.TRAIN_TOKENS_PER_S, n_tokens / tr, role="trainer", t=t + tr))
+        if cpu_share:
+            evs.append(events.scalar(names.TRAIN_CPU_S, tr * cpu_share, role="trainer", t=t + tr))
         evs.append(events.scalar(names.TRAIN_STEP_S, g_wall + score_s + tr + sync_s, role="trainer",
                                  step=step, t=t + tr))
         t += tr
@@ -188,6 +195,24 @@ def test_from_run_fits_the_costs_a_run_recorded(tmp_path):
     assert predicted.median_step_s == pytest.approx(calibrate.measured(tmp_path).median_step_s, rel=0.03)
     # The same costs, asynchronous: the slowest stage (gen 0.3) instead of the sum.
     assert engine.simulate(fit.loop(max_staleness=1)).median_step_s == pytest.approx(0.3, rel=0.03)
+
+
+def test_a_run_on_shared_cpu_cores_is_costed_at_a_core_to_itself(tmp_path):
+    """Generator and trainer each ran alone (synchronous) on a third of a core: the other
+    programs' load is what leaves that share, the costs are the CPU seconds, and replaying
+    the run at its load gives back its step; on a machine of its own each stage is three
+    times faster."""
+    write_run(tmp_path, gen_s=0.3, train_s=0.2, sync_s=0.0, score_s=0.01, cpu_share=1 / 3)
+    fit = calibrate.from_run(tmp_path)
+    cores = os.cpu_count()
+    assert fit.cores == cores and fit.host_load == pytest.approx(3 * cores - 1, rel=0.01)
+    assert calibrate.host_load(tmp_path) == pytest.approx(fit.host_load)
+    assert fit.gen.seconds([20] * 16) == pytest.approx(0.1, abs=0.002)
+    assert fit.train.seconds(320) == pytest.approx(0.2 / 3, abs=0.002)
+    measured = calibrate.measured(tmp_path).median_step_s
+    assert engine.simulate(fit.loop()).median_step_s == pytest.approx(measured, rel=0.03)
+    alone = engine.simulate(fit.loop(host_load=0.0)).median_step_s
+    assert alone == pytest.approx((0.3 + 0.01 + 0.2) / 3, rel=0.03)  # generate, score, train at full speed
 
 
 def test_from_run_refuses_a_directory_without_a_database(tmp_path):
