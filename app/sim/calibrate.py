@@ -37,7 +37,7 @@ from typing import Any
 from llamarl.app import names
 from llamarl.app.metrics.events import DB_NAME
 from llamarl.app.sim import host
-from llamarl.app.sim.costs import GenCost, Lengths, Loop, RewardCost, SyncCost, TrainCost
+from llamarl.app.sim.costs import GenCost, Lengths, Loop, RewardCost, SyncCost, TrainCost, cpu_share
 from llamarl.app.sim.engine import Report
 
 
@@ -308,9 +308,10 @@ def _fit(db: _Db, lengths_sigma: float | None) -> Calibration:
     a, b, c = robust_fit([[1.0, longest[r], t] for r, t in zip(rows, tokens)], cost["generator"])
     if len(set(rows)) == 1:
         notes.append("one batch shape: per-batch and per-decode-step generator costs are one term (batch_s)")
+    alone = cpu_share(cores, load, 1)  # untimed work and syncs: at the share of a phase alone
     gen = GenCost(batch_s=a, step_s=b, token_s=c,
-                  overhead_s=_median(_cycle_overheads(batches, db.intervals("generator"),
-                                                      ("wait_weights", "staleness_bound"))))
+                  overhead_s=alone * _median(_cycle_overheads(batches, db.intervals("generator"),
+                                                              ("wait_weights", "staleness_bound"))))
 
     scores = _paired(db, "reward", "score", [names.REWARD_SAMPLES_PER_S])
     if scores:
@@ -331,11 +332,11 @@ def _fit(db: _Db, lengths_sigma: float | None) -> Calibration:
     trainer = db.intervals("trainer")
     per_step_sync = _per_train(trainer, ("weight_sync", "weight_digest"))
     evals = _work(db, [(0, t0, t1, t1 - t0) for _, _, w, t0, t1 in trainer if w == "eval"], cores, load)
-    train = TrainCost(step_s=ta, token_s=tb, overhead_s=_median(_untimed_gaps(trainer, "train")),
+    train = TrainCost(step_s=ta, token_s=tb, overhead_s=alone * _median(_untimed_gaps(trainer, "train")),
                       eval_s=_median(evals))
     sent = [nb for (nb,) in db.db.execute("SELECT bytes FROM weight_sync WHERE receiver LIKE 'trainer%'")]
     nbytes = float(_median(sent))
-    sync_s = _median(per_step_sync)
+    sync_s = alone * _median(per_step_sync)
     sync = SyncCost(fixed_s=0.0 if nbytes else sync_s, byte_s=sync_s / nbytes if nbytes else 0.0, bytes=nbytes)
     notes.append("one policy size: the sync's fixed and per-byte costs are one term (byte_s); "
                  "one receiver count: receiver_slope left at 0")

@@ -16,7 +16,8 @@ The rules are the app's (``llamarl.app.control.slots``, ``llamarl.app.roles.gene
   trains, the version goes up, every trainer rank sends its shard to every generator (the
   trainer waits for the send), the controller's per-step work runs, and the held-out
   evaluation when it is due;
-- with ``cores`` (one shared CPU host), generation, scoring, training and evaluation are
+- with ``cores`` (one shared CPU host), every phase (generation, scoring, training,
+  evaluation, the weight sync and each executor's untimed work between its phases) is
   CPU work: the phases running at once (and ``host_load`` other threads) share the cores,
   each at most one; a phase's cost is its time with a core to itself, and its wall time
   stretches while the cores are oversubscribed;
@@ -211,7 +212,7 @@ class _Sim:
             for g in lengths:
                 self.rollouts.append(Group(v, sum(g), len(g)))
             self.after(0.0, self.wake_scorers)
-            self.after(loop.gen.overhead_s, lambda: self.generator_ready(i))
+            self.work(loop.gen.overhead_s, lambda: self.generator_ready(i), "generator", i, "overhead", record=False)
         self.work(dt, done, "generator", i, "generate")
 
     # --- scoring: reward executors, or the trainer's pipeline thread ------------------------
@@ -272,7 +273,6 @@ class _Sim:
     def publish(self, first: bool = False) -> None:
         loop = self.loop
         dt = loop.sync.seconds(senders=loop.trainer_ranks, receivers=loop.generators)
-        self.record("trainer", 0, "busy", "weight_sync", self.now, self.now + dt)
         version = self.version
 
         def sent() -> None:
@@ -281,7 +281,7 @@ class _Sim:
                 self.ask_for_batch()
             else:
                 self.after_step()
-        self.after(dt, sent)
+        self.work(dt, sent, "trainer", 0, "weight_sync")
 
     def after_step(self) -> None:
         loop, step = self.loop, len(self.train_ends)
@@ -289,10 +289,12 @@ class _Sim:
             self.done = True
             return
         if loop.eval_every and step % loop.eval_every == 0:
-            self.work(loop.train.eval_s, lambda: self.after(loop.train.overhead_s, self.ask_for_batch),
-                      "trainer", 0, "eval")
+            self.work(loop.train.eval_s, self._overhead, "trainer", 0, "eval")
         else:
-            self.after(loop.train.overhead_s, self.ask_for_batch)
+            self._overhead()
+
+    def _overhead(self) -> None:
+        self.work(self.loop.train.overhead_s, self.ask_for_batch, "trainer", 0, "overhead", record=False)
 
     def ask_for_batch(self) -> None:
         self.trainer_waiting_since = self.now
