@@ -167,7 +167,8 @@ class Calibration:
     def loop(self, *, extra_reward_s_per_rollout: float = 0.0, max_new_tokens: int | None = None,
              **overrides: Any) -> Loop:
         """The calibrated loop, in the run's configuration unless ``overrides`` (``Loop``'s
-        fields) say otherwise; ``extra_reward_s_per_rollout`` adds a known scoring cost."""
+        fields) say otherwise; ``extra_reward_s_per_rollout`` adds a known wait per rollout
+        scored (``RewardCost.wait_s``)."""
         c = self.config
         base = dict(steps=c.get("steps", 30), prompts_per_step=c.get("prompts_per_step", 16),
                     group_size=c.get("group_size", 8), max_staleness=c.get("max_staleness", 1),
@@ -176,7 +177,7 @@ class Calibration:
                     eval_every=c.get("eval_every", 0), cores=self.cores, host_load=self.host_load)
         base.update(overrides)
         lengths = self.lengths if max_new_tokens is None else replace(self.lengths, cap=max_new_tokens)
-        reward = replace(self.reward, rollout_s=self.reward.rollout_s + extra_reward_s_per_rollout)
+        reward = replace(self.reward, wait_s=self.reward.wait_s + extra_reward_s_per_rollout)
         return Loop(**base, lengths=lengths, gen=self.gen, reward=reward, train=self.train, sync=self.sync)
 
     def summary(self) -> dict[str, Any]:

@@ -101,12 +101,16 @@ class RewardCost:
     """Per call."""
     rollout_s: float = 0.0
     """Per rollout scored."""
+    wait_s: float = 0.0
+    """Per rollout, waiting rather than computing (a remote judge's latency): on a shared
+    CPU host it takes no core and no other phase slows it."""
 
     def __post_init__(self) -> None:
         for k, v in asdict(self).items():
             _check(f"RewardCost.{k}", v)
 
     def seconds(self, rollouts: int) -> float:
+        """The computing part of a call of ``rollouts``; ``wait_s`` comes on top."""
         return self.batch_s + self.rollout_s * rollouts
 
 

@@ -236,7 +236,13 @@ class _Sim:
                 self.score(j)
             else:
                 self.scorer_idle_since[j] = self.now
-        self.work(dt, done, "reward", j, "score", record=bool(self.loop.reward_executors))
+        waited, t0 = self.loop.reward.wait_s * sum(g.rollouts for g in take), self.now
+
+        def scored() -> None:  # the call's wait (no core) after its computing, one busy interval
+            if self.loop.reward_executors:
+                self.record("reward", j, "busy", "score", t0, self.now)
+            done()
+        self.work(dt, lambda: self.after(waited, scored), "reward", j, "score", record=False)
 
     # --- the trainer -----------------------------------------------------------------------
     def trainer_take(self) -> None:
