@@ -14,7 +14,10 @@ reward's pause per sample, a known constant the calibration run never saw.
 
 Writes ``configs`` (``name``, ``measured_step_s``, ``predicted_step_s``, ``error``,
 ``measured_idle``, ``predicted_idle``) and the async/sync ratios, measured and predicted,
-for each pair of configurations that differ only in the staleness bound. ``--reuse``
+for each pair of configurations that differ only in the staleness bound. On this shared
+machine a prediction also needs the other programs' load while the run ran: ``host_load``
+(read from the run's CPU seconds, ``calibrate.host_load``) and ``predicted_at_run_load_s``,
+the same costs at that load (``predicted_step_s`` uses the calibration run's). ``--reuse``
 takes the run directories of an earlier invocation (its ``manifest.json``) and only
 predicts again.
 """
