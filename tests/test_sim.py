@@ -78,6 +78,10 @@ def test_shared_cores_stretch_the_phases_that_run_at_once():
     assert step(2, load=1.0) == pytest.approx(1.5)
     assert step(1, k=0) == step(0, k=0) == pytest.approx(2.0)
     assert step(1, load=1.0, k=0) == pytest.approx(4.0)
+    # A reward's wait (a remote judge) takes no core: a sleep is not stretched by the load.
+    waiting = replace(fixed_loop(1.0, 0.0, 1.0, 0.0, max_staleness=0), reward=RewardCost(wait_s=0.5 / 8),
+                      cores=1, host_load=1.0)
+    assert engine.simulate(waiting).median_step_s == pytest.approx(4.5)  # 2 + 2 computing, 0.5 waiting
     with pytest.raises(ValueError, match="host_load"):
         Loop(host_load=-1.0)
 
