@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import json
 import math
-import os
 import random
 import sqlite3
 import statistics
@@ -304,7 +303,7 @@ def _fit(db: _Db, lengths_sigma: float | None) -> Calibration:
     lengths = (fit_lengths(mean_len, row_std, cap) if lengths_sigma is None
                else Lengths.with_capped_mean(mean_len, sigma=lengths_sigma, cap=cap))
     steps = _paired(db, "trainer", "train", [names.TRAIN_TOKENS_PER_S])
-    cores, load, cost = _host(db, cfg, batches, steps, notes)
+    cores, load, cost = host.fit(db, cfg, batches, steps, notes)
     longest = {r: expected_longest(lengths, r) for r in set(rows)}
     a, b, c = robust_fit([[1.0, longest[r], t] for r, t in zip(rows, tokens)], cost["generator"])
     if len(set(rows)) == 1:
@@ -316,7 +315,7 @@ def _fit(db: _Db, lengths_sigma: float | None) -> Calibration:
 
     scores = _paired(db, "reward", "score", [names.REWARD_SAMPLES_PER_S])
     if scores:
-        ra, rb = robust_fit([[1.0, amt[0]] for *_, amt in scores], _work(db, scores, cores, load))
+        ra, rb = robust_fit([[1.0, amt[0]] for *_, amt in scores], host.unit_work(db, scores, cores, load))
         reward = RewardCost(batch_s=ra, rollout_s=rb)
     else:
         reward = RewardCost()
@@ -332,7 +331,7 @@ def _fit(db: _Db, lengths_sigma: float | None) -> Calibration:
         ta, tb = robust_fit([[1.0, t] for t in step_tokens], cost["trainer"])
     trainer = db.intervals("trainer")
     per_step_sync = _per_train(trainer, ("weight_sync", "weight_digest"))
-    evals = _work(db, [(0, t0, t1, t1 - t0) for _, _, w, t0, t1 in trainer if w == "eval"], cores, load)
+    evals = host.unit_work(db, [(0, t0, t1, t1 - t0) for _, _, w, t0, t1 in trainer if w == "eval"], cores, load)
     train = TrainCost(step_s=ta, token_s=tb, overhead_s=alone * _median(_untimed_gaps(trainer, "train")),
                       eval_s=_median(evals))
     sent = [nb for (nb,) in db.db.execute("SELECT bytes FROM weight_sync WHERE receiver LIKE 'trainer%'")]
@@ -343,35 +342,6 @@ def _fit(db: _Db, lengths_sigma: float | None) -> Calibration:
                  "one receiver count: receiver_slope left at 0")
     return Calibration(config=cfg, lengths=lengths, gen=gen, reward=reward, train=train, sync=sync,
                        cores=cores, host_load=load, notes=notes)
-
-
-def _host(db: _Db, cfg: dict, batches: list[tuple], steps: list[tuple],
-          notes: list[str]) -> tuple[int, float, dict[str, list[float]]]:
-    """A run on CPUs (``llamarl.app.sim.host``): its host's cores, the other programs'
-    load, and the generators' and trainer's costs with a core to themselves (their CPU
-    seconds where recorded); on GPUs, no shared cores and the wall times."""
-    walls = {"generator": [u[3] for u in batches], "trainer": [u[3] for u in steps]}
-    if cfg.get("device") != "cpu":
-        return 0, 0.0, walls
-    cores = os.cpu_count() or 1
-    spans = host.busy_spans(db)
-    cpu = {"generator": host.cpu_seconds(db, "generator", names.GEN_CPU_S, batches),
-           "trainer": host.cpu_seconds(db, "trainer", names.TRAIN_CPU_S, steps)}
-    samples = [(c / u[3], host.running(u[1], u[2], spans)) for role, units in (("generator", batches), ("trainer", steps))
-               for u, c in zip(units, cpu[role]) if c is not None and u[3] > 0]
-    load = host.fit_load(cores, samples)
-    notes.append(f"a CPU host of {cores} cores (this machine's), other programs' load {load:.2f} "
-                 + ("(from the recorded CPU seconds)" if samples else "(no CPU seconds recorded: taken as 0)"))
-    work = {role: _work(db, units, cores, load) for role, units in (("generator", batches), ("trainer", steps))}
-    return cores, load, {role: [c if c is not None else w for c, w in zip(cpu[role], work[role])] for role in work}
-
-
-def _work(db: _Db, units: list[tuple], cores: int, load: float) -> list[float]:
-    """Each unit's busy seconds as the cost with a core to itself (``host.work``)."""
-    if not cores:
-        return [u[3] for u in units]
-    spans = host.busy_spans(db)
-    return [host.work(u[3], cores, load, host.running(u[1], u[2], spans)) for u in units]
 
 
 def _per_train(rows: list[tuple[int, str, str, float, float]], whats: tuple[str, ...]) -> list[float]:
@@ -401,7 +371,7 @@ def host_load(run_dir: str | Path) -> float:
     db = _Db(run_dir)
     try:
         batches = _paired(db, "generator", "generate", [names.GEN_TOKENS_PER_S, names.GEN_SEQS_PER_S])
-        return _host(db, db.config, batches, _paired(db, "trainer", "train", [names.TRAIN_TOKENS_PER_S]), [])[1]
+        return host.fit(db, db.config, batches, _paired(db, "trainer", "train", [names.TRAIN_TOKENS_PER_S]), [])[1]
     finally:
         db.close()
 

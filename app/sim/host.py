@@ -15,9 +15,11 @@ evaluation) is costed at its wall time times the share the model gives it.
 from __future__ import annotations
 
 import bisect
+import os
 import statistics
 from typing import Any
 
+from llamarl.app import names
 from llamarl.app.sim.costs import cpu_share
 
 CPU_PHASES = (("generator", "generate"), ("reward", "score"), ("trainer", "train"), ("trainer", "eval"))
@@ -64,7 +66,38 @@ def fit_load(cores: int, samples: list[tuple[float, float]]) -> float:
     return statistics.median(loads) if loads else 0.0
 
 
-
 def work(wall: float, cores: int, load: float, n: float) -> float:
     """A phase's cost with a core to itself, from its wall time with ``n`` phases running."""
     return wall * cpu_share(cores, load, n)
+
+
+def fit(db: Any, cfg: dict, batches: list[tuple], steps: list[tuple],
+        notes: list[str]) -> tuple[int, float, dict[str, list[float]]]:
+    """A run on CPUs: its host's cores, the other programs' load, and the costs of the
+    generators' batches and the trainer's steps (``calibrate._paired``'s units) with a
+    core to themselves (their CPU seconds where recorded); on GPUs, no shared cores and
+    the wall times. What it assumed goes to ``notes``."""
+    walls = {"generator": [u[3] for u in batches], "trainer": [u[3] for u in steps]}
+    if cfg.get("device") != "cpu":
+        return 0, 0.0, walls
+    cores = os.cpu_count() or 1
+    spans = busy_spans(db)
+    cpu = {"generator": cpu_seconds(db, "generator", names.GEN_CPU_S, batches),
+           "trainer": cpu_seconds(db, "trainer", names.TRAIN_CPU_S, steps)}
+    samples = [(c / u[3], running(u[1], u[2], spans))
+               for role, units in (("generator", batches), ("trainer", steps))
+               for u, c in zip(units, cpu[role]) if c is not None and u[3] > 0]
+    load = fit_load(cores, samples)
+    notes.append(f"a CPU host of {cores} cores (this machine's), other programs' load {load:.2f} "
+                 + ("(from the recorded CPU seconds)" if samples else "(no CPU seconds recorded: taken as 0)"))
+    fallback = {role: unit_work(db, units, cores, load) for role, units in (("generator", batches), ("trainer", steps))}
+    return cores, load, {role: [c if c is not None else w for c, w in zip(cpu[role], fallback[role])]
+                         for role in fallback}
+
+
+def unit_work(db: Any, units: list[tuple], cores: int, load: float) -> list[float]:
+    """Each unit's busy seconds as the cost with a core to itself (``work``)."""
+    if not cores:
+        return [u[3] for u in units]
+    spans = busy_spans(db)
+    return [work(u[3], cores, load, running(u[1], u[2], spans)) for u in units]
