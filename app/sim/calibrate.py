@@ -250,17 +250,19 @@ def _paired(db: _Db, role: str, what: str, rate_names: list[str]) -> list[tuple[
 
 
 def _cycle_overheads(units: list[tuple[int, float, float, float, list[float]]],
-                     rows: list[tuple[int, str, str, float, float]], modeled: tuple[str, ...]) -> list[float]:
+                     rows: list[tuple[int, str, str, float, float]],
+                     modeled: tuple[str, ...]) -> list[tuple[float, float, float]]:
     """Per replica, the time from the start of one unit of work to the next that is neither
     the unit's busy time nor an idle wait the simulator models (``modeled``): its pushes,
-    swaps, reservations and metrics, the executor's untimed work per cycle."""
+    swaps, reservations and metrics, the executor's untimed work per cycle; with the
+    window most of it fell in, from the unit's end to the next's start."""
     out = []
     for rep in sorted({u[0] for u in units}):
         mine = [u for u in units if u[0] == rep]
         waits = [(t0, t1) for r, kind, w, t0, t1 in rows if r == rep and kind == "idle" and w in modeled]
-        for (_, a0, _, busy, _), (_, b0, *_) in zip(mine, mine[1:]):
+        for (_, a0, a1, busy, _), (_, b0, *_) in zip(mine, mine[1:]):
             waited = sum(max(0.0, min(t1, b0) - max(t0, a0)) for t0, t1 in waits)
-            out.append(max(0.0, b0 - a0 - busy - waited))
+            out.append((max(0.0, b0 - a0 - busy - waited), a1, b0))
     return out
 
 
@@ -308,10 +310,10 @@ def _fit(db: _Db, lengths_sigma: float | None) -> Calibration:
     a, b, c = robust_fit([[1.0, longest[r], t] for r, t in zip(rows, tokens)], cost["generator"])
     if len(set(rows)) == 1:
         notes.append("one batch shape: per-batch and per-decode-step generator costs are one term (batch_s)")
-    alone = cpu_share(cores, load, 1)  # untimed work and syncs: at the share of a phase alone
+    gaps = _cycle_overheads(batches, db.intervals("generator"), ("wait_weights", "staleness_bound"))
     gen = GenCost(batch_s=a, step_s=b, token_s=c,
-                  overhead_s=alone * _median(_cycle_overheads(batches, db.intervals("generator"),
-                                                              ("wait_weights", "staleness_bound"))))
+                  overhead_s=_median(host.gap_work(gaps, host.busy_spans(db), cores, load) if cores
+                                     else [g for g, _, _ in gaps]))
 
     scores = _paired(db, "reward", "score", [names.REWARD_SAMPLES_PER_S])
     if scores:
@@ -331,6 +333,7 @@ def _fit(db: _Db, lengths_sigma: float | None) -> Calibration:
         ta, tb = robust_fit([[1.0, t] for t in step_tokens], cost["trainer"])
     trainer = db.intervals("trainer")
     per_step_sync = _per_train(trainer, ("weight_sync", "weight_digest"))
+    alone = cpu_share(cores, load, 1)  # the trainer's untimed work and syncs: at the share of a phase alone
     evals = host.unit_work(db, [(0, t0, t1, t1 - t0) for _, _, w, t0, t1 in trainer if w == "eval"], cores, load)
     train = TrainCost(step_s=ta, token_s=tb, overhead_s=alone * _median(_untimed_gaps(trainer, "train")),
                       eval_s=_median(evals))

@@ -36,13 +36,14 @@ def busy_spans(db: Any) -> Spans:
     return sorted(spans)
 
 
-def running(t0: float, t1: float, spans: Spans) -> float:
-    """The mean number of CPU phases running over ``[t0, t1]`` (the one timed included)."""
+def running(t0: float, t1: float, spans: Spans, *, besides: bool = False) -> float:
+    """The mean number of CPU phases running over ``[t0, t1]``: the one timed included,
+    or (``besides``) the work outside every phase there, plus the phases beside it."""
     if t1 <= t0:
         return 1.0
-    ends = [s[0] for s in spans]
-    covered = sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in spans[:bisect.bisect_right(ends, t1)])
-    return max(1.0, covered / (t1 - t0))
+    starts = [s[0] for s in spans]
+    covered = sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in spans[:bisect.bisect_right(starts, t1)])
+    return 1.0 + covered / (t1 - t0) if besides else max(1.0, covered / (t1 - t0))
 
 
 def cpu_seconds(db: Any, role: str, name: str, units: list[tuple]) -> list[float | None]:
@@ -101,3 +102,9 @@ def unit_work(db: Any, units: list[tuple], cores: int, load: float) -> list[floa
         return [u[3] for u in units]
     spans = busy_spans(db)
     return [work(u[3], cores, load, running(u[1], u[2], spans)) for u in units]
+
+
+def gap_work(gaps: list[tuple[float, float, float]], spans: Spans, cores: int, load: float) -> list[float]:
+    """Untimed work between an executor's phases, (seconds, from, to) each, as its cost
+    with a core to itself: at the share it had beside the phases running meanwhile."""
+    return [work(g, cores, load, running(t0, t1, spans, besides=True)) for g, t0, t1 in gaps]
