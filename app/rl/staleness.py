@@ -172,7 +172,8 @@ class BoundPolicy:
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps, so a resumed run continues where this one stood: the
-        bound, the blocked shares of the current window and the steps since the last change."""
+        bound, the blocked shares of the current window, the steps since the last change,
+        the recent step times, a raise on trial and the back-off of raises."""
         return {"bound": self.bound, "blocked": list(self._blocked), "since_change": self._since_change,
                 "steps": list(self._steps), "before": self._before, "trial": list(self._trial),
                 "failed": self._failed, "no_raise": self._no_raise}
