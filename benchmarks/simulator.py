@@ -69,10 +69,11 @@ class Case:
                 "--max-new-tokens", str(args.max_new_tokens), *self.extra]
 
 
-# Batches of 6 prompts against steps of 16: the budget cuts every third batch to 4, so the
-# calibration sees two batch shapes (the generators' per-row cost is told from per batch).
+# Batches of 5 prompts against steps of 16: the budget cuts every fourth batch to 1, so the
+# calibration sees batch shapes far apart (30 and 6 rows), which tells the generators'
+# per-decode-step cost from their per-token cost (24 and 36 rows could not).
 CALIBRATION = Case("calibrate-async2-rew1", max_staleness=2, reward_executors=1, group_size=6,
-                   extra=("--gen-batch-prompts", "6"))
+                   extra=("--gen-batch-prompts", "5"))
 CONFIGS = [
     Case("sync-g1", 0),
     Case("async1-g1", 1),
