@@ -252,6 +252,10 @@ METRICS = "metrics"
 # Generators.
 GEN_TOKENS_PER_S = "gen/tokens_per_s"
 GEN_SEQS_PER_S = "gen/seqs_per_s"
+GEN_CPU_S = "gen/cpu_s"
+"""CPU seconds a generator's sampling thread spent on its last batch: on a CPU host the
+batch's cost with a core to itself; its wall time over this is the share of a core it had
+(``llamarl.app.sim.calibrate`` fits the simulator's costs from it)."""
 GEN_VERSION = "gen/version"
 ENV_PREFIX = "env/"
 """A generator's episode counts (``llamarl.app.envs.episodes.EpisodeStats``): episodes,
@@ -269,6 +273,9 @@ WEIGHTS_QUANTIZE_S = "weights/quantize_s"
 # Trainer: throughput and step time.
 TRAIN_TOKENS_PER_S = "train/tokens_per_s"
 TRAIN_SAMPLES_PER_S = "train/samples_per_s"
+TRAIN_CPU_S = "train/cpu_s"
+"""CPU seconds the trainer's main thread spent in the step's training pass (as
+``GEN_CPU_S``)."""
 TRAIN_STEP_S = "train/step_s"
 TRAIN_STEPS_PER_MIN = "train/steps_per_min"
 TRAIN_VERSION = "train/version"

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sqlite3
 import statistics
 import sys
@@ -71,15 +72,21 @@ def cases(args: argparse.Namespace) -> dict[str, dict]:
     }
 
 
-def launch(name: str, bound: str, case: dict, args: argparse.Namespace) -> Path:
+def launch(name: str, bound: str, case: dict, args: argparse.Namespace) -> tuple[Path, list[float]]:
+    """The run's directory and the machine's load average before and after it (the
+    context of its step time on a shared machine)."""
     run_args = argparse.Namespace(**{**vars(args), "generators": case["generators"]})
     extra = ["--staleness-cap", "4", *case["flags"]]
     options = ["--num_reward", str(case["num_reward"]), "--rewards", case["rewards"]]
-    return async_vs_sync.launch(f"{name} max_staleness={bound}", bound, run_args, extra, options=options)
+    before = os.getloadavg()[0]
+    run_dir = async_vs_sync.launch(f"{name} max_staleness={bound}", bound, run_args, extra, options=options)
+    return run_dir, [before, os.getloadavg()[0]]
 
 
-def summarise(run_dir: Path, eval_size: int) -> dict:
+def summarise(launched: tuple[Path, list[float]], eval_size: int) -> dict:
+    run_dir, loads = launched
     out = async_vs_sync.summarise(run_dir)
+    out["load_before_after"] = loads
     db = sqlite3.connect(f"file:{run_dir / 'metrics.db'}?mode=ro", uri=True)
     acc = out["acc"]
     out["acc_se"] = math.sqrt(max(acc * (1 - acc), 1e-12) / eval_size)

@@ -14,7 +14,10 @@ reward's pause per sample, a known constant the calibration run never saw.
 
 Writes ``configs`` (``name``, ``measured_step_s``, ``predicted_step_s``, ``error``,
 ``measured_idle``, ``predicted_idle``) and the async/sync ratios, measured and predicted,
-for each pair of configurations that differ only in the staleness bound. ``--reuse``
+for each pair of configurations that differ only in the staleness bound. On this shared
+machine a prediction also needs the other programs' load while the run ran: ``host_load``
+(read from the run's CPU seconds, ``calibrate.host_load``) and ``predicted_at_run_load_s``,
+the same costs at that load (``predicted_step_s`` uses the calibration run's). ``--reuse``
 takes the run directories of an earlier invocation (its ``manifest.json``) and only
 predicts again.
 """
@@ -66,10 +69,11 @@ class Case:
                 "--max-new-tokens", str(args.max_new_tokens), *self.extra]
 
 
-# Batches of 6 prompts against steps of 16: the budget cuts every third batch to 4, so the
-# calibration sees two batch shapes (the generators' per-row cost is told from per batch).
+# Batches of 5 prompts against steps of 16: the budget cuts every fourth batch to 1, so the
+# calibration sees batch shapes far apart (30 and 6 rows), which tells the generators'
+# per-decode-step cost from their per-token cost (24 and 36 rows could not).
 CALIBRATION = Case("calibrate-async2-rew1", max_staleness=2, reward_executors=1, group_size=6,
-                   extra=("--gen-batch-prompts", "6"))
+                   extra=("--gen-batch-prompts", "5"))
 CONFIGS = [
     Case("sync-g1", 0),
     Case("async1-g1", 1),
@@ -104,12 +108,15 @@ def launch(case: Case, args: argparse.Namespace) -> Path:
     return Path(args.runs_dir) / app_id
 
 
-def predict(fit: calibrate.Calibration, case: Case, args: argparse.Namespace) -> engine.Report:
-    """The simulator's report for ``case`` from the calibration's cost models."""
+def predict(fit: calibrate.Calibration, case: Case, args: argparse.Namespace,
+            host_load: float | None = None) -> engine.Report:
+    """The simulator's report for ``case`` from the calibration's cost models, on the
+    calibration run's host load unless ``host_load`` says another."""
     cfg = fit.loop(steps=40, prompts_per_step=args.prompts, group_size=case.group_size,
                    max_staleness=case.max_staleness, generators=case.generators,
                    reward_executors=case.reward_executors, gen_batch_prompts=args.gen_batch,
-                   extra_reward_s_per_rollout=SLOW_PAUSE_S if case.slow_reward else 0.0)
+                   extra_reward_s_per_rollout=SLOW_PAUSE_S if case.slow_reward else 0.0,
+                   **({} if host_load is None else {"host_load": host_load}))
     return engine.simulate(cfg, seed=0)
 
 
@@ -121,9 +128,13 @@ def compare(manifest: dict[str, str], args: argparse.Namespace) -> dict:
     for case in CONFIGS:
         measured = calibrate.measured(manifest[case.name])
         report = predict(fit, case, args)
+        load = calibrate.host_load(manifest[case.name])
+        at_load = predict(fit, case, args, host_load=load)
         rows.append({"name": case.name, "measured_step_s": measured.median_step_s,
                      "predicted_step_s": report.median_step_s,
                      "error": report.median_step_s / measured.median_step_s - 1,
+                     "host_load": load, "predicted_at_run_load_s": at_load.median_step_s,
+                     "error_at_run_load": at_load.median_step_s / measured.median_step_s - 1,
                      "measured_idle": measured.idle, "predicted_idle": report.idle,
                      "measured_mean_staleness": measured.mean_staleness,
                      "predicted_mean_staleness": report.mean_staleness, "run_dir": manifest[case.name],
@@ -140,12 +151,16 @@ def compare(manifest: dict[str, str], args: argparse.Namespace) -> dict:
             continue
         a, s = by_name[case.name], by_name[twin.name]
         m, p = a["measured_step_s"] / s["measured_step_s"], a["predicted_step_s"] / s["predicted_step_s"]
-        ratios.append({"async": case.name, "sync": twin.name, "measured": m, "predicted": p, "diff": p - m})
+        pl = a["predicted_at_run_load_s"] / s["predicted_at_run_load_s"]
+        ratios.append({"async": case.name, "sync": twin.name, "measured": m, "predicted": p, "diff": p - m,
+                       "predicted_at_run_load": pl, "diff_at_run_load": pl - m})
     return {"calibration": {"run_dir": manifest[CALIBRATION.name], "config": CALIBRATION.name,
                             "fit": fit.summary(), "load_before_after": loads.get(CALIBRATION.name)},
             "configs": rows, "async_sync_ratios": ratios,
             "within_10pct": sum(abs(r["error"]) <= 0.10 for r in rows),
             "ratios_within_0.1": sum(abs(r["diff"]) <= 0.1 for r in ratios),
+            "within_10pct_at_run_load": sum(abs(r["error_at_run_load"]) <= 0.10 for r in rows),
+            "ratios_within_0.1_at_run_load": sum(abs(r["diff_at_run_load"]) <= 0.1 for r in ratios),
             "settings": {k: getattr(args, k) for k in ("steps", "prompts", "gen_batch", "max_new_tokens", "policy")}}
 
 
@@ -180,17 +195,22 @@ def main() -> None:
     result = compare(manifest, args)
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"calibrated on {CALIBRATION.name}; median step time (s) and idle fraction, measured / predicted")
-    print(f"{'config':18}{'measured':>10}{'predicted':>10}{'error':>8}   idle (measured / predicted)")
+    print(f"{'config':18}{'measured':>10}{'predicted':>10}{'error':>8}{'host load':>10}{'at it':>8}{'error':>8}"
+          "   idle (measured / predicted)")
     for r in result["configs"]:
         idle = "  ".join(f"{k} {r['measured_idle'].get(k, 0):.2f}/{r['predicted_idle'].get(k, 0):.2f}"
                          for k in sorted(r["measured_idle"]))
         load = r["load_before_after"]
-        load = f"   load {load[0]:.0f}-{load[1]:.0f}" if load else ""
-        print(f"{r['name']:18}{r['measured_step_s']:10.2f}{r['predicted_step_s']:10.2f}{r['error']:+8.0%}   {idle}{load}")
+        load = f"   load average {load[0]:.0f}-{load[1]:.0f}" if load else ""
+        print(f"{r['name']:18}{r['measured_step_s']:10.2f}{r['predicted_step_s']:10.2f}{r['error']:+8.0%}"
+              f"{r['host_load']:10.2f}{r['predicted_at_run_load_s']:8.2f}{r['error_at_run_load']:+8.0%}   {idle}{load}")
     for r in result["async_sync_ratios"]:
-        print(f"async/sync {r['async']} / {r['sync']}: measured {r['measured']:.2f}, predicted {r['predicted']:.2f}")
-    print(f"{result['within_10pct']}/{len(result['configs'])} step times within 10 %, "
-          f"{result['ratios_within_0.1']}/{len(result['async_sync_ratios'])} ratios within 0.1; wrote {args.json}")
+        print(f"async/sync {r['async']} / {r['sync']}: measured {r['measured']:.2f}, predicted {r['predicted']:.2f}"
+              f" ({r['predicted_at_run_load']:.2f} at each run's host load)")
+    n, k = len(result["configs"]), len(result["async_sync_ratios"])
+    print(f"{result['within_10pct']}/{n} step times within 10 %, {result['ratios_within_0.1']}/{k} ratios within 0.1; "
+          f"at each run's host load: {result['within_10pct_at_run_load']}/{n}, "
+          f"{result['ratios_within_0.1_at_run_load']}/{k}; wrote {args.json}")
 
 
 if __name__ == "__main__":

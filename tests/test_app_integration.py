@@ -5,6 +5,7 @@ on the local_cwd scheduler, on CPU, with a tiny policy made once per session
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -106,15 +107,19 @@ def dashboard_draws_run(runs_dir: Path, run_id: str) -> None:
         del os.environ["LLAMARL_RUNS_DIR"]
 
 
-@pytest.mark.parametrize("max_staleness", [1, 0])
+@pytest.mark.parametrize("max_staleness", ["auto", 0])
 def test_two_sharded_trainer_ranks(tiny_policy, tmp_path, max_staleness):
     """nproc_per_node=2: the policy is sharded (FSDP2) and each rank trains on half of
     every batch. Synchronous too, where the generator makes exactly one step's groups and
     each rank must leave the other its half (``llamarl.pipelines.rollouts.Holding``). Replica 0
     evaluates and exports the whole policy, gathered from the shards: the checkpoint's
-    Hugging Face weights are the sharded training state's. A resume continues on 2 ranks."""
+    Hugging Face weights are the sharded training state's. A resume continues on 2 ranks.
+    With ``--max-staleness auto`` (asynchronous, a trainer slowed by a KL term so the
+    generator waits on the bound), both ranks train every step under the bound replica 0
+    decided, and the resumed run continues with the checkpoint's bound."""
+    slow = ["--kl-coef", "0.01", "--micro-batch", "1"] if max_staleness == "auto" else []
     with launch(tiny_policy, tmp_path, steps=2, num_generators=1, nproc=2,
-                max_staleness=max_staleness) as app:
+                max_staleness=max_staleness, extra=[*SMALL, *slow]) as app:
         assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
         db = app.db()
         assert rows(db, "SELECT DISTINCT replica FROM intervals WHERE role = 'trainer' ORDER BY replica") == [(0,), (1,)]
@@ -141,11 +146,23 @@ def test_two_sharded_trainer_ranks(tiny_policy, tmp_path, max_staleness):
         assert torch.equal(p, trained[name]), name
     if max_staleness == 0:
         return
+    state = json.loads((step2 / train_state.DIR_NAME / "state.json").read_text())["staleness_bound"]
     with launch(tiny_policy, tmp_path, steps=3, num_generators=1, nproc=2, max_staleness=max_staleness,
-                options=["--resume", app.app_id]) as resumed:
+                extra=[*SMALL, *slow], options=["--resume", app.app_id]) as resumed:
         assert resumed.wait() == AppState.SUCCEEDED, resumed.logs_tail()
-        assert f"resuming run {app.app_id} at step 2" in resumed.log("trainer"), resumed.logs_tail()
+        log = resumed.log("trainer")
+        assert f"resuming run {app.app_id} at step 2" in log, resumed.logs_tail()
+        assert f"staleness bound {state['bound']}, continued from the checkpoint of step 2" in log
     assert (app.runs_dir / app.app_id / "checkpoints" / "step-3").is_dir()
+    by_step: dict[int, dict[int, float]] = {}
+    for step, replica, bound in rows(db, f"SELECT step, replica, value FROM scalars "
+                                         f"WHERE name = '{names.STALENESS_BOUND}'"):
+        by_step.setdefault(step, {})[replica] = bound
+    assert sorted(by_step) == [1, 2, 3] and all(len(set(b.values())) == 1 and len(b) == 2 for b in by_step.values()), \
+        f"every rank trains each step under one bound: {by_step}"
+    assert by_step[1][0] == 1 and by_step[3][0] == state["bound"], by_step
+    before = rows(db, "SELECT bound FROM staleness_bounds WHERE step <= 2 ORDER BY t")  # kept by the resume
+    assert [b for (b,) in before][-1:] in ([], [state["bound"]]), before
 
 
 def test_a_trainer_of_two_nodes(tiny_policy, tmp_path):

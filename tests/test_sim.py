@@ -4,8 +4,10 @@ the fits against a metrics database written with known costs, the spec files, th
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -62,6 +64,28 @@ def test_generators_share_a_step_and_inline_scoring_overlaps_training():
     assert "reward" not in inline.idle  # the trainer's own thread, no executor
 
 
+def test_shared_cores_stretch_the_phases_that_run_at_once():
+    """One CPU host: generation (1.0) and training (1.0) of an asynchronous loop overlap.
+    With a device each (cores 0) or a core each, a step is 1.0; with one core, they split
+    it while both run and a step holds both costs; another program's thread on two cores
+    leaves each of the two phases two thirds of a core. Synchronous, they never overlap:
+    the cores change nothing until another program takes its share."""
+    def step(cores: int, load: float = 0.0, k: int = 1) -> float:
+        loop = fixed_loop(1.0, 0.0, 1.0, 0.0, max_staleness=k, reward_executors=0)
+        return engine.simulate(replace(loop, cores=cores, host_load=load)).median_step_s
+    assert step(0) == pytest.approx(1.0) and step(2) == pytest.approx(1.0)
+    assert step(1) == pytest.approx(2.0)
+    assert step(2, load=1.0) == pytest.approx(1.5)
+    assert step(1, k=0) == step(0, k=0) == pytest.approx(2.0)
+    assert step(1, load=1.0, k=0) == pytest.approx(4.0)
+    # A reward's wait (a remote judge) takes no core: a sleep is not stretched by the load.
+    waiting = replace(fixed_loop(1.0, 0.0, 1.0, 0.0, max_staleness=0), reward=RewardCost(wait_s=0.5 / 8),
+                      cores=1, host_load=1.0)
+    assert engine.simulate(waiting).median_step_s == pytest.approx(4.5)  # 2 + 2 computing, 0.5 waiting
+    with pytest.raises(ValueError, match="host_load"):
+        Loop(host_load=-1.0)
+
+
 def test_idle_fractions_are_of_the_timed_intervals():
     report = engine.simulate(fixed_loop(1.0, 0.5, 2.0, 0.5, max_staleness=0))
     step = 4.0  # the run's edges (the first wait, the last step) shift each by less than 0.01
@@ -108,33 +132,49 @@ def test_robust_fit_recovers_coefficients_past_an_outlier():
 
 # --------------------------------------------------------------------------- calibration from a database
 
-def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, tokens_per_row=20):
+GROUPS_PER_BATCH, PUSH_S = 4, 0.002
+
+
+def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, tokens_per_row=20, cpu_share=None):
     """A metrics database as the app writes it (``events.MetricsWriter``), of a synchronous
     loop whose every cost is known: one generator batch a step, scored by one reward
-    executor, trained, synced."""
+    executor, trained, synced. With ``cpu_share``, a run on CPUs whose generator and
+    trainer had that share of a core (their CPU seconds recorded)."""
     config = {"prompts_per_step": rows // 4, "group_size": 4, "max_staleness": 0, "num_generators": 1,
-              "num_reward": 1, "gen_batch_prompts": rows // 4, "max_new_tokens": 48, "steps": steps, "eval_every": 0}
+              "num_reward": 1, "gen_batch_prompts": rows // 4, "max_new_tokens": 48, "steps": steps, "eval_every": 0,
+              "device": "cpu" if cpu_share else "cuda"}
     writer = events.MetricsWriter(run_dir, run_id="fixture", config=config)
     t, evs = 1000.0, []
     for step in range(1, steps + 1):
         n_tokens = rows * tokens_per_row + (step % 3) * 8  # batches differ a little
         g = gen_s + 0.001 * (step % 3)
-        evs.append(events.interval("busy", "generate", t, t + g, role="generator"))
+        # the batch as the app records it: a generate interval per group, each cut by its push
+        for k in range(GROUPS_PER_BATCH):
+            t0 = t + k * (g / GROUPS_PER_BATCH + PUSH_S)
+            evs.append(events.interval("busy", "generate", t0, t0 + g / GROUPS_PER_BATCH, role="generator"))
+            evs.append(events.interval("idle", "queue_full", t0 + g / GROUPS_PER_BATCH,
+                                       t0 + g / GROUPS_PER_BATCH + PUSH_S, role="generator"))
+        g_wall = g + GROUPS_PER_BATCH * PUSH_S
         # the generator at its bound until the step's weights arrive, the trainer waiting for rollouts
-        evs.append(events.interval("idle", "staleness_bound", t + g, t + g + score_s + train_s * n_tokens
+        evs.append(events.interval("idle", "staleness_bound", t + g_wall, t + g_wall + score_s + train_s * n_tokens
                                    / (rows * tokens_per_row) + sync_s,
                                    role="generator"))
-        evs.append(events.interval("idle", "wait_rollouts", t, t + g + score_s, role="trainer"))
-        evs += [events.scalar(names.GEN_TOKENS_PER_S, n_tokens / g, role="generator", t=t + g + 0.001),
-                events.scalar(names.GEN_SEQS_PER_S, rows / g, role="generator", t=t + g + 0.001)]
-        t += g
+        evs.append(events.interval("idle", "wait_rollouts", t, t + g_wall + score_s, role="trainer"))
+        # rates over the busy time (the pushes left out), reported once the batch is done
+        evs += [events.scalar(names.GEN_TOKENS_PER_S, n_tokens / g, role="generator", t=t + g_wall + 0.001),
+                events.scalar(names.GEN_SEQS_PER_S, rows / g, role="generator", t=t + g_wall + 0.001)]
+        if cpu_share:
+            evs.append(events.scalar(names.GEN_CPU_S, g * cpu_share, role="generator", t=t + g_wall + 0.001))
+        t += g_wall
         evs.append(events.interval("busy", "score", t, t + score_s, role="reward"))
         evs.append(events.scalar(names.REWARD_SAMPLES_PER_S, rows / score_s, role="reward", t=t + score_s))
         t += score_s
         tr = train_s * n_tokens / (rows * tokens_per_row)  # a training pass costs per token
         evs.append(events.interval("busy", "train", t, t + tr, role="trainer"))
         evs.append(events.scalar(names.TRAIN_TOKENS_PER_S, n_tokens / tr, role="trainer", t=t + tr))
-        evs.append(events.scalar(names.TRAIN_STEP_S, g + score_s + tr + sync_s, role="trainer",
+        if cpu_share:
+            evs.append(events.scalar(names.TRAIN_CPU_S, tr * cpu_share, role="trainer", t=t + tr))
+        evs.append(events.scalar(names.TRAIN_STEP_S, g_wall + score_s + tr + sync_s, role="trainer",
                                  step=step, t=t + tr))
         t += tr
         evs.append(events.interval("busy", "weight_sync", t, t + sync_s, role="trainer"))
@@ -148,7 +188,8 @@ def test_from_run_fits_the_costs_a_run_recorded(tmp_path):
     write_run(tmp_path, gen_s=0.3, train_s=0.2, sync_s=0.05, score_s=0.01)
     fit = calibrate.from_run(tmp_path)
     loop = fit.loop()
-    assert loop.gen.seconds([20] * 16) == pytest.approx(0.3, abs=0.003)
+    assert loop.gen.seconds([20] * 16) == pytest.approx(0.3, abs=0.003)  # the batch, not one group
+    assert loop.gen.overhead_s == pytest.approx(GROUPS_PER_BATCH * PUSH_S)  # its pushes
     assert loop.train.seconds(320) == pytest.approx(0.2, abs=0.002)
     assert loop.train.seconds(640) == pytest.approx(0.4, abs=0.004)  # one batch size: per token
     assert loop.sync.seconds(senders=1, receivers=1) == pytest.approx(0.05)
@@ -158,6 +199,24 @@ def test_from_run_fits_the_costs_a_run_recorded(tmp_path):
     assert predicted.median_step_s == pytest.approx(calibrate.measured(tmp_path).median_step_s, rel=0.03)
     # The same costs, asynchronous: the slowest stage (gen 0.3) instead of the sum.
     assert engine.simulate(fit.loop(max_staleness=1)).median_step_s == pytest.approx(0.3, rel=0.03)
+
+
+def test_a_run_on_shared_cpu_cores_is_costed_at_a_core_to_itself(tmp_path):
+    """Generator and trainer each ran alone (synchronous) on a third of a core: the other
+    programs' load is what leaves that share, the costs are the CPU seconds, and replaying
+    the run at its load gives back its step; on a machine of its own each stage is three
+    times faster."""
+    write_run(tmp_path, gen_s=0.3, train_s=0.2, sync_s=0.0, score_s=0.01, cpu_share=1 / 3)
+    fit = calibrate.from_run(tmp_path)
+    cores = os.cpu_count()
+    assert fit.cores == cores and fit.host_load == pytest.approx(3 * cores - 1, rel=0.01)
+    assert calibrate.host_load(tmp_path) == pytest.approx(fit.host_load)
+    assert fit.gen.seconds([20] * 16) == pytest.approx(0.1, abs=0.002)
+    assert fit.train.seconds(320) == pytest.approx(0.2 / 3, abs=0.002)
+    measured = calibrate.measured(tmp_path).median_step_s
+    assert engine.simulate(fit.loop()).median_step_s == pytest.approx(measured, rel=0.03)
+    alone = engine.simulate(fit.loop(host_load=0.0)).median_step_s
+    assert alone == pytest.approx((0.3 + 0.01 + 0.2) / 3, rel=0.03)  # generate, score, train at full speed
 
 
 def test_from_run_refuses_a_directory_without_a_database(tmp_path):

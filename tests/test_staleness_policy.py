@@ -80,6 +80,43 @@ def test_then_recovers_once_the_ratios_are_tame_again():
     assert run(p, seq) == [1, 2, 3]
 
 
+def test_a_raise_that_does_not_make_steps_faster_is_undone_and_raising_backs_off():
+    """Generators waiting on the bound on a host whose cores they share with the trainer:
+    letting them run ahead does not make steps faster, so the raise is taken back."""
+    p = BoundPolicy(bound=1, cap=4, patience=1, settle_steps=0, trial_steps=2, backoff_steps=3)
+    same = Observation(blocked=0.5, step_s=1.0, **TAME)
+    decisions = [p.observe(same) for _ in range(10)]
+    assert [d.bound for d in decisions] == [2, 2, 1, 1, 1, 2, 2, 1, 1, 1]
+    assert "did not make steps faster (median 1.00 s before, 1.00 s after): no raise for 3 steps" in decisions[2].reason
+    assert "a raise on trial" in decisions[1].reason and "none tried for 2 more steps" in decisions[3].reason
+    assert "no raise for 6 steps" in decisions[7].reason  # twice as long after a second failure in a row
+
+
+def test_a_raise_that_makes_steps_faster_is_kept():
+    p = BoundPolicy(bound=1, cap=4, patience=1, settle_steps=0, trial_steps=2, backoff_steps=3)
+    slow, fast = (Observation(blocked=0.5, step_s=s, **TAME) for s in (2.0, 1.0))
+    assert run(p, [slow, fast, fast]) == [2, 2, 3]
+
+
+def test_a_resumed_policy_decides_as_the_uninterrupted_one():
+    """The checkpoint's state (``state_dict``): bound, blocked window and settling carry over."""
+    timed = [Observation(blocked=b, step_s=s, **TAME) for b, s in [(0.5, 2.0), (0.5, 2.0), (0.5, 1.0), (0.0, 1.0)]]
+    seq = [BLOCKED, *timed, BLOCKED, BLOCKED, Observation(blocked=0.5, step_s=1.0, **TAME), BLOCKED]
+    whole = BoundPolicy(bound=1, cap=4, patience=2, settle_steps=1)
+    expected = run(whole, seq)
+    for cut in range(1, len(seq)):
+        first = BoundPolicy(bound=1, cap=4, patience=2, settle_steps=1)
+        head = run(first, seq[:cut])
+        resumed = BoundPolicy(bound=1, cap=4, patience=2, settle_steps=1)
+        resumed.load_state_dict(first.state_dict())
+        assert head + run(resumed, seq[cut:]) == expected, f"resumed after observation {cut}"
+    lower_cap = BoundPolicy(bound=1, cap=2)
+    lower_cap.load_state_dict({**BoundPolicy(bound=1).state_dict(), "bound": 4})
+    assert lower_cap.bound == 2
+    with pytest.raises(ValueError, match="not a staleness bound state"):
+        lower_cap.load_state_dict({"bound": 2})
+
+
 def test_bad_ranges_are_refused():
     with pytest.raises(ValueError, match="floor"):
         BoundPolicy(bound=1, floor=3, cap=2)

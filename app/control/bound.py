@@ -53,6 +53,19 @@ class AutoBound:
         anyone overwrites it)."""
         self.signed.put(names.STALENESS_BOUND_KEY, {"bound": self.policy.bound, "version": version}, keep=True)
 
+    def state_dict(self) -> dict:
+        """The policy's state, for the checkpoint (``BoundPolicy.state_dict``)."""
+        return self.policy.state_dict()
+
+    def start(self, step: int, state: dict | None) -> None:
+        """Publishes the bound the run starts (or resumes after ``step``) with: a resumed
+        run's continues from its checkpoint's ``state`` (taken after ``step``'s decision);
+        with none (a new run, or a checkpoint without an auto bound), the first bound."""
+        if state is not None:
+            self.policy.load_state_dict(state)
+            log.info("staleness bound %d, continued from the checkpoint of step %d", self.policy.bound, step)
+        self.publish(step)
+
     def saw(self, events: list[dict]) -> None:
         """Events drained from every role: the generators' waits on the bound are kept."""
         self._waits += [e for e in events if e.get("type") == "interval" and e.get("what") == "staleness_bound"]
@@ -66,7 +79,7 @@ class AutoBound:
         previous = self.policy.bound
         decision = self.policy.observe(Observation(
             blocked=blocked, ess=values.get(names.AIPO_ESS), frac_truncated=values.get(names.AIPO_FRAC_TRUNCATED),
-            kl=values.get(names.AIPO_KL_BEHAVIOUR)))
+            kl=values.get(names.AIPO_KL_BEHAVIOUR), step_s=values.get(names.TRAIN_STEP_S)))
         events = metrics.scalars({names.STALENESS_BLOCKED: blocked}, role="trainer", step=step)
         if decision.changed:
             self.publish(version)

@@ -17,8 +17,18 @@ after every step, from what the step already measured (``Observation``):
 
 After a change it holds for ``settle_steps`` steps: the first rollouts of the new bound
 take that long to reach the trainer, and the ratios measured meanwhile still describe the
-old one. Pure: observations in, ``Decision`` (the new bound and why) out; the controller
-applies it between steps (``llamarl.app.roles.controller``).
+old one.
+
+A raise is a trial: generators waiting on the bound say the bound holds them back, not
+that letting them run would make steps faster (where the executors share CPU cores or
+another bottleneck, a generator running ahead slows the trainer as much as it helps).
+Over the ``trial_steps`` steps after settling, the median step time must have come down
+by ``gain_min`` from the median of the ``trial_steps`` steps before the raise; if not, the
+bound goes back down and no raise is tried for ``backoff_steps`` steps, twice as long
+after each raise in a row that did not pay.
+
+Pure: observations in, ``Decision`` (the new bound and why) out; the controller applies it
+between steps (``llamarl.app.roles.controller``).
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ class Observation:
     """``names.AIPO_FRAC_TRUNCATED``: share of tokens whose ratio exceeded rho_max."""
     kl: float | None = None
     """``names.AIPO_KL_BEHAVIOUR``: highest KL(mu || pi) per token over the lags present."""
+    step_s: float | None = None
+    """``names.TRAIN_STEP_S``: the step's time (what a raise must bring down)."""
 
 
 @dataclass(frozen=True)
@@ -70,16 +82,24 @@ class BoundPolicy:
     kl_max: float = 0.05
     patience: int = 2
     settle_steps: int = 2
+    trial_steps: int = 3
+    gain_min: float = 0.05
+    backoff_steps: int = 8
     _blocked: deque = field(default_factory=deque, repr=False)  # the last ``patience`` observations
     _since_change: int = 1 << 30
+    _steps: deque = field(default_factory=deque, repr=False)  # the last ``trial_steps`` step times
+    _before: float | None = None  # median step time before the raise on trial (None: no trial)
+    _trial: list = field(default_factory=list, repr=False)  # step times of the trial so far
+    _failed: int = 0  # raises in a row that did not pay
+    _no_raise: int = 0  # steps left before a raise may be tried again
 
     def __post_init__(self) -> None:
         if not 0 <= self.floor <= self.cap:
             raise ValueError(f"the bound's range must satisfy 0 <= floor <= cap, got floor {self.floor}, cap {self.cap}")
         if not self.floor <= self.bound <= self.cap:
             raise ValueError(f"bound {self.bound} is outside [{self.floor}, {self.cap}]")
-        if self.patience < 1 or self.settle_steps < 0:
-            raise ValueError("patience must be >= 1 and settle_steps >= 0")
+        if self.patience < 1 or self.settle_steps < 0 or self.trial_steps < 1 or self.backoff_steps < 0:
+            raise ValueError("patience and trial_steps must be >= 1, settle_steps and backoff_steps >= 0")
 
     def wild(self, obs: Observation) -> str | None:
         """Why the ratios are not tame, or ``None``."""
@@ -94,11 +114,18 @@ class BoundPolicy:
     def observe(self, obs: Observation) -> Decision:
         """The bound after this step, and why; it moves by at most one a step."""
         self._since_change += 1
+        self._no_raise = max(0, self._no_raise - 1)
         self._blocked.append(obs.blocked)
         while len(self._blocked) > self.patience:
             self._blocked.popleft()
         blocked = sum(self._blocked) / len(self._blocked)
         settling = self._since_change <= self.settle_steps
+        if obs.step_s is not None:
+            self._steps.append(obs.step_s)
+            while len(self._steps) > self.trial_steps:
+                self._steps.popleft()
+            if self._before is not None and not settling:
+                self._trial.append(obs.step_s)
         why = self.wild(obs)
         if why is not None:
             if self.bound <= self.floor:
@@ -106,6 +133,10 @@ class BoundPolicy:
             if settling:
                 return self._hold(f"{why}, settling after the last change")
             return self._move(self.bound - 1, "lower", why)
+        if self._before is not None and len(self._trial) >= self.trial_steps:
+            verdict = self._judge_trial()
+            if verdict is not None:
+                return verdict
         measured = obs.ess is not None or obs.frac_truncated is not None or obs.kl is not None
         if len(self._blocked) < self.patience or blocked < self.blocked_min:
             return self._hold(f"generators blocked {blocked:.0%} of the time")
@@ -113,10 +144,53 @@ class BoundPolicy:
             return self._hold("no ratio measured this step")
         if self.bound >= self.cap:
             return self._hold(f"generators blocked {blocked:.0%}, at the cap {self.cap}")
-        if settling:
-            return self._hold("settling after the last change")
-        return self._move(self.bound + 1, "raise", f"generators blocked {blocked:.0%} of the last "
-                          f"{len(self._blocked)} steps, ratios tame ({self._tame(obs)})")
+        if settling or self._before is not None:
+            return self._hold("settling after the last change" if settling else "a raise on trial")
+        if self._no_raise:
+            return self._hold(f"generators blocked {blocked:.0%}, but the last raise did not make steps "
+                              f"faster: none tried for {self._no_raise} more steps")
+        before = sorted(self._steps)[len(self._steps) // 2] if self._steps else None
+        decision = self._move(self.bound + 1, "raise", f"generators blocked {blocked:.0%} of the last "
+                              f"{len(self._blocked)} steps, ratios tame ({self._tame(obs)})")
+        self._before = before
+        return decision
+
+    def _judge_trial(self) -> Decision | None:
+        """The raise on trial paid (steps faster by ``gain_min``: kept, ``None``) or it did
+        not (the bound back down, raises backed off)."""
+        after = sorted(self._trial)[len(self._trial) // 2]
+        before = self._before
+        if after <= before * (1.0 - self.gain_min):
+            self._before, self._trial, self._failed = None, [], 0
+            return None
+        self._failed += 1
+        backoff = self.backoff_steps * 2 ** (self._failed - 1)
+        decision = self._move(self.bound - 1, "lower", f"the raise to {self.bound} did not make steps faster "
+                              f"(median {before:.2f} s before, {after:.2f} s after): no raise for {backoff} steps")
+        self._no_raise = backoff
+        return decision
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps, so a resumed run continues where this one stood: the
+        bound, the blocked shares of the current window, the steps since the last change,
+        the recent step times, a raise on trial and the back-off of raises."""
+        return {"bound": self.bound, "blocked": list(self._blocked), "since_change": self._since_change,
+                "steps": list(self._steps), "before": self._before, "trial": list(self._trial),
+                "failed": self._failed, "no_raise": self._no_raise}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from ``state_dict()``'s record; a bound outside ``[floor, cap]`` (the
+        resumed run's ``--staleness-cap`` may be lower) is clamped into it."""
+        try:
+            bound, since = int(state["bound"]), int(state["since_change"])
+            blocked, steps = [float(b) for b in state["blocked"]], [float(x) for x in state["steps"]]
+            before = None if state["before"] is None else float(state["before"])
+            trial, failed, no_raise = [float(x) for x in state["trial"]], int(state["failed"]), int(state["no_raise"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a staleness bound state: {state!r} ({e!r})") from None
+        self.bound, self._since_change = min(max(bound, self.floor), self.cap), since
+        self._blocked, self._steps = deque(blocked[-self.patience:]), deque(steps[-self.trial_steps:])
+        self._before, self._trial, self._failed, self._no_raise = before, trial, failed, no_raise
 
     def _tame(self, obs: Observation) -> str:
         parts = [f"ESS {obs.ess:.3f}" if obs.ess is not None else "",
@@ -127,6 +201,7 @@ class BoundPolicy:
     def _move(self, bound: int, action: Literal["raise", "lower"], reason: str) -> Decision:
         self.bound, self._since_change = bound, 0
         self._blocked.clear()
+        self._before, self._trial = None, []  # a change ends any trial (a raise starts its own)
         return Decision(bound, action, reason)
 
     def _hold(self, reason: str) -> Decision:

@@ -226,8 +226,8 @@ class Controller:
         self.tensorboard = TensorBoardMirror(self.run_dir) if cfg.tensorboard else None
         # Signed records (llamarl.app.control.signed), re-published if anyone overwrites them.
         slots.publish_start(signed, ledger, carried.given_back)  # their slots were refilled
-        if self.bound is not None:  # auto starts again at its first bound after a resume
-            self.bound.publish(resume.step if resume else 0)
+        if self.bound is not None:  # before the trainer ranks read it (``published_bound``)
+            self.bound.start(resume.step if resume else 0, state.get("staleness_bound"))
         signed.put(names.RESUME_KEY, {
             "step": resume.step if resume else 0,
             "train_state": str(resume.train_state) if resume and resume.train_state else ""}, keep=True)
@@ -349,7 +349,8 @@ class Controller:
                                                                     for r in range(self.world)]),
                 "skipped": snap.skipped, "fingerprint": train_state.fingerprint(self.full_model),
                 "parameter_shapes": train_state.parameter_shapes(self.full_model),
-                "rng": train_state.rng_state(), "config": self._config_dict()}
+                "rng": train_state.rng_state(), "config": self._config_dict(),
+                "staleness_bound": self.bound.state_dict() if self.bound is not None else None}
 
     def _drain_metrics(self) -> None:
         """Its own events directly, and everyone else's from the queue."""

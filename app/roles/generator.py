@@ -118,7 +118,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
             slot_ids = budget.slot_ids(reserved)
         held.take(slot_ids)
         rng.manual_seed(batch_seed(gen_cfg.gen_seed, slot_ids[0]))
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.thread_time()
         # Each group goes out as the sampler's batch is cut into it (llamarl.app.control.outbox);
         # an episode batch's groups go out as its last turn ends.
         outbox.open(slot_ids, first_seq=sent)
@@ -136,6 +136,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
         sent += outbox.sent
         events = metrics.scalars({names.GEN_TOKENS_PER_S: outbox.tokens / dt,
                                   names.GEN_SEQS_PER_S: outbox.rollouts / dt,
+                                  names.GEN_CPU_S: time.thread_time() - cpu0,
                                   names.GEN_VERSION: version,
                                   names.IDLE_FRACTION: timeline.idle_fraction(),
                                   **devices.device_metrics(device), **subscriber.digest_metrics(),

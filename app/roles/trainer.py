@@ -49,6 +49,7 @@ import torch.distributed as dist
 from llamarl.app import cli, devices, errors, names
 from llamarl.app.config import GeneratorConfig, TrainerConfig
 from llamarl.app.control import frames, health, incarnations, overdue, runtime, slots, transport
+from llamarl.app.control.bound import published_bound
 from llamarl.app.metrics import events as metrics
 from llamarl.app.model.policy import load_policy
 from llamarl.app.rewards import build_reward, parse_spec
@@ -122,8 +123,10 @@ class Trainer:
         attempt = runtime.run_attempt(rt)  # this start's: groups of another are refused
         resumed = rt.wait_key(names.RESUME_KEY, 60.0, "resume point")
         self.start_step = self.version = resumed["step"]
+        # auto: the bound replica 0 published before the resume point (a resumed run's own)
+        bound = published_bound(rt.signed, cfg.start_bound) if cfg.auto else cfg.start_bound
         self.slots = slots.Settlement(
-            rt.signed, rank=self.rank, world=self.world, max_staleness=cfg.start_bound,
+            rt.signed, rank=self.rank, world=self.world, max_staleness=bound,
             ledger=slots.SlotLedger.from_state(rt.wait_key(names.SLOTS_DONE_KEY, 60.0, "slot ledger")),
             rejections=self.rejections, emit=rt.emit, dropped=carried.dropped, freed=carried.given_back)
         self.duties.watch_slots(self.slots.ledger, self.waited)
@@ -151,6 +154,8 @@ class Trainer:
             # A version from the future is one above the newest published (replica 0 publishes
             # each before it sends it): one store read per new version.
             admit=incarnations.admission(rt.signed, attempt, published_version=rt.control.version))
+        if cfg.auto:
+            self.stream.set_bound(bound)
 
     def _gather_full_model(self) -> None:
         """Every rank (a collective with several): the shards' current values into replica
@@ -186,16 +191,16 @@ class Trainer:
         for step in range(self.start_step + 1, cfg.steps + 1):
             with self.timeline.idle("wait_rollouts"), self.waited:
                 groups = self.stream.next_batch(self.version)  # settled: what this step trains
-            t0 = time.time()
+            t0, cpu0 = time.time(), time.thread_time()
             train = self.train_step(groups, step)
-            t_train = time.time() - t0
+            t_train, cpu_train = time.time() - t0, time.thread_time() - cpu0
             requested = self._save_requested(step)  # every step: with several ranks, a collective
             save = bool(cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or requested
             if step % cfg.eval_every == 0 or step == cfg.steps or save:
                 self._gather_full_model()  # the whole copy's uses: evaluation and checkpoints
             self.version += 1
             step_s, t_prev = time.time() - t_prev, time.time()
-            values = self._record_step(step, groups, train, t_train, step_s)
+            values = self._record_step(step, groups, train, t_train, step_s, cpu_train)
             if cfg.auto:
                 self._next_bound(step, values)
             self.publish_weights()
@@ -246,7 +251,7 @@ class Trainer:
                                  policy_version=self.version) or None  # {}: no rank had a rollout
 
     def _record_step(self, step: int, groups: list[RolloutGroup], train: dict[str, float] | None,
-                     t_train: float, step_s: float) -> dict[str, float]:
+                     t_train: float, step_s: float, cpu_train: float) -> dict[str, float]:
         """Emits the step's events (with the timeline's intervals so far) and returns its
         scalars; the groups it trained were consumed at the version before this step's."""
         values = steps.step_values(groups=groups, train=train, t_train=t_train, step_s=step_s,
@@ -254,6 +259,8 @@ class Trainer:
                                    dropped=self.slots.dropped, idle_fraction=self.timeline.idle_fraction(),
                                    eos_id=self.tokenizer.eos_token_id)
         values[names.STALENESS_BOUND] = self.stream.filter.max_staleness
+        if train is not None:
+            values[names.TRAIN_CPU_S] = cpu_train
         values.update(devices.device_metrics(self.device))
         values.update({names.queue_metric(q): self.rt.queue(q).depth() for q in (names.ROLLOUTS, names.SCORED)})
         values.update(self.rejections.metrics())

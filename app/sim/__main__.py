@@ -49,6 +49,9 @@ class SimConfig:
     """Steps to simulate (0: the run's or the spec's)."""
     seed: int = 0
     """Seed of the completion lengths drawn."""
+    host_load: float = -1.0
+    """Other programs' runnable threads on a shared CPU host (-1: the run's, measured from
+    its CPU seconds, or the spec's; 0: a machine of its own)."""
 
     def __post_init__(self) -> None:
         if bool(self.from_run) == bool(self.spec):
@@ -56,13 +59,16 @@ class SimConfig:
         if self.max_staleness < -1 or self.reward_executors < -1 or min(
                 self.generators, self.prompts_per_step, self.group_size, self.gen_batch_prompts, self.steps) < 0:
             raise ValueError("counts must be >= 0 (or -1 where it means 'as given')")
+        if self.host_load < 0 and self.host_load != -1:
+            raise ValueError(f"host_load must be >= 0 (or -1: as given), got {self.host_load}")
 
-    def overrides(self) -> dict[str, int]:
+    def overrides(self) -> dict[str, float]:
         given = {"generators": self.generators, "prompts_per_step": self.prompts_per_step,
                  "group_size": self.group_size, "gen_batch_prompts": self.gen_batch_prompts, "steps": self.steps}
         out = {k: v for k, v in given.items() if v > 0}
         out.update({k: v for k, v in (("max_staleness", self.max_staleness),
-                                      ("reward_executors", self.reward_executors)) if v >= 0})
+                                      ("reward_executors", self.reward_executors),
+                                      ("host_load", self.host_load)) if v >= 0})
         return out
 
 

@@ -3,11 +3,11 @@
 ``from_run(runs/<id>)`` reads what the run recorded (``llamarl.app.metrics.events``), the
 database opened read-only:
 
-- generators: each ``generate`` interval, with the ``gen/tokens_per_s`` and
+- generators: each batch (its ``generate`` intervals), with the ``gen/tokens_per_s`` and
   ``gen/seqs_per_s`` its batch reported right after, gives (seconds, tokens, rows): a least-
   squares fit of ``batch_s + step_s * longest + token_s * tokens`` (``longest``: the
   expected longest of that many rows under the fitted lengths); the untimed time between
-  batches is ``overhead_s``;
+  batches (pushes, swaps, reservations, metrics; not the modeled waits) is ``overhead_s``;
 - completion lengths: the mean over all batches and, from how much the batch means vary
   (the variance of a mean of n rows is the rows' variance over n), the tail of the
   log-normal;
@@ -35,7 +35,8 @@ from typing import Any
 
 from llamarl.app import names
 from llamarl.app.metrics.events import DB_NAME
-from llamarl.app.sim.costs import GenCost, Lengths, Loop, RewardCost, SyncCost, TrainCost
+from llamarl.app.sim import host
+from llamarl.app.sim.costs import GenCost, Lengths, Loop, RewardCost, SyncCost, TrainCost, cpu_share
 from llamarl.app.sim.engine import Report
 
 
@@ -155,27 +156,33 @@ class Calibration:
     reward: RewardCost
     train: TrainCost
     sync: SyncCost
+    cores: int = 0
+    """The run's host's cores, when it ran on CPUs (``Loop.cores``); 0 on GPUs."""
+    host_load: float = 0.0
+    """Other programs' runnable threads while it ran (``Loop.host_load``)."""
     notes: list[str] = field(default_factory=list)
     """What the run could not tell apart, and what was assumed instead."""
 
     def loop(self, *, extra_reward_s_per_rollout: float = 0.0, max_new_tokens: int | None = None,
              **overrides: Any) -> Loop:
         """The calibrated loop, in the run's configuration unless ``overrides`` (``Loop``'s
-        fields) say otherwise; ``extra_reward_s_per_rollout`` adds a known scoring cost."""
+        fields) say otherwise; ``extra_reward_s_per_rollout`` adds a known wait per rollout
+        scored (``RewardCost.wait_s``)."""
         c = self.config
         base = dict(steps=c.get("steps", 30), prompts_per_step=c.get("prompts_per_step", 16),
                     group_size=c.get("group_size", 8), max_staleness=c.get("max_staleness", 1),
                     generators=c.get("num_generators", 1), gen_batch_prompts=c.get("gen_batch_prompts", 8),
                     reward_executors=c.get("num_reward", 0), trainer_ranks=c.get("trainer_ranks", 1),
-                    eval_every=c.get("eval_every", 0))
+                    eval_every=c.get("eval_every", 0), cores=self.cores, host_load=self.host_load)
         base.update(overrides)
         lengths = self.lengths if max_new_tokens is None else replace(self.lengths, cap=max_new_tokens)
-        reward = replace(self.reward, rollout_s=self.reward.rollout_s + extra_reward_s_per_rollout)
+        reward = replace(self.reward, wait_s=self.reward.wait_s + extra_reward_s_per_rollout)
         return Loop(**base, lengths=lengths, gen=self.gen, reward=reward, train=self.train, sync=self.sync)
 
     def summary(self) -> dict[str, Any]:
         return {"lengths": vars(self.lengths), "gen": vars(self.gen), "reward": vars(self.reward),
-                "train": vars(self.train), "sync": vars(self.sync), "notes": self.notes}
+                "train": vars(self.train), "sync": vars(self.sync), "cores": self.cores,
+                "host_load": self.host_load, "notes": self.notes}
 
 
 # --------------------------------------------------------------------------- reading a run
@@ -212,25 +219,50 @@ class _Db:
         self.db.close()
 
 
-def _paired(db: _Db, role: str, what: str, rate_names: list[str]) -> list[tuple[int, float, float, list[float]]]:
-    """Each ``what`` interval of ``role`` with the rates its executor reported next (the first
-    scalar of each name at or after the interval's end, same replica): (replica, t0,
-    seconds, [rate x seconds for each name])."""
+def _paired(db: _Db, role: str, what: str, rate_names: list[str]) -> list[tuple[int, float, float, float, list[float]]]:
+    """Each unit of work of ``role`` with the rates its executor reported after it: the
+    ``what`` intervals before one report (the first scalar of each name at or after their
+    end, same replica) are one unit, since an executor reports once per unit: a
+    generator's batch is several ``generate`` intervals, cut by the push of each group
+    (``llamarl.app.control.outbox``), and its rates are over their sum. (replica, first
+    t0, last t1, busy seconds, [rate x busy seconds for each name])."""
     rates = {n: {} for n in rate_names}
     for n in rate_names:
         for rep, t, v in db.scalars(n, role):
             rates[n].setdefault(rep, []).append((t, v))
-    out = []
+    units: dict[tuple[int, int], list[float]] = {}  # (replica, report) -> [t0, t1, busy]
     for rep, _, _, t0, t1 in db.intervals(role, what):
-        amounts = []
+        found = []
         for n in rate_names:
             series = rates[n].get(rep, [])
             i = bisect.bisect_left(series, (t1 - 1e-6, -math.inf))
             if i >= len(series) or series[i][0] - t1 > 5.0:
                 break
-            amounts.append(series[i][1] * (t1 - t0))
+            found.append(i)
         else:
-            out.append((rep, t0, t1 - t0, amounts))
+            unit = units.setdefault((rep, found[0]), [t0, t1, 0.0, *found])
+            unit[1], unit[2] = t1, unit[2] + (t1 - t0)
+    out = []
+    for (rep, _), (t0, t1, busy, *found) in sorted(units.items(), key=lambda kv: kv[1][0]):
+        amounts = [rates[n][rep][i][1] * busy for n, i in zip(rate_names, found)]
+        out.append((rep, t0, t1, busy, amounts))
+    return out
+
+
+def _cycle_overheads(units: list[tuple[int, float, float, float, list[float]]],
+                     rows: list[tuple[int, str, str, float, float]],
+                     modeled: tuple[str, ...]) -> list[tuple[float, float, float]]:
+    """Per replica, the time from the start of one unit of work to the next that is neither
+    the unit's busy time nor an idle wait the simulator models (``modeled``): its pushes,
+    swaps, reservations and metrics, the executor's untimed work per cycle; with the
+    window most of it fell in, from the unit's end to the next's start."""
+    out = []
+    for rep in sorted({u[0] for u in units}):
+        mine = [u for u in units if u[0] == rep]
+        waits = [(t0, t1) for r, kind, w, t0, t1 in rows if r == rep and kind == "idle" and w in modeled]
+        for (_, a0, a1, busy, _), (_, b0, *_) in zip(mine, mine[1:]):
+            waited = sum(max(0.0, min(t1, b0) - max(t0, a0)) for t0, t1 in waits)
+            out.append((max(0.0, b0 - a0 - busy - waited), a1, b0))
     return out
 
 
@@ -272,42 +304,47 @@ def _fit(db: _Db, lengths_sigma: float | None) -> Calibration:
     row_std = math.sqrt(statistics.pvariance(batch_means) * statistics.mean(rows)) if len(batches) > 1 else 0.0
     lengths = (fit_lengths(mean_len, row_std, cap) if lengths_sigma is None
                else Lengths.with_capped_mean(mean_len, sigma=lengths_sigma, cap=cap))
+    steps = _paired(db, "trainer", "train", [names.TRAIN_TOKENS_PER_S])
+    cores, load, cost = host.fit(db, cfg, batches, steps, notes)
     longest = {r: expected_longest(lengths, r) for r in set(rows)}
-    a, b, c = robust_fit([[1.0, longest[r], t] for r, t in zip(rows, tokens)], [s for _, _, s, _ in batches])
+    a, b, c = robust_fit([[1.0, longest[r], t] for r, t in zip(rows, tokens)], cost["generator"])
     if len(set(rows)) == 1:
         notes.append("one batch shape: per-batch and per-decode-step generator costs are one term (batch_s)")
+    gaps = _cycle_overheads(batches, db.intervals("generator"), ("wait_weights", "staleness_bound"))
     gen = GenCost(batch_s=a, step_s=b, token_s=c,
-                  overhead_s=_median(_untimed_gaps(db.intervals("generator"), "generate")))
+                  overhead_s=_median(host.gap_work(gaps, host.busy_spans(db), cores, load) if cores
+                                     else [g for g, _, _ in gaps]))
 
     scores = _paired(db, "reward", "score", [names.REWARD_SAMPLES_PER_S])
     if scores:
-        ra, rb = robust_fit([[1.0, amt[0]] for *_, amt in scores], [s for _, _, s, _ in scores])
+        ra, rb = robust_fit([[1.0, amt[0]] for *_, amt in scores], host.unit_work(db, scores, cores, load))
         reward = RewardCost(batch_s=ra, rollout_s=rb)
     else:
         reward = RewardCost()
         notes.append("no reward executor: inline scoring taken as free (untimed in the trainer's thread)")
 
-    steps = _paired(db, "trainer", "train", [names.TRAIN_TOKENS_PER_S])
     step_tokens = [amt[0] for *_, amt in steps]
     if len(steps) > 2 and statistics.pstdev(step_tokens) < NARROW * statistics.mean(step_tokens):
         # Batches of one size: a constant and a per-token cost cannot be told apart, and a
         # training pass is forward and backward over its tokens: all of it per token.
-        ta, (tb,) = 0.0, robust_fit([[t] for t in step_tokens], [s for _, _, s, _ in steps])
+        ta, (tb,) = 0.0, robust_fit([[t] for t in step_tokens], cost["trainer"])
         notes.append("one training batch size: the training step taken as proportional to its tokens")
     else:
-        ta, tb = robust_fit([[1.0, t] for t in step_tokens], [s for _, _, s, _ in steps])
+        ta, tb = robust_fit([[1.0, t] for t in step_tokens], cost["trainer"])
     trainer = db.intervals("trainer")
     per_step_sync = _per_train(trainer, ("weight_sync", "weight_digest"))
-    evals = [t1 - t0 for _, _, w, t0, t1 in trainer if w == "eval"]
-    train = TrainCost(step_s=ta, token_s=tb, overhead_s=_median(_untimed_gaps(trainer, "train")),
+    alone = cpu_share(cores, load, 1)  # the trainer's untimed work and syncs: at the share of a phase alone
+    evals = host.unit_work(db, [(0, t0, t1, t1 - t0) for _, _, w, t0, t1 in trainer if w == "eval"], cores, load)
+    train = TrainCost(step_s=ta, token_s=tb, overhead_s=alone * _median(_untimed_gaps(trainer, "train")),
                       eval_s=_median(evals))
     sent = [nb for (nb,) in db.db.execute("SELECT bytes FROM weight_sync WHERE receiver LIKE 'trainer%'")]
     nbytes = float(_median(sent))
-    sync_s = _median(per_step_sync)
+    sync_s = alone * _median(per_step_sync)
     sync = SyncCost(fixed_s=0.0 if nbytes else sync_s, byte_s=sync_s / nbytes if nbytes else 0.0, bytes=nbytes)
     notes.append("one policy size: the sync's fixed and per-byte costs are one term (byte_s); "
                  "one receiver count: receiver_slope left at 0")
-    return Calibration(config=cfg, lengths=lengths, gen=gen, reward=reward, train=train, sync=sync, notes=notes)
+    return Calibration(config=cfg, lengths=lengths, gen=gen, reward=reward, train=train, sync=sync,
+                       cores=cores, host_load=load, notes=notes)
 
 
 def _per_train(rows: list[tuple[int, str, str, float, float]], whats: tuple[str, ...]) -> list[float]:
@@ -329,6 +366,18 @@ def _median(values: list[float]) -> float:
 
 
 # --------------------------------------------------------------------------- what a run measured
+
+def host_load(run_dir: str | Path) -> float:
+    """The other programs' load on the host while the run in ``run_dir`` ran (0 for a run
+    on GPUs or without CPU seconds): the environment a prediction of that run needs, on a
+    machine shared with others."""
+    db = _Db(run_dir)
+    try:
+        batches = _paired(db, "generator", "generate", [names.GEN_TOKENS_PER_S, names.GEN_SEQS_PER_S])
+        return host.fit(db, db.config, batches, _paired(db, "trainer", "train", [names.TRAIN_TOKENS_PER_S]), [])[1]
+    finally:
+        db.close()
+
 
 def measured(run_dir: str | Path) -> Report:
     """What the run in ``run_dir`` measured, as the simulator reports it: step times, idle

@@ -18,6 +18,12 @@ def _check(name: str, value: float, *, low: float = 0.0) -> None:
         raise ValueError(f"{name} must be a finite number >= {low:g}, got {value!r}")
 
 
+def cpu_share(cores: int, load: float, running: float) -> float:
+    """The share of a core each of ``running`` phases of one thread gets on ``cores`` cores
+    that ``load`` other threads use too (1 with ``cores`` 0: a device each)."""
+    return 1.0 if not cores or running + load <= cores else cores / (running + load)
+
+
 @dataclass(kw_only=True)
 class Lengths:
     """Completion lengths in tokens: log-normal with mean ``mean`` before the cap and shape
@@ -95,12 +101,16 @@ class RewardCost:
     """Per call."""
     rollout_s: float = 0.0
     """Per rollout scored."""
+    wait_s: float = 0.0
+    """Per rollout, waiting rather than computing (a remote judge's latency): on a shared
+    CPU host it takes no core and no other phase slows it."""
 
     def __post_init__(self) -> None:
         for k, v in asdict(self).items():
             _check(f"RewardCost.{k}", v)
 
     def seconds(self, rollouts: int) -> float:
+        """The computing part of a call of ``rollouts``; ``wait_s`` comes on top."""
         return self.batch_s + self.rollout_s * rollouts
 
 
@@ -172,6 +182,15 @@ class Loop:
     """Trainer ranks: each sends its own shard (the sync's senders)."""
     eval_every: int = 0
     """Steps between held-out evaluations (0: none); the last step evaluates too."""
+    cores: int = 0
+    """CPU cores the executors share, one host (0: each has its own device, as on a GPU
+    cluster, and a phase takes its cost whatever runs beside it). With cores, the
+    generators' batches, the reward executors' and the trainer's passes are CPU work: the
+    ones running at once share the cores, each at most one (a thread per process), so a
+    cost is its time with a core to itself."""
+    host_load: float = 0.0
+    """Runnable threads of other programs on those cores, on average: they take their
+    share too (what a shared machine's load adds)."""
     lengths: Lengths = field(default_factory=lambda: Lengths(mean=24.0))
     gen: GenCost = field(default_factory=GenCost)
     reward: RewardCost = field(default_factory=RewardCost)
@@ -182,9 +201,14 @@ class Loop:
         for name in ("steps", "prompts_per_step", "group_size", "generators", "gen_batch_prompts", "trainer_ranks"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Loop.{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("max_staleness", "reward_executors", "eval_every"):
+        for name in ("max_staleness", "reward_executors", "eval_every", "cores"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"Loop.{name} must be an int >= 0, got {getattr(self, name)!r}")
+        _check("Loop.host_load", self.host_load)
+
+    def cpu_share(self, running: int) -> float:
+        """The share of a core each of ``running`` CPU phases gets (1 without ``cores``)."""
+        return cpu_share(self.cores, self.host_load, running)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -16,6 +16,11 @@ The rules are the app's (``llamarl.app.control.slots``, ``llamarl.app.roles.gene
   trains, the version goes up, every trainer rank sends its shard to every generator (the
   trainer waits for the send), the controller's per-step work runs, and the held-out
   evaluation when it is due;
+- with ``cores`` (one shared CPU host), every phase (generation, scoring, training,
+  evaluation, the weight sync and each executor's untimed work between its phases) is
+  CPU work: the phases running at once (and ``host_load`` other threads) share the cores,
+  each at most one; a phase's cost is its time with a core to itself, and its wall time
+  stretches while the cores are oversubscribed;
 - a step's time is the time between the ends of two training passes (``train/step_s``),
   and idle fractions count the timed intervals after the first training pass began, as the
   app's timeline records them (``idle / (idle + busy)``).
@@ -120,6 +125,10 @@ class _Sim:
         self.trained_tokens: list[int] = []
         self.trained_rollouts: list[int] = []
         self.done = False
+        # the shared CPU (``Loop.cores``): job id -> [work left, on_done, role, replica, what, t0]
+        self.cpu_jobs: dict[int, list] = {}
+        self.cpu_since = 0.0  # when the work left was last brought up to date
+        self.cpu_epoch = 0  # a scheduled completion of an older epoch is stale
 
     # --- the event queue -------------------------------------------------------------------
     def after(self, delay: float, fn: Callable[[], None]) -> None:
@@ -127,6 +136,44 @@ class _Sim:
 
     def record(self, role: str, replica: int, kind: str, what: str, t0: float, t1: float) -> None:
         self.intervals.append(Interval(role, replica, kind, what, t0, t1))
+
+    def work(self, seconds: float, on_done: Callable[[], None], role: str, replica: int, what: str,
+             record: bool = True) -> None:
+        """A busy phase of ``seconds`` of work (with a core to itself), then ``on_done``;
+        recorded as a busy interval unless ``record`` is False (inline scoring, untimed)."""
+        if not self.loop.cores:
+            if record:
+                self.record(role, replica, "busy", what, self.now, self.now + seconds)
+            self.after(seconds, on_done)
+            return
+        self._cpu_advance()
+        self.cpu_jobs[next(self._seq)] = [seconds, on_done, role if record else "", replica, what, self.now]
+        self._cpu_schedule()
+
+    def _cpu_advance(self) -> None:
+        share = self.loop.cpu_share(len(self.cpu_jobs))
+        for job in self.cpu_jobs.values():
+            job[0] -= share * (self.now - self.cpu_since)
+        self.cpu_since = self.now
+
+    def _cpu_schedule(self) -> None:
+        self.cpu_epoch += 1
+        if self.cpu_jobs:
+            epoch, share = self.cpu_epoch, self.loop.cpu_share(len(self.cpu_jobs))
+            first = min(job[0] for job in self.cpu_jobs.values())
+            self.after(max(0.0, first) / share, lambda: self._cpu_tick(epoch))
+
+    def _cpu_tick(self, epoch: int) -> None:
+        if epoch != self.cpu_epoch:
+            return
+        self._cpu_advance()
+        done = [k for k, job in self.cpu_jobs.items() if job[0] <= 1e-12]
+        finished = [self.cpu_jobs.pop(k) for k in done]
+        self._cpu_schedule()
+        for _, on_done, role, replica, what, t0 in finished:
+            if role:
+                self.record(role, replica, "busy", what, t0, self.now)
+            on_done()
 
     def run(self) -> None:
         self.at_bound = {i: 0.0 for i in range(self.loop.generators)}  # waiting for their first weights
@@ -160,14 +207,13 @@ class _Sim:
         self.reserved += take
         lengths = [loop.lengths.sample(self.rng, loop.group_size) for _ in range(take)]
         dt = loop.gen.seconds([n for g in lengths for n in g])
-        self.record("generator", i, "busy", "generate", self.now, self.now + dt)
 
         def done() -> None:
             for g in lengths:
                 self.rollouts.append(Group(v, sum(g), len(g)))
             self.after(0.0, self.wake_scorers)
-            self.after(loop.gen.overhead_s, lambda: self.generator_ready(i))
-        self.after(dt, done)
+            self.work(loop.gen.overhead_s, lambda: self.generator_ready(i), "generator", i, "overhead", record=False)
+        self.work(dt, done, "generator", i, "generate")
 
     # --- scoring: reward executors, or the trainer's pipeline thread ------------------------
     def wake_scorers(self) -> None:
@@ -182,8 +228,6 @@ class _Sim:
     def score(self, j: int) -> None:
         take = [self.rollouts.popleft() for _ in range(min(REWARD_BATCH_GROUPS, len(self.rollouts)))]
         dt = self.loop.reward.seconds(sum(g.rollouts for g in take))
-        if self.loop.reward_executors:
-            self.record("reward", j, "busy", "score", self.now, self.now + dt)
 
         def done() -> None:
             self.scored.extend(take)
@@ -192,7 +236,13 @@ class _Sim:
                 self.score(j)
             else:
                 self.scorer_idle_since[j] = self.now
-        self.after(dt, done)
+        waited, t0 = self.loop.reward.wait_s * sum(g.rollouts for g in take), self.now
+
+        def scored() -> None:  # the call's wait (no core) after its computing, one busy interval
+            if self.loop.reward_executors:
+                self.record("reward", j, "busy", "score", t0, self.now)
+            done()
+        self.work(dt, lambda: self.after(waited, scored), "reward", j, "score", record=False)
 
     # --- the trainer -----------------------------------------------------------------------
     def trainer_take(self) -> None:
@@ -219,8 +269,7 @@ class _Sim:
         dt = loop.train.seconds(tokens)
         if self.first_train is None:
             self.first_train = self.now
-        self.record("trainer", 0, "busy", "train", self.now, self.now + dt)
-        self.after(dt, self.trained)
+        self.work(dt, self.trained, "trainer", 0, "train")
 
     def trained(self) -> None:
         self.train_ends.append(self.now)
@@ -230,7 +279,6 @@ class _Sim:
     def publish(self, first: bool = False) -> None:
         loop = self.loop
         dt = loop.sync.seconds(senders=loop.trainer_ranks, receivers=loop.generators)
-        self.record("trainer", 0, "busy", "weight_sync", self.now, self.now + dt)
         version = self.version
 
         def sent() -> None:
@@ -239,7 +287,7 @@ class _Sim:
                 self.ask_for_batch()
             else:
                 self.after_step()
-        self.after(dt, sent)
+        self.work(dt, sent, "trainer", 0, "weight_sync")
 
     def after_step(self) -> None:
         loop, step = self.loop, len(self.train_ends)
@@ -247,10 +295,12 @@ class _Sim:
             self.done = True
             return
         if loop.eval_every and step % loop.eval_every == 0:
-            self.record("trainer", 0, "busy", "eval", self.now, self.now + loop.train.eval_s)
-            self.after(loop.train.eval_s + loop.train.overhead_s, self.ask_for_batch)
+            self.work(loop.train.eval_s, self._overhead, "trainer", 0, "eval")
         else:
-            self.after(loop.train.overhead_s, self.ask_for_batch)
+            self._overhead()
+
+    def _overhead(self) -> None:
+        self.work(self.loop.train.overhead_s, self.ask_for_batch, "trainer", 0, "overhead", record=False)
 
     def ask_for_batch(self) -> None:
         self.trainer_waiting_since = self.now

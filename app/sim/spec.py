@@ -74,6 +74,12 @@ class Spec:
     """Seconds to score one rollout."""
     steps: int = 20
     """Steps to simulate."""
+    cores_per_host: int = 0
+    """CPU cores that every executor shares, all on one host (``Loop.cores``): a CPU-only
+    setup like this repository's tests; 0 on GPU clusters, where each executor has its
+    own devices and a phase's cost does not depend on what runs beside it."""
+    host_load: float = 0.0
+    """Other programs' runnable threads on that host (``Loop.host_load``)."""
 
     def __post_init__(self) -> None:
         if self.model_params_b <= 0 or self.gpus < 1 or self.gpus_per_generator < 1:
@@ -81,6 +87,8 @@ class Spec:
         if not self.colocated and not 1 <= self.trainer_gpus < self.gpus:
             raise ValueError(f"spec {self.name!r}: trainer_gpus must leave GPUs for generators "
                              f"({self.trainer_gpus} of {self.gpus})")
+        if self.cores_per_host < 0 or self.host_load < 0:
+            raise ValueError(f"spec {self.name!r}: cores_per_host and host_load must be >= 0")
         for name in ("decode_step_s", "gen_tokens_per_s_per_gpu", "train_tokens_per_s_per_gpu", "sync_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"spec {self.name!r}: {name} must be > 0")
@@ -102,6 +110,7 @@ class Spec:
             steps=self.steps, prompts_per_step=self.prompts_per_step, group_size=self.group_size,
             max_staleness=self.max_staleness, generators=self.generators, gen_batch_prompts=per_gen,
             reward_executors=self.reward_executors, trainer_ranks=self.senders,
+            cores=self.cores_per_host, host_load=self.host_load,
             lengths=Lengths(mean=self.mean_len, sigma=self.len_sigma, cap=self.max_new_tokens),
             gen=GenCost(step_s=self.decode_step_s,
                         token_s=1.0 / (self.gen_tokens_per_s_per_gpu * self.gpus_per_generator),
