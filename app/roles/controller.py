@@ -312,8 +312,7 @@ class Controller:
                  steps.evaluate(self.full_model, self.tokenizer, self.data.held_out, self.gen, step,
                                 self.data.format_prompt))
         self.rt.emit(steps.eval_events(m, step=step, role="trainer"))
-        log.info("step %d held-out accuracy %.3f (greedy), %.3f (sampled)", step, m["accuracy"],
-                 m["sampled_accuracy"])
+        log.info("step %d held-out accuracy %.3f (greedy), %.3f (sampled)", step, m["accuracy"], m["sampled_accuracy"])
         return m
 
     def save_checkpoint(self, step: int, snap: Snapshot) -> None:
