@@ -181,6 +181,48 @@ def test_greedy_answers_match_transformers_reading_the_gguf_directly(converted, 
 
 
 @pytest.mark.slow
+def test_at_lag_0_the_trainer_scores_the_real_job_s_samples_as_the_sampler_drew_them(converted):
+    """The real-model job's path at lag 0: chat template and system prompt, temperature 0.7
+    and top-p, SmolLM2's tokenizer (pad is EOS, BOS is <|im_start|>). Both trainer passes
+    give the sampler's log-probs, only completion tokens carry loss, and the step's
+    mismatch metrics read ratio 1 and KL 0."""
+    from llamarl.app import names
+    from llamarl.app.config import StepConfig
+    from llamarl.app.data.sources import PromptFormat
+    from llamarl.app.rl import step as rl
+    from llamarl.app.rl.packing import packed_completion_logprobs
+    from llamarl.app.sampling import SamplingParams
+    from llamarl.app.tasks.arithmetic import Problem
+    from llamarl.components.llamarl import DEFAULT_SYSTEM_PROMPT
+
+    model, tokenizer = load_policy(converted)
+    fmt = PromptFormat(chat=True, system_prompt=DEFAULT_SYSTEM_PROMPT.replace("\\n", "\n")).bind(tokenizer)
+    problems = [Problem(question=q, answer=5, solution="#### 5", level=0) for q in ("Ann has 2 pens and buys 3 more. How many pens?",
+                                                         "What is 6 - 1?")]
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9)
+    groups = rl.generate_groups(model, tokenizer, problems, group_size=2, params=params, version=0,
+                                rng=torch.Generator().manual_seed(0), format_prompt=fmt)
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert rollouts[0].prompt_ids[0].item() == tokenizer.bos_token_id == 1  # the template's own, not doubled
+    assert rollouts[0].prompt_ids[1].item() != tokenizer.bos_token_id
+    mu = [torch.as_tensor(r.behaviour_logprobs) for r in rollouts]
+    for logprobs in (rl.completion_logprobs, packed_completion_logprobs):
+        with torch.no_grad():
+            logp_BT, mask_BT = logprobs(model, rollouts, pad_id=tokenizer.pad_token_id, temperature=0.7, top_p=0.9)
+        assert mask_BT.sum(1).tolist() == [len(r.completion_ids) for r in rollouts]
+        for b, mu_T in enumerate(mu):
+            torch.testing.assert_close(logp_BT[b, : len(mu_T)], mu_T.to(logp_BT.dtype), atol=1e-3, rtol=0)
+
+    for i, r in enumerate(rollouts):
+        r.advantage = 1.0 if i % 2 else -1.0
+    stats = rl.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), rollouts,
+                          StepConfig(temperature=0.7, top_p=0.9), pad_id=tokenizer.pad_token_id, policy_version=0)
+    assert abs(stats[names.mismatch_metric(0, "ratio_mean")] - 1) < 1e-3
+    assert abs(stats[names.mismatch_metric(0, "kl")]) < 1e-5
+    assert 0 < stats["grad_norm"] < float("inf")
+
+
+@pytest.mark.slow
 def test_converts_once_and_reuses_the_directory(converted, tmp_path):
     lines: list[str] = []
     again = gguf_policy.ensure_converted(NAME, root=converted.parent, log=lines.append)
