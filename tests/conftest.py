@@ -9,9 +9,37 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+MAX_WORKERS = 4
+"""The most pytest-xdist workers ``-n auto`` (pyproject's addopts) starts: many tests
+launch a whole app (a trainer, generators, a reward executor), so a 16-core machine would
+run out of memory and slow every deadline down long before it ran out of cores."""
+
+
+def pytest_xdist_auto_num_workers(config) -> int | None:
+    """Workers for ``-n auto``: one per two cores, at least two, at most ``MAX_WORKERS``.
+    On CI's 2 cores the suite keeps about one core busy on average (its tests wait on
+    processes, sockets and sleeps), so two workers fill both; ``-n N`` on the command line
+    (or ``-n 0``: one process, no workers) overrides it, and so does xdist's own
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS``."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, max(2, min(MAX_WORKERS, cores // 2)))
+
+
 def pytest_collection_modifyitems(config, items):
+    """GPU tests skip without a CUDA device. Under xdist (``--dist loadgroup``) the tests
+    that need one thing of the machine to themselves run one after another on one worker:
+    every ``slurm`` test (the local cluster has 4 nodes and each app takes all of them).
+    Slow tests come first (xdist hands out the groups before them), so that no worker is
+    left with a long test at the end while the other idles; the order is the same in every
+    worker, as xdist requires."""
     import torch
 
+    for item in items:
+        if "slurm" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+    items.sort(key=lambda item: 0 if "slow" in item.keywords or "slurm" in item.keywords else 1)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
