@@ -27,6 +27,7 @@ def pytest_xdist_auto_num_workers(config) -> int | None:
     return min(cores, max(2, min(MAX_WORKERS, cores // 2)))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip without a CUDA device. Under xdist (``--dist loadgroup``) the tests
     that need one thing of the machine to themselves run one after another on one worker:
