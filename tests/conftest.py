@@ -15,6 +15,7 @@ launch a whole app (a trainer, generators, a reward executor), so a 16-core mach
 run out of memory and slow every deadline down long before it ran out of cores."""
 
 
+@pytest.hookimpl(optionalhook=True)  # the suite also runs without xdist (`-p no:xdist`)
 def pytest_xdist_auto_num_workers(config) -> int | None:
     """Workers for ``-n auto``: one per two cores, at least two, at most ``MAX_WORKERS``.
     On CI's 2 cores the suite keeps about one core busy on average (its tests wait on
@@ -27,19 +28,41 @@ def pytest_xdist_auto_num_workers(config) -> int | None:
     return min(cores, max(2, min(MAX_WORKERS, cores // 2)))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+ONE_WORKER = {"tests/test_slurm_cluster.py": "slurm", "tests/test_gguf_policy.py": "gguf"}
+"""Test files whose tests run one after another on one xdist worker: they share one thing
+of the machine (the SLURM cluster: its 4 nodes take one app at a time; a model converted
+once per worker by a module fixture). Every ``slurm`` test must live in one of them."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` that also keeps each ``ONE_WORKER`` file on one worker, by path:
+    with pytest 9.2 xdist's own grouping by ``xdist_group`` marks silently stops working
+    (it renames the nodeid, which pytest no longer reads back: pytest-xdist issue #1386).
+    Groups go out first (xdist orders scopes by size), then single tests in collection
+    order."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class FileGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            group = ONE_WORKER.get(nodeid.split("::", 1)[0])
+            return group if group is not None else super()._split_scope(nodeid)
+
+    return FileGroups(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip without a CUDA device. Under xdist (``--dist loadgroup``) the tests
-    that need one thing of the machine to themselves run one after another on one worker:
-    every ``slurm`` test (the local cluster has 4 nodes and each app takes all of them).
-    Slow tests come first (xdist hands out the groups before them), so that no worker is
-    left with a long test at the end while the other idles; the order is the same in every
-    worker, as xdist requires."""
+    """GPU tests skip without a CUDA device. Slow tests come first, so that no worker is
+    left with a long test at the end while the other idles (the order is the same in every
+    worker, as xdist requires)."""
     import torch
 
     for item in items:
-        if "slurm" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+        if "slurm" in item.keywords and item.nodeid.split("::", 1)[0] not in ONE_WORKER:
+            raise pytest.UsageError(f"{item.nodeid}: a slurm test outside conftest.ONE_WORKER's files "
+                                    "would share the cluster with another worker's")
     items.sort(key=lambda item: 0 if "slow" in item.keywords or "slurm" in item.keywords else 1)
     if torch.cuda.is_available():
         return

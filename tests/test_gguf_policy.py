@@ -21,8 +21,6 @@ from llamarl.app.model import gguf_policy
 from llamarl.app.model.policy import encode_prompts, load_policy
 
 NAME = "smollm2-135m-instruct"
-# One worker under xdist runs this module: its fixtures convert the model once per worker.
-pytestmark = pytest.mark.xdist_group("gguf")
 
 
 @pytest.fixture(scope="module")
