@@ -54,7 +54,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip without a CUDA device. Slow tests come first, so that no worker is
+    """GPU tests skip without a CUDA device. Files with slow tests come first, then those
+    with other integration tests (processes, servers), then the rest, so that no worker is
     left with a long test at the end while the other idles (the order is the same in every
     worker, as xdist requires)."""
     import torch
@@ -63,7 +64,17 @@ def pytest_collection_modifyitems(config, items):
         if "slurm" in item.keywords and item.nodeid.split("::", 1)[0] not in ONE_WORKER:
             raise pytest.UsageError(f"{item.nodeid}: a slurm test outside conftest.ONE_WORKER's files "
                                     "would share the cluster with another worker's")
-    items.sort(key=lambda item: 0 if "slow" in item.keywords or "slurm" in item.keywords else 1)
+    def tier(item) -> int:
+        return 0 if "slow" in item.keywords or "slurm" in item.keywords else 1 if "integration" in item.keywords else 2
+
+    def path(item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    # Whole files move, in their own order, so that module fixtures are made once.
+    file_tier: dict[str, int] = {}
+    for item in items:
+        file_tier[path(item)] = min(file_tier.get(path(item), 2), tier(item))
+    items.sort(key=lambda item: file_tier[path(item)])
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
