@@ -531,7 +531,10 @@ def check_gpu_tests(t: Target) -> dict[str, Any]:
     summaries, failed = {}, {}
     for file in files:
         try:
-            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", file],
+            # `-o addopts=-ra`: one process, without pyproject's xdist workers (`-n auto`),
+            # which a GPU machine's image may not have installed and one GPU would not share.
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "-m", "gpu",
+                                   "-p", "no:cacheprovider", file],
                                   cwd=ROOT, capture_output=True, text=True,
                                   timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired as e:
@@ -671,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, choices=CHECKS,
                         help="run these checks only (in CHECKS' order; --skip still applies)")
     parser.add_argument("--json", type=Path, default=None, help="where to write the report (see the docstring)")
+    parser.add_argument("--policy", type=Path, default=None,
+                        help="a tiny policy directory to check with (default: one made here, a few warm-start steps)")
     args = parser.parse_args(argv)
     if not args.cpu_dry_run and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device on this machine (torch {torch.__version__}, CUDA build "
@@ -691,9 +696,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="llamarl-gpu-check-") as tmp:
         work = Path(tmp)
-        print(f"gpu_check ({'CPU dry run' if args.cpu_dry_run else 'CUDA'}): making a tiny policy ...", flush=True)
+        if args.policy is None:
+            print(f"gpu_check ({'CPU dry run' if args.cpu_dry_run else 'CUDA'}): making a tiny policy ...", flush=True)
         target = Target(dry_run=args.cpu_dry_run, gpus=0 if args.cpu_dry_run else torch.cuda.device_count(),
-                        policy=_tiny_policy(work), work=work, reports=path.parent)
+                        policy=args.policy.resolve() if args.policy else _tiny_policy(work), work=work,
+                        reports=path.parent)
         report = run_checks(names, target, after_each=write)
     write(report)
     failed = summary["failed"]

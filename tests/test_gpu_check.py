@@ -25,10 +25,12 @@ def test_without_cuda_it_says_so_and_exits_2(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_dry_run_passes_every_check_on_the_cpu(tmp_path):
-    """Every check ran (NCCL's skipped, saying why), from another working directory."""
+def test_dry_run_passes_every_check_on_the_cpu(tiny_policy, tmp_path):
+    """Every check ran (NCCL's skipped, saying why), from another working directory, on the
+    session's tiny policy (the script's own is made the same way: ``_tiny_policy``)."""
     report_path = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu-dry-run", "--json", str(report_path)],
+    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu-dry-run", "--json", str(report_path),
+                           "--policy", str(tiny_policy)],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(report_path.read_text())
