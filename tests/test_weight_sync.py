@@ -105,6 +105,10 @@ def _sync_three_versions(store, rank: int, world_size: int) -> str:
     receiver.stop_background()
     _assert_same(live, model_params(3))
     assert swap_staged(receiver) is None  # nothing newer
+    # A new epoch's receiver starts by staging the newest version again (its ``applied``
+    # unset): the version the model holds already is not swapped in a second time.
+    receiver.staging.applied = None
+    assert swap_staged(receiver, held=3) is None and not receiver.waiting()
     assert applied == sorted(set(applied)) and applied[-1] == 3, applied
     return f"applied {applied}"
 

@@ -54,11 +54,13 @@ log = logging.getLogger("llamarl")
 __all__ = ["Subscriber", "swap_staged"]
 
 
-def swap_staged(receiver: WeightReceiver) -> int | None:
+def swap_staged(receiver: WeightReceiver, held: int | None = None) -> int | None:
     """Copy the newest version staged in ``receiver`` into the parameters it receives for
-    (each trainer rank's buffers through their ``moves``), when it is not the one they
-    hold: the version now in them, or ``None`` when nothing changed (nothing new, or a
-    receive is writing staging: the next call takes it).
+    (each trainer rank's buffers through their ``moves``), when it is newer than the one they
+    hold (``held``, when an earlier receiver put it there: a new epoch starts by resending
+    the newest version, which a generator may have swapped in already): the version now in
+    them, or ``None`` when nothing changed (nothing new, or a receive is writing staging:
+    the next call takes it).
     ``WeightSyncError`` when the receiver's loop failed (staging may be half written)."""
     staging = receiver.staging
     if not staging.lock.acquire(blocking=False):
@@ -67,6 +69,9 @@ def swap_staged(receiver: WeightReceiver) -> int | None:
         if receiver.error is not None:
             raise WeightSyncError(f"background weight receiver failed: {receiver.error}") from receiver.error
         if staging.version is None or staging.version == staging.applied:
+            return None
+        if held is not None and staging.version <= held:
+            staging.applied = staging.version  # in the parameters already: not waiting any more
             return None
         with torch.no_grad():
             for buffers, moves in zip(staging.buffers, staging.moves):  # trainer rank by rank
@@ -109,6 +114,7 @@ class Subscriber:
         """The newest epoch this generator was in (0: none yet)."""
         self._current: WeightReceiver | None = None
         self._retired_version: int | None = None
+        self._applied: int | None = None  # the version in the model (only ``swap_into`` changes it)
         self._retired: list[WeightReceiver] = []
         self._lock = threading.Lock()  # guards _current and _stats
         self._stats: list[SyncStats] = []
@@ -133,9 +139,11 @@ class Subscriber:
         self._raise_if_failed()
         current = self._current
         try:
-            new = swap_staged(current) if current is not None else None
+            new = swap_staged(current, held=self._applied) if current is not None else None
         except WeightSyncError:  # the epoch broke: the thread rejoins
             return None
+        if new is not None:
+            self._applied = new
         if new is not None and self.quantized is not None:
             with self.timeline.busy("quantize"):
                 seconds = self.quantized.refresh()
