@@ -12,9 +12,9 @@ holds the bytes (and every trainer rank is done):
 
 - ``sharded``: every trainer rank ``WeightSender(rank, ranks).send`` its own shard;
   each generator's ``WeightReceiver`` over the N groups lands all of them in staging;
-  the parts of ``DEFAULT_ALONE_MB`` or more go as they are, the smaller ones packed;
-- ``sharded_packed``: the same with every part below a bucket's size packed (the
-  sender's ``alone_mb`` at the bucket size): fewer broadcasts, a copy of most bytes;
+  every part below a bucket's size packed (``DEFAULT_ALONE_MB``);
+- ``sharded_alone``: the same with the parts of 1 MB or more sent as they are (the
+  sender's ``alone_mb`` at 1): no copy of most bytes, more broadcasts;
 - ``gather``: the gather-then-broadcast path: every rank ``full_tensor()`` (the
   all-gather of an FSDP2 full state dict), rank 0 copies the result into its flat
   full-model buffer and sends it (the one-rank path, zero-copy) in its group;
@@ -58,14 +58,14 @@ from llamarl.app.control.signed import SignedStore
 from llamarl.app.control.transport import connect_store, host_store
 from llamarl.app.weights.digest import DigestCheck, ShardDigest
 from llamarl.app.weights.group import init_weight_group
-from llamarl.app.weights.layout import DEFAULT_BUCKET_MB, flatten_parameters_
+from llamarl.app.weights.layout import flatten_parameters_
 from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
 from llamarl.app.weights.subscriber import swap_staged
 from benchmarks import spawn
 from benchmarks.weight_sync import llama_like_params
 
-METHODS = ("sharded", "sharded_packed", "gather", "raw", "p2p")
+METHODS = ("sharded", "sharded_alone", "gather", "raw", "p2p")
 DIGEST_METHODS = ("sharded_digest", "sharded_digest_after", "gather_digest")
 SECRET = bytes(range(32))
 DIGEST_VERSIONS = 1000
@@ -135,7 +135,7 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
     full = llama_like_params(args.params)
     params = _sharded_params(full, rank, ranks) if ranks > 1 else full
     sharded = WeightSender(group, params, rank=rank, ranks=ranks)
-    packed = WeightSender(group, params, rank=rank, ranks=ranks, alone_mb=DEFAULT_BUCKET_MB)
+    alone = WeightSender(group, params, rank=rank, ranks=ranks, alone_mb=1.0)
     if rank == 0:
         flat_full = [(n, t.clone()) for n, t in full]
         flatten_parameters_([t for _, t in flat_full])
@@ -173,7 +173,7 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
         for work in works:
             one_group.wait(work)
 
-    methods = {"sharded": send_shard, "sharded_packed": packed.send, "gather": gather,
+    methods = {"sharded": send_shard, "sharded_alone": alone.send, "gather": gather,
                "raw": lambda rep: group.wait(group.broadcast(raw)), "p2p": send_p2p}
     if args.digest:
         methods.update(sharded_digest=lambda rep: send_shard_digest(_digest_version("sharded_digest", rep)),
@@ -198,7 +198,7 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
                 fn(rep)
                 barrier.arrive(key + "/done")
     out.put((f"trainer/{rank}", {"result": result, "per_sender_s": per_sender, "bytes": sharded.layout.nbytes,
-                                 "broadcasts": sharded.broadcasts, "packed_broadcasts": packed.broadcasts}))
+                                 "broadcasts": sharded.broadcasts, "alone_broadcasts": alone.broadcasts}))
     if ranks > 1:
         dist.destroy_process_group()
 
@@ -216,7 +216,7 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
     params = llama_like_params(args.params)
     flatten_parameters_([p for _, p in params])
     sharded = WeightReceiver(groups, params)
-    packed = WeightReceiver(groups, params)
+    alone = WeightReceiver(groups, params)
     gather = WeightReceiver(groups[0], params)
     shard_bytes = [int(x) for x in store.get(f"bench/{ranks}/shard_bytes").decode().split()] \
         if ranks > 1 else [sharded.layout.nbytes]
@@ -253,7 +253,7 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
             one_group.wait(work)
 
     methods = {"sharded": receive_with(sharded, "sharded"),
-               "sharded_packed": receive_with(packed, "sharded_packed"), "gather": receive_with(gather, "gather"),
+               "sharded_alone": receive_with(alone, "sharded_alone"), "gather": receive_with(gather, "gather"),
                "raw": receive_raw, "p2p": receive_p2p}
     if args.digest:
         methods.update(sharded_digest=receive_with(sharded, "sharded_digest", "streamed"),
@@ -328,8 +328,8 @@ def run(ranks: int, args) -> dict:
         "sharded_vs_gather": med["sharded"] / med["gather"], "sharded_vs_raw": med["sharded"] / med["raw"],
         "paired_sharded_vs_gather": paired_vs_gather, "paired_sharded_vs_raw": paired["sharded"],
         "paired_gather_vs_raw": paired["gather"], "paired_p2p_vs_raw": paired["p2p"],
-        "sharded_packed_s": med["sharded_packed"], "paired_sharded_packed_vs_raw": paired["sharded_packed"],
-        "packed_broadcasts_per_sync": {r: reports[f"trainer/{r}"].get("packed_broadcasts") for r in range(ranks)},
+        "sharded_alone_s": med["sharded_alone"], "paired_sharded_alone_vs_raw": paired["sharded_alone"],
+        "alone_broadcasts_per_sync": {r: reports[f"trainer/{r}"].get("alone_broadcasts") for r in range(ranks)},
         "per_sender_s": {r: statistics.median(reports[f"trainer/{r}"]["per_sender_s"]) for r in range(ranks)},
         "shard_bytes": {r: reports[f"trainer/{r}"]["bytes"] for r in range(ranks)},
         "broadcasts_per_sync": {r: reports[f"trainer/{r}"].get("broadcasts") for r in range(ranks)},
@@ -344,7 +344,7 @@ def main(args: argparse.Namespace) -> dict:
         load = os.getloadavg()[0]
         by_ranks[str(ranks)] = {**run(ranks, args), "load_avg_1min_before": load}
         r = by_ranks[str(ranks)]
-        print(f"  {ranks} trainer rank(s): sharded {r['sharded_s']:.3f} s, all packed {r['sharded_packed_s']:.3f} s, "
+        print(f"  {ranks} trainer rank(s): sharded {r['sharded_s']:.3f} s, 1 MB parts alone {r['sharded_alone_s']:.3f} s, "
               f"gather {r['gather_s']:.3f} s, "
               f"raw {r['raw_s']:.3f} s, p2p {r['p2p_s']:.3f} s (load {load:.1f})", flush=True)
         if args.digest:

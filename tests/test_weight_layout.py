@@ -54,3 +54,20 @@ def test_span_view_needs_layout_order_and_sees_a_rebinding():
     assert span_view(Layout(params[::-1], 256).runs[0], params[::-1], CPU) is None
     params[1][1].data = params[1][1].detach().clone()
     assert span_view(Layout(params, 256).runs[0], params, CPU) is None
+
+
+def test_parts_of_alone_bytes_or_more_are_buckets_of_their_own():
+    """``alone_bytes`` below a bucket: such a part goes as it is between packed buckets
+    (``sharded_alone`` of benchmarks/weight_sync.py); the bytes are the flat run's all the same."""
+    params = separate_params()
+    packed_run = Layout(params, bucket_bytes=1024).runs[0]
+    run = Layout(params, bucket_bytes=1024, alone_bytes=200).runs[0]
+    assert len(run.buckets) > len(packed_run.buckets)
+    # embed (1280 B: more than a bucket) and wq (256 B >= 200) alone; w_t and scale packed together.
+    assert [span_view(b, params, CPU) is not None for b in run.buckets] == [True, True, False]
+    buffer = torch.empty(max(b.nbytes for b in run.buckets), dtype=torch.uint8)
+    sent = [span_view(b, params, CPU) for b in run.buckets]
+    sent = [x.clone() if x is not None else pack(b, params, buffer).clone() for x, b in zip(sent, run.buckets)]
+    flat = [(n, p.clone()) for n, p in params]
+    flatten_parameters_([p for _, p in flat])
+    assert torch.equal(torch.cat(sent), span_view(run, flat, CPU))

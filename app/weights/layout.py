@@ -26,12 +26,13 @@ DEFAULT_BUCKET_MB = 16.0
 """Sender and receivers must agree. Only packed runs depend on it: a run that is one
 flat buffer goes out as one broadcast whatever the bucket size."""
 
-DEFAULT_ALONE_MB = 1.0
+DEFAULT_ALONE_MB = DEFAULT_BUCKET_MB
 """A parameter part of this size or more (a bucket's at most) is a bucket of its own and
 goes out as it is, with no copy; smaller ones are packed. Packing is a copy of the
-bytes on the sender, which costs a loaded host more than the extra broadcasts do
-(``benchmarks/weight_sync.py --trainer-ranks``: ``sharded`` against ``sharded_packed``,
-which packs every part below a bucket's size)."""
+bytes on the sender; each broadcast has a fixed cost on every member. On a quiet host
+fewer broadcasts won (every part below a bucket packed), on a loaded one the copy cost
+more (``benchmarks/weight_sync.py --trainer-ranks``: ``sharded`` against
+``sharded_alone``, whose parts of 1 MB or more go as they are)."""
 
 
 @dataclass(frozen=True)
