@@ -42,13 +42,7 @@ def test_a_killed_run_resumes_from_its_checkpoint(tiny_policy, tmp_path):
     with _launch(tiny_policy, tmp_path, first, *auto) as app:
         app.wait_for_log("trainer", "no run to resume", timeout_s=120)
         run_dir = app.runs_dir / run_id
-        deadline = time.monotonic() + 240
-        while not (run_dir / "checkpoints" / "step-2").is_dir():
-            assert time.monotonic() < deadline, app.logs_tail()
-            assert app.runner.status(app.handle).state == AppState.RUNNING, app.logs_tail()
-            time.sleep(0.2)
-        app.runner.cancel(app.handle)  # every process of the app killed: a crash
-        assert app.wait() != AppState.SUCCEEDED
+        _kill_after_checkpoint(app, run_dir / "checkpoints" / "step-2")
     state = json.loads((run_dir / "checkpoints" / "step-2" / "train_state" / "state.json").read_text())
     assert state["step"] == 2 and state["ledger"] == {"frontier": 2 * PROMPTS_PER_STEP, "done": []}
 
@@ -121,13 +115,7 @@ def test_episodes_in_flight_at_a_kill_are_played_again_once(tiny_policy, tmp_pat
 
     with start(first) as app:
         run_dir = app.runs_dir / run_id
-        deadline = time.monotonic() + 240
-        while not (run_dir / "checkpoints" / "step-1").is_dir():
-            assert time.monotonic() < deadline, app.logs_tail()
-            assert app.runner.status(app.handle).state == AppState.RUNNING, app.logs_tail()
-            time.sleep(0.2)
-        app.runner.cancel(app.handle)
-        assert app.wait() != AppState.SUCCEEDED
+        _kill_after_checkpoint(app, run_dir / "checkpoints" / "step-1")
     with start(second) as app:
         assert app.wait() == AppState.SUCCEEDED, app.logs_tail()
         assert f"resuming run {run_id} at step 1" in app.log("trainer"), app.logs_tail()
@@ -149,3 +137,15 @@ def test_episodes_in_flight_at_a_kill_are_played_again_once(tiny_policy, tmp_pat
                                    "ORDER BY t")] == [1, 2, 3]
     state = json.loads((run_dir / "checkpoints" / "step-3" / "train_state" / "state.json").read_text())
     assert state["ledger"] == {"frontier": steps * PROMPTS_PER_STEP, "done": []}
+
+
+def _kill_after_checkpoint(app, checkpoint) -> None:
+    """Wait (at most 240 s) for ``checkpoint`` while the app runs, then kill every process
+    of the app: a crash, not a stop."""
+    deadline = time.monotonic() + 240
+    while not checkpoint.is_dir():
+        assert time.monotonic() < deadline, app.logs_tail()
+        assert app.runner.status(app.handle).state == AppState.RUNNING, app.logs_tail()
+        time.sleep(0.2)
+    app.runner.cancel(app.handle)
+    assert app.wait() != AppState.SUCCEEDED
