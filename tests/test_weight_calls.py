@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 
 import pytest
@@ -23,7 +24,7 @@ from llamarl.app.sampling.kernels import int8_engine
 from llamarl.app.weights.digest import TEST_CORRUPT_ENV
 from llamarl.app.weights.layout import flatten_parameters_
 from llamarl.app.weights.publisher import Publisher
-from llamarl.app.weights.subscriber import Subscriber
+from llamarl.app.weights.subscriber import Subscriber, _abandon_when
 from role_processes import TEST_SECRET, loopback_store, run_roles
 from test_sharded_weight_sync import ShardedModel, _publish_full_state, _train_step, _trainer_model
 
@@ -200,3 +201,14 @@ def test_two_fsdp2_trainer_ranks_publish_their_shards_to_a_subscriber():
     assert out[1].startswith("trainer/1 sent 2 versions as {'trainer/1'}"), out
     full = sum(p.numel() * p.element_size() for p in ShardedModel(seed=0).parameters())
     assert sum(shard_bytes) == full and min(shard_bytes) > 0, (shard_bytes, full)  # each its shard, no gather
+
+
+def test_the_epoch_watchdog_gives_the_epoch_up_when_the_store_is_gone():
+    """At a cancel the store's host dies first: the watchdog's stop check then raises
+    (broken pipe). It gives the epoch's groups up and ends, with no traceback of its own."""
+    def store_gone() -> bool:
+        raise dist.DistNetworkError("Broken pipe")
+
+    abandoned, received = threading.Event(), threading.Event()
+    _abandon_when(abandoned, store_gone, received)
+    assert abandoned.is_set()

@@ -303,9 +303,17 @@ class Subscriber:
 
 
 def _abandon_when(abandoned: threading.Event, condition: Callable[[], bool], received: threading.Event) -> None:
-    """Give the epoch's groups up once ``condition()``, unless its receive loop ended first."""
+    """Give the epoch's groups up once ``condition()``, unless its receive loop ended first.
+    A store that no longer answers ``condition`` (the app is ending: its host, trainer
+    replica 0, is gone) gives them up too: the receive loop then ends, and the run's own
+    stop path says why, not a traceback of this thread."""
     while not received.wait(0.05):
-        if condition():
+        try:
+            done = condition()
+        except (RuntimeError, OSError) as e:  # torch.distributed's DistError is a RuntimeError
+            log.debug("weight plane watchdog: the store did not answer (%s): giving the epoch up", e)
+            done = True
+        if done:
             abandoned.set()
             return
 
