@@ -86,10 +86,8 @@ def warm_start(cfg: WarmStartConfig, *, log=print, extra: ExtraDemonstrations | 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.time()
-    if extra is None:
-        model, tokenizer = create_default_policy(cfg.seed)
-    else:
-        model, tokenizer = create_default_policy(cfg.seed, extra_corpus=extra.corpus, vocab_size=extra.vocab_size)
+    extra_kw = {} if extra is None else {"extra_corpus": extra.corpus, "vocab_size": extra.vocab_size}
+    model, tokenizer = create_default_policy(cfg.seed, **extra_kw)
     problems = tasks.make_split("train", cfg.train_size, seed=cfg.seed)
     prompts = encode_prompts(tokenizer, [tasks.format_prompt(p.question) for p in problems])
     rng = random.Random(cfg.seed)
