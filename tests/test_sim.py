@@ -84,6 +84,8 @@ def test_shared_cores_stretch_the_phases_that_run_at_once():
     assert engine.simulate(waiting).median_step_s == pytest.approx(4.5)  # 2 + 2 computing, 0.5 waiting
     with pytest.raises(ValueError, match="host_load"):
         Loop(host_load=-1.0)
+    with pytest.raises(ValueError, match=r"SyncCost\.byte_s must be a finite number >= 0"):
+        SyncCost(byte_s=float("nan"))
 
 
 def test_idle_fractions_are_of_the_timed_intervals():

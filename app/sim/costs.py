@@ -18,6 +18,12 @@ def _check(name: str, value: float, *, low: float = 0.0) -> None:
         raise ValueError(f"{name} must be a finite number >= {low:g}, got {value!r}")
 
 
+def _check_fields(model: object) -> None:
+    """Every field of a cost model is a finite number >= 0 (a cost or a count of rows)."""
+    for k, v in asdict(model).items():
+        _check(f"{type(model).__name__}.{k}", v)
+
+
 def cpu_share(cores: int, load: float, running: float) -> float:
     """The share of a core each of ``running`` phases of one thread gets on ``cores`` cores
     that ``load`` other threads use too (1 with ``cores`` 0: a device each)."""
@@ -84,8 +90,7 @@ class GenCost:
     """Rows decoded at once at most (0: no limit)."""
 
     def __post_init__(self) -> None:
-        for k, v in asdict(self).items():
-            _check(f"GenCost.{k}", v)
+        _check_fields(self)
 
     def seconds(self, lengths: list[int]) -> float:
         wave = self.max_rows or max(1, len(lengths))
@@ -106,8 +111,7 @@ class RewardCost:
     CPU host it takes no core and no other phase slows it."""
 
     def __post_init__(self) -> None:
-        for k, v in asdict(self).items():
-            _check(f"RewardCost.{k}", v)
+        _check_fields(self)
 
     def seconds(self, rollouts: int) -> float:
         """The computing part of a call of ``rollouts``; ``wait_s`` comes on top."""
@@ -129,8 +133,7 @@ class TrainCost:
     """One held-out evaluation (every ``eval_every`` steps and at the last)."""
 
     def __post_init__(self) -> None:
-        for k, v in asdict(self).items():
-            _check(f"TrainCost.{k}", v)
+        _check_fields(self)
 
     def seconds(self, tokens: int) -> float:
         return self.step_s + self.token_s * tokens
@@ -152,8 +155,7 @@ class SyncCost:
     """Extra cost per byte for each receiver past the first (0: a perfect broadcast)."""
 
     def __post_init__(self) -> None:
-        for k, v in asdict(self).items():
-            _check(f"SyncCost.{k}", v)
+        _check_fields(self)
 
     def seconds(self, *, senders: int, receivers: int) -> float:
         spread = 1.0 + self.receiver_slope * max(0, receivers - 1)
