@@ -43,8 +43,9 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -316,6 +317,22 @@ def check_same_model(group: WeightGroup, mine: list, theirs: list, peer: int) ->
             f"weight layout mismatch between this rank ({group.rank}) and the {who}: "
             f"{first_difference(mine, theirs)}; both sides must build the same model "
             f"(names, shapes, dtypes)")
+
+
+@contextmanager
+def sync_failures(g: WeightGroup, what: Callable[[], str], gone: str) -> Iterator[None]:
+    """Turns a collective that fails inside it into a ``WeightSyncError`` saying which sync
+    (``what()``, read at the failure: a receiver learns the version inside), how long it ran
+    against the group's timeout, and who is likely gone (``gone``): one message for both
+    ends of a sync. A layout mismatch passes through as it is, its message being the cause."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    except WeightLayoutError:
+        raise
+    except (dist.DistError, RuntimeError) as e:
+        raise WeightSyncError(f"{what()} failed after {time.perf_counter() - t0:.1f} s (group timeout "
+                              f"{g.timeout_s:g} s): {gone}. Cause: {e}") from None
 
 
 def full_entries(layout: Layout, shards: Shards) -> list:

@@ -38,6 +38,7 @@ from llamarl.app.weights.group import (
     full_entries,
     handshake,
     host_or_device,
+    sync_failures,
     stop_thread,
     wait_first,
     whole_cuts,
@@ -258,7 +259,8 @@ class WeightReceiver:
         t0 = time.perf_counter()
         version: int | str = "?"
         g = self.group
-        try:
+        with sync_failures(g, lambda: f"weight sync of version {version}: receiving on generator rank {g.rank}",
+                           "a trainer rank or another generator of the weight group is gone"):
             headers = [torch.zeros(HEADER_LEN, dtype=torch.int64, device=g.device) for _ in self.groups]
             for group, work in [(group, group.broadcast(h)) for group, h in zip(self.groups, headers)]:
                 group.wait(work)
@@ -273,13 +275,6 @@ class WeightReceiver:
                        verification)
             for group in self.groups:
                 group.synchronize()
-        except WeightLayoutError:
-            raise
-        except (dist.DistError, RuntimeError) as e:
-            raise WeightSyncError(
-                f"weight sync of version {version}: receiving on generator rank {g.rank} failed "
-                f"after {time.perf_counter() - t0:.1f} s (group timeout {g.timeout_s:g} s): a "
-                f"trainer rank or another generator of the weight group is gone. Cause: {e}") from None
         for group in self.groups:
             group.syncs += 1
             group.signed.forget(names.weight_sync_announce_key(group.syncs))  # read once

@@ -26,12 +26,12 @@ from llamarl.app.weights.group import (
     SyncStats,
     WeightGroup,
     WeightLayoutError,
-    WeightSyncError,
     announce,
     check_same_model,
     full_entries,
     handshake,
     host_or_device,
+    sync_failures,
     whole_cuts,
 )
 from llamarl.app.weights.layout import DEFAULT_ALONE_MB, DEFAULT_BUCKET_MB, Layout, pack, span_view
@@ -95,7 +95,8 @@ class WeightSender:
         """Broadcast the current values of this rank's part as ``version``; returns its stats."""
         g, layout = self.group, self.layout
         t0 = time.perf_counter()
-        try:
+        with sync_failures(g, lambda: f"weight sync of version {version} to {g.world_size - 1} generator(s)",
+                           "a generator is gone or stopped receiving. The weight group is unusable now"):
             params = self._local()
             announce(g, version)
             views = [span_view(run, params, g.device) for run in layout.runs]
@@ -126,14 +127,6 @@ class WeightSender:
             for work in works + [w for w in ring_works if w is not None]:
                 g.wait(work)
             g.synchronize()
-        except WeightLayoutError:
-            raise
-        except (dist.DistError, RuntimeError) as e:
-            raise WeightSyncError(
-                f"weight sync of version {version} to {g.world_size - 1} generator(s) failed "
-                f"after {time.perf_counter() - t0:.1f} s (group timeout {g.timeout_s:g} s): a "
-                f"generator is gone or stopped receiving. The weight group is unusable now. "
-                f"Cause: {e}") from None
         self.zero_copy_buckets, self.broadcasts = zero_copy, len(works) - 1 + packed
         g.syncs += 1
         return SyncStats(version=int(version), bytes=layout.nbytes,
