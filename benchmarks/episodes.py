@@ -105,13 +105,14 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
 
 
 def _runner(policy: Path | str, env: BenchCalculator, args: argparse.Namespace):
-    from llamarl.app.envs.episodes import EpisodeConfig, EpisodeRunner
+    from llamarl.app.config import GeneratorConfig
+    from llamarl.app.envs.episodes import EpisodeRunner
     from llamarl.app.model.policy import load_policy
 
     model, tokenizer = load_policy(policy)
-    cfg = EpisodeConfig(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens,
-                        max_turn_tokens=args.max_new_tokens)
-    return EpisodeRunner(model, tokenizer, lambda: BenchCalculator(tool=bool(env.tools)), cfg, temperature=0.0)
+    gen = GeneratorConfig(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens,
+                          max_new_tokens=args.max_new_tokens)
+    return EpisodeRunner(model, tokenizer, lambda: BenchCalculator(tool=bool(env.tools)), gen, greedy=True)
 
 
 def held_out_accuracy(policy: Path, tool: bool, args: argparse.Namespace) -> dict[str, float]:

@@ -13,7 +13,8 @@ from openenv.core.env_server.types import Action, Observation, State  # noqa: E4
 
 from llamarl.app.envs import UNKNOWN_TOOL  # noqa: E402
 from llamarl.app.envs.builtins import Calculator, GuessNumber, calculate  # noqa: E402
-from llamarl.app.envs.episodes import DONE, MAX_TURNS, EpisodeConfig, EpisodeRunner  # noqa: E402
+from llamarl.app.config import GeneratorConfig  # noqa: E402
+from llamarl.app.envs.episodes import DONE, MAX_TURNS, EpisodeRunner  # noqa: E402
 from llamarl.app.envs.spec import build_env  # noqa: E402
 from llamarl.app.errors import ConfigError  # noqa: E402
 from llamarl.app.model.policy import create_default_policy  # noqa: E402
@@ -39,7 +40,7 @@ def test_reasoning_gym_rows_and_its_own_score(policy):
     word = words.rows("test", 1, seed=0)[0]
     words.reset(word)
     assert words.step(f"<answer>{word['answer']}</answer>").reward == 1.0
-    runner = EpisodeRunner(*policy, make, EpisodeConfig(max_turn_tokens=4))
+    runner = EpisodeRunner(*policy, make, GeneratorConfig(max_new_tokens=4))
     groups = runner.groups(train[:2], group_size=2, version=lambda: 0, rng=torch.Generator().manual_seed(0))
     runner.close()
     assert runner.stats.ends == {DONE: 4}
@@ -120,7 +121,7 @@ class EchoEnv(OpenEnvEnvironment[EchoAction, EchoObservation, State]):
 def test_an_openenv_environment_runs_unchanged(policy):
     make = build_env(f"openenv:{__name__}:EchoEnv")
     rows = make().rows("train", 2, seed=0)
-    runner = EpisodeRunner(*policy, make, EpisodeConfig(max_turn_tokens=3, max_turns=3))
+    runner = EpisodeRunner(*policy, make, GeneratorConfig(max_new_tokens=3, max_turns=3))
     groups = runner.groups(rows, group_size=1, version=lambda: 0, rng=torch.Generator().manual_seed(0))
     runner.close()
     assert runner.stats.ends == {DONE: 2} and runner.stats.turns == 4  # 2 steps each, then done
@@ -165,7 +166,7 @@ def test_an_openenv_app_served_over_http_runs_through_its_client(policy):
             client = GenericEnvClient(base_url=f"http://127.0.0.1:{port}").sync()
             return OpenEnv(client, action=lambda turn: {"message": turn})
 
-        runner = EpisodeRunner(*policy, make, EpisodeConfig(max_turn_tokens=3, max_turns=3))
+        runner = EpisodeRunner(*policy, make, GeneratorConfig(max_new_tokens=3, max_turns=3))
         groups = runner.groups([{"seed": 11}], group_size=2, version=lambda: 0,
                                rng=torch.Generator().manual_seed(0))
         runner.close()

@@ -10,7 +10,8 @@ import torch
 
 from llamarl.app.rl import step as rl
 from llamarl.app.envs import Step
-from llamarl.app.envs.episodes import EpisodeConfig, EpisodeRunner
+from llamarl.app.config import GeneratorConfig
+from llamarl.app.envs.episodes import EpisodeRunner
 from llamarl.app.model.policy import create_default_policy
 from llamarl.app.rl import losses
 from llamarl.app.rl.contract import policy_segments
@@ -38,7 +39,7 @@ class TwoTurns:
 @pytest.fixture(scope="module")
 def episodes():
     model, tokenizer = create_default_policy()
-    runner = EpisodeRunner(model, tokenizer, TwoTurns, EpisodeConfig(max_turn_tokens=5, max_turns=2))
+    runner = EpisodeRunner(model, tokenizer, TwoTurns, GeneratorConfig(max_new_tokens=5, max_turns=2))
     groups = runner.groups([{"question": "1+1"}, {"question": "2+2"}], group_size=3, version=lambda: 4,
                            rng=torch.Generator().manual_seed(1))
     runner.close()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from llamarl.app.envs import Step
-from llamarl.app.envs.episodes import (DONE, ENV_ERROR, MAX_TURNS, STEP_TIMEOUT, EpisodeConfig, EpisodeRunner)
+from llamarl.app.config import GeneratorConfig
+from llamarl.app.envs.episodes import (DONE, ENV_ERROR, MAX_TURNS, STEP_TIMEOUT, EpisodeRunner)
 from llamarl.app.model.policy import create_default_policy
 from llamarl.app.rl.contract import from_message, policy_segments, to_message
 
@@ -44,9 +45,9 @@ def policy():
     return model, tokenizer
 
 
-def runner(policy, **cfg):
+def runner(policy, workers=8, **gen):
     model, tokenizer = policy
-    return EpisodeRunner(model, tokenizer, Chatty, EpisodeConfig(max_turn_tokens=4, **cfg))
+    return EpisodeRunner(model, tokenizer, Chatty, GeneratorConfig(max_new_tokens=4, **gen), workers=workers)
 
 
 def test_turns_are_segments_with_their_versions_and_the_environment_is_masked(policy):
@@ -81,7 +82,7 @@ def test_turns_are_segments_with_their_versions_and_the_environment_is_masked(po
 
 
 def test_a_hung_or_crashing_step_ends_only_its_episode(policy):
-    r = runner(policy, max_turns=2, step_timeout_s=0.5, workers=4)
+    r = runner(policy, max_turns=2, env_step_timeout_s=0.5, workers=4)
     groups = r.groups([{"question": "x", "hang": True}, {"question": "y", "crash": True},
                        {"question": "z", "stop": 1}], group_size=1, version=lambda: 0)
     r.close()
@@ -90,7 +91,7 @@ def test_a_hung_or_crashing_step_ends_only_its_episode(policy):
 
 
 def test_the_generator_plays_a_slot_s_row_and_reports_episode_metrics(policy):
-    from llamarl.app.config import GeneratorConfig, TrainerConfig
+    from llamarl.app.config import TrainerConfig
     from llamarl.app.envs.slots import SlotEpisodes
 
     gen = GeneratorConfig(env="guess_number(high=5)", max_new_tokens=3, max_turns=2)
@@ -130,7 +131,7 @@ class SlowAndFast:
 
 
 def test_a_slow_step_does_not_stall_the_other_episodes(policy):
-    r = EpisodeRunner(*policy, SlowAndFast, EpisodeConfig(max_turn_tokens=2, max_turns=3, step_timeout_s=60))
+    r = EpisodeRunner(*policy, SlowAndFast, GeneratorConfig(max_new_tokens=2, max_turns=3, env_step_timeout_s=60))
     groups = r.groups([{"kind": "slow"}, {"kind": "fast"}], group_size=1, version=lambda: 0)
     r.close()
     assert groups[0].rollouts[0].task["env_reward"] == 1.0  # the fast one finished first
@@ -158,7 +159,7 @@ class Graded:
 
 
 def test_held_out_evaluation_plays_the_environment_s_test_rows_with_its_reward(policy):
-    from llamarl.app.config import GeneratorConfig, TrainerConfig
+    from llamarl.app.config import TrainerConfig
     from llamarl.app.envs.slots import evaluate
 
     gen = GeneratorConfig(env="test_episodes:Graded", max_new_tokens=3, max_turns=3, max_episode_tokens=32)

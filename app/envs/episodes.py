@@ -5,9 +5,9 @@ Each episode: ``env.reset(row)`` renders to the prompt's ids; then rounds of
 1. every episode waiting for the policy samples its turn, all of them in ONE ``sample``
    call (the same sampler as single-turn rollouts), stopping at the end-of-turn token
    (EOS; a Hermes tool call ends the turn too, since the template closes it with the
-   end-of-turn token) or at ``max_turn_tokens``;
+   end-of-turn token) or at ``max_new_tokens``;
 2. each finished turn goes to ``env.step`` on a thread pool, with a deadline of
-   ``step_timeout_s``: the next round samples the episodes that are ready while others'
+   ``env_step_timeout_s``: the next round samples the episodes that are ready while others'
    steps run, so one slow tool does not stall the batch;
 3. a step's observation is rendered (``ChatFormat.observation``) and appended; the
    episode waits for the policy again.
@@ -27,6 +27,10 @@ the version of the weights that sampled it (``version()`` read at each turn: a g
 that swaps weights between turns records it), so staleness counts its oldest turn. The
 episode's reward, the sum of its steps' rewards (0 when none came, e.g. cut short), goes
 into ``task["env_reward"]``, which the ``env_reward`` reward component returns.
+
+The limits are the generator's own flags (``GeneratorConfig``: ``max_turns``,
+``max_episode_tokens``, ``env_step_timeout_s``, and ``max_new_tokens`` per turn), read
+from it rather than restated in a config of the runner's.
 """
 
 from __future__ import annotations
@@ -43,37 +47,16 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from llamarl.app.config import GeneratorConfig
 from llamarl.app.envs.chat import ChatFormat
 from llamarl.app.envs.protocol import Environment, Message, Step, as_messages, tool_schemas
 from llamarl.app.rl.contract import GroupId, Rollout, RolloutGroup
-from llamarl.app.sampling import Decoder, SamplingParams, sample
+from llamarl.app.sampling import SamplingParams, sample
 
 log = logging.getLogger("llamarl")
 
 # Why an episode ended (``EpisodeStats.ends``).
 DONE, MAX_TURNS, MAX_TOKENS, STEP_TIMEOUT, ENV_ERROR = "done", "max_turns", "max_episode_tokens", "step_timeout", "env_error"
-
-
-@dataclass(kw_only=True)
-class EpisodeConfig:
-    """How the generator runs episodes (``--env``)."""
-
-    max_turns: int = 4
-    """Policy turns per episode at most."""
-    max_episode_tokens: int = 256
-    """Completion tokens (the policy's and the environment's) per episode at most."""
-    max_turn_tokens: int = 64
-    """Tokens the policy writes per turn at most."""
-    step_timeout_s: float = 10.0
-    """Deadline of one environment step; past it the episode ends (``step_timeout``)."""
-    workers: int = 8
-    """Threads running environment steps beside decoding."""
-
-    def __post_init__(self) -> None:
-        if min(self.max_turns, self.max_episode_tokens, self.max_turn_tokens, self.workers) < 1:
-            raise ValueError("max_turns, max_episode_tokens, max_turn_tokens and workers must be >= 1")
-        if self.step_timeout_s <= 0:
-            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
 
 
 @dataclass
@@ -151,14 +134,18 @@ class StepPool:
 
 
 class EpisodeRunner:
-    """Runs episodes of ``make_env()`` environments with ``model`` (see the module)."""
+    """Runs episodes of ``make_env()`` environments with ``model`` (see the module): the
+    limits, sampling and decoder of ``gen``, or greedy decoding with ``greedy`` (the
+    held-out evaluation); ``workers`` threads run environment steps beside decoding."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 make_env: Callable[[], Environment], cfg: EpisodeConfig, *, temperature: float = 1.0,
-                 top_p: float = 1.0, decoder: Decoder = "auto") -> None:
-        self.model, self.tokenizer, self.make_env, self.cfg = model, tokenizer, make_env, cfg
-        self.temperature, self.top_p, self.decoder = temperature, top_p, decoder
-        self.pool = StepPool(cfg.workers)
+                 make_env: Callable[[], Environment], gen: GeneratorConfig, *, greedy: bool = False,
+                 workers: int = 8) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.model, self.tokenizer, self.make_env, self.gen = model, tokenizer, make_env, gen
+        self.temperature, self.top_p = (0.0, 1.0) if greedy else (gen.temperature, gen.top_p)
+        self.pool = StepPool(workers)
         self.stats = EpisodeStats()
         self._logged: set[str] = set()
 
@@ -189,7 +176,7 @@ class EpisodeRunner:
         fmt = ChatFormat(self.tokenizer, tool_schemas(getattr(env, "tools", ())))
         prompt, prompt_ids = fmt.prompt(messages)
         context = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
-        limit = min(self.cfg.max_episode_tokens, context - len(prompt_ids))
+        limit = min(self.gen.max_episode_tokens, context - len(prompt_ids))
         if limit < 1:
             self.stats.ends[ENV_ERROR] += 1
             self._log_once(ENV_ERROR, f"a prompt of {len(prompt_ids)} tokens leaves no room in the model's "
@@ -199,11 +186,11 @@ class EpisodeRunner:
 
     def _sample_turns(self, ready: list[_Episode], version: int, rng: torch.Generator | None) -> None:
         budgets = [ep.limit - len(ep.ids) for ep in ready]
-        params = SamplingParams(max_new_tokens=min(self.cfg.max_turn_tokens, max(budgets)),
+        params = SamplingParams(max_new_tokens=min(self.gen.max_new_tokens, max(budgets)),
                                 temperature=self.temperature, top_p=self.top_p)
         eot = ready[0].fmt.end_of_turn_id
         out = sample(self.model, [ep.prompt_ids + ep.ids for ep in ready], params, eos_id=eot,
-                     pad_id=self.tokenizer.pad_token_id, generator=rng, decoder=self.decoder)
+                     pad_id=self.tokenizer.pad_token_id, generator=rng, decoder=self.gen.gen_decoder)
         tokens_BT, logprobs_BT, lengths = out.tokens_BT.cpu(), out.logprobs_BT.cpu(), out.lengths_B.tolist()
         for i, ep in enumerate(ready):
             n = min(lengths[i], budgets[i])
@@ -217,7 +204,7 @@ class EpisodeRunner:
             text = self.tokenizer.decode([t for t in turn_ids if t != eot], skip_special_tokens=False)
             ep.messages.append({"role": "assistant", "content": text})
             ep.step = self.pool.submit(_timed_step, ep.env, text)
-            ep.deadline = time.monotonic() + self.cfg.step_timeout_s
+            ep.deadline = time.monotonic() + self.gen.env_step_timeout_s
 
     def _finish_step(self, ep: _Episode) -> None:
         fut, ep.step = ep.step, None
@@ -234,7 +221,7 @@ class EpisodeRunner:
             ep.rewards.append(float(step.reward))
         if step.done:
             return self._ended(ep, DONE)
-        if ep.turns >= self.cfg.max_turns:
+        if ep.turns >= self.gen.max_turns:
             return self._ended(ep, MAX_TURNS)
         observation = as_messages(step.observation)
         try:
@@ -264,7 +251,7 @@ class EpisodeRunner:
             elif now >= ep.deadline or stop():
                 ep.step.cancel()  # type: ignore[union-attr]
                 ep.step = None
-                self._ended(ep, STEP_TIMEOUT, f"an environment step ran past its {self.cfg.step_timeout_s:g} s "
+                self._ended(ep, STEP_TIMEOUT, f"an environment step ran past its {self.gen.env_step_timeout_s:g} s "
                             "deadline" if not stop() else "")
 
     def run(self, rows: Sequence[Mapping[str, Any]], *, group_size: int, version: Callable[[], int],
@@ -333,5 +320,5 @@ def to_group(episodes: list[_Episode], group_id: GroupId, tokenizer: PreTrainedT
     return RolloutGroup(group_id=group_id, version=version, rollouts=rollouts)
 
 
-__all__ = ["DONE", "ENV_ERROR", "EpisodeConfig", "EpisodeRunner", "EpisodeStats", "MAX_TOKENS", "MAX_TURNS",
+__all__ = ["DONE", "ENV_ERROR", "EpisodeRunner", "EpisodeStats", "MAX_TOKENS", "MAX_TURNS",
            "STEP_TIMEOUT", "episode_reward", "to_group"]

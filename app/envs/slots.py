@@ -21,17 +21,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from llamarl.app import names
 from llamarl.app.config import GeneratorConfig, TrainerConfig
-from llamarl.app.envs.episodes import EpisodeConfig, EpisodeRunner, episode_reward
+from llamarl.app.envs.episodes import EpisodeRunner, episode_reward
 from llamarl.app.envs.spec import build_env
 from llamarl.app.rl.contract import RolloutGroup
 
 ROWS = 1000
 """Training rows drawn from the environment; slots cycle through them."""
-
-
-def episode_config(gen: GeneratorConfig) -> EpisodeConfig:
-    return EpisodeConfig(max_turns=gen.max_turns, max_episode_tokens=gen.max_episode_tokens,
-                         max_turn_tokens=gen.max_new_tokens, step_timeout_s=gen.env_step_timeout_s)
 
 
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: TrainerConfig, gen: GeneratorConfig,
@@ -43,16 +38,15 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Tr
     make = build_env(gen.env)
     rows = make().rows("test", cfg.eval_size, seed=cfg.seed)
     out: dict[str, float] = {}
-    for key, temperature in (("accuracy", 0.0), ("sampled_accuracy", gen.temperature)):
-        runner = EpisodeRunner(model, tokenizer, make, episode_config(gen), temperature=temperature,
-                               top_p=gen.top_p if temperature else 1.0, decoder=gen.gen_decoder)
-        rng = torch.Generator(next(model.parameters()).device).manual_seed(step) if temperature else None
+    for key, greedy in (("accuracy", True), ("sampled_accuracy", False)):
+        runner = EpisodeRunner(model, tokenizer, make, gen, greedy=greedy)
+        rng = None if greedy else torch.Generator(next(model.parameters()).device).manual_seed(step)
         try:
             episodes = [ep for g in runner.run(rows, group_size=1, version=lambda: step, rng=rng) for ep in g]
         finally:
             runner.close()
         out[key] = sum(episode_reward(ep) for ep in episodes) / max(1, len(rows))
-        if not temperature:
+        if greedy:
             out["episode_turns"] = runner.stats.turns / max(1, len(episodes))
             out["tool_calls"] = runner.stats.tool_calls / max(1, len(episodes))
     return out
@@ -66,13 +60,11 @@ class SlotEpisodes:
         make = build_env(gen.env)
         self.spec, self.group_size = gen.env, cfg.group_size
         self.rows = make().rows("train", ROWS, seed=cfg.seed)
-        episode = episode_config(gen)
         # Episodes per length bucket (tokens after the prompt, up to a power of two) and per
         # number of weight versions their turns were sampled with: the dashboard's histograms.
         self.lengths: Counter[int] = Counter()
         self.versions: Counter[int] = Counter()
-        self.runner = EpisodeRunner(model, tokenizer, make, episode, temperature=gen.temperature,
-                                    top_p=gen.top_p, decoder=gen.gen_decoder)
+        self.runner = EpisodeRunner(model, tokenizer, make, gen)
 
     def groups(self, slot_ids: list[int], *, version: int, rng: torch.Generator | None, generator_id: int,
                first_seq: int, stop: Callable[[], bool]) -> list[RolloutGroup]:
@@ -100,4 +92,4 @@ class SlotEpisodes:
         self.runner.close()
 
 
-__all__ = ["ROWS", "SlotEpisodes", "episode_config", "evaluate"]
+__all__ = ["ROWS", "SlotEpisodes", "evaluate"]
