@@ -7,7 +7,7 @@ import json
 import os
 import random
 import statistics
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
@@ -219,6 +219,17 @@ def test_a_run_on_shared_cpu_cores_is_costed_at_a_core_to_itself(tmp_path):
     assert engine.simulate(fit.loop()).median_step_s == pytest.approx(measured, rel=0.03)
     alone = engine.simulate(fit.loop(host_load=0.0)).median_step_s
     assert alone == pytest.approx((0.3 + 0.01 + 0.2) / 3, rel=0.03)  # generate, score, train at full speed
+
+
+def test_the_loop_reads_the_run_flags_the_controller_records():
+    """``RUN_FLAGS`` names ``Loop`` fields after the configuration a run records: a flag
+    renamed in the configs fails here rather than the simulator falling back to a default."""
+    from llamarl.app.config import GeneratorConfig, TrainerConfig
+
+    recorded = {f.name for c in (TrainerConfig, GeneratorConfig) for f in fields(c)}
+    recorded |= {"num_generators", "num_reward", "trainer_ranks"}  # the controller's _config_dict
+    assert set(calibrate.RUN_FLAGS) <= recorded
+    assert set(calibrate.RUN_FLAGS.values()) <= {f.name for f in fields(Loop)}
 
 
 def test_from_run_refuses_a_directory_without_a_database(tmp_path):

@@ -40,6 +40,17 @@ from llamarl.app.sim.costs import GenCost, Lengths, Loop, RewardCost, SyncCost, 
 from llamarl.app.sim.engine import Report
 
 
+RUN_FLAGS = {"steps": "steps", "prompts_per_step": "prompts_per_step", "group_size": "group_size",
+             "max_staleness": "max_staleness", "num_generators": "generators",
+             "gen_batch_prompts": "gen_batch_prompts", "num_reward": "reward_executors",
+             "trainer_ranks": "trainer_ranks", "eval_every": "eval_every"}
+"""``Loop``'s fields that are a run's configuration, by their name in the configuration the
+run recorded (the controller's: ``TrainerConfig``'s and ``GeneratorConfig``'s fields and the
+app's shape, ``num_generators``, ``num_reward``, ``trainer_ranks``). Read by name from the
+record, not from those classes: this package sits below ``llamarl.app.config`` and stays
+free of torch for the dashboard, and a loop may be one no run has (a spec, a what-if). A
+key the record lacks keeps ``Loop``'s default."""
+
 NARROW = 0.2
 """A regressor whose spread (standard deviation over mean) is below this cannot separate a
 constant from a slope in a run's timings."""
@@ -168,12 +179,8 @@ class Calibration:
         """The calibrated loop, in the run's configuration unless ``overrides`` (``Loop``'s
         fields) say otherwise; ``extra_reward_s_per_rollout`` adds a known wait per rollout
         scored (``RewardCost.wait_s``)."""
-        c = self.config
-        base = dict(steps=c.get("steps", 30), prompts_per_step=c.get("prompts_per_step", 16),
-                    group_size=c.get("group_size", 8), max_staleness=c.get("max_staleness", 1),
-                    generators=c.get("num_generators", 1), gen_batch_prompts=c.get("gen_batch_prompts", 8),
-                    reward_executors=c.get("num_reward", 0), trainer_ranks=c.get("trainer_ranks", 1),
-                    eval_every=c.get("eval_every", 0), cores=self.cores, host_load=self.host_load)
+        base = {name: self.config[key] for key, name in RUN_FLAGS.items() if key in self.config}
+        base.update(cores=self.cores, host_load=self.host_load)
         base.update(overrides)
         lengths = self.lengths if max_new_tokens is None else replace(self.lengths, cap=max_new_tokens)
         reward = replace(self.reward, wait_s=self.reward.wait_s + extra_reward_s_per_rollout)
