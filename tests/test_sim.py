@@ -137,14 +137,18 @@ def test_robust_fit_recovers_coefficients_past_an_outlier():
 GROUPS_PER_BATCH, PUSH_S = 4, 0.002
 
 
-def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, tokens_per_row=20, cpu_share=None):
+def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, tokens_per_row=20, cpu_share=None,
+              bounds=None):
     """A metrics database as the app writes it (``events.MetricsWriter``), of a synchronous
     loop whose every cost is known: one generator batch a step, scored by one reward
     executor, trained, synced. With ``cpu_share``, a run on CPUs whose generator and
-    trainer had that share of a core (their CPU seconds recorded)."""
+    trainer had that share of a core (their CPU seconds recorded). With ``bounds``, a
+    ``--max-staleness auto`` run that held ``bounds[step - 1]`` at each step."""
     config = {"prompts_per_step": rows // 4, "group_size": 4, "max_staleness": 0, "num_generators": 1,
               "num_reward": 1, "gen_batch_prompts": rows // 4, "max_new_tokens": 48, "steps": steps, "eval_every": 0,
               "device": "cpu" if cpu_share else "cuda"}
+    if bounds is not None:
+        config["max_staleness"] = "auto"
     writer = events.MetricsWriter(run_dir, run_id="fixture", config=config)
     t, evs = 1000.0, []
     for step in range(1, steps + 1):
@@ -178,6 +182,8 @@ def write_run(run_dir, *, gen_s, train_s, sync_s, score_s, steps=12, rows=16, to
             evs.append(events.scalar(names.TRAIN_CPU_S, tr * cpu_share, role="trainer", t=t + tr))
         evs.append(events.scalar(names.TRAIN_STEP_S, g_wall + score_s + tr + sync_s, role="trainer",
                                  step=step, t=t + tr))
+        if step <= len(bounds or ()):
+            evs.append(events.scalar(names.STALENESS_BOUND, bounds[step - 1], role="trainer", step=step, t=t + tr))
         t += tr
         evs.append(events.interval("busy", "weight_sync", t, t + sync_s, role="trainer"))
         evs.append(events.weight_sync(step, "trainer/0", 1000, sync_s))
@@ -230,6 +236,16 @@ def test_the_loop_reads_the_run_flags_the_controller_records():
     recorded |= {"num_generators", "num_reward", "trainer_ranks"}  # the controller's _config_dict
     assert set(calibrate.RUN_FLAGS) <= recorded
     assert set(calibrate.RUN_FLAGS.values()) <= {f.name for f in fields(Loop)}
+
+
+def test_an_auto_bound_run_is_simulated_at_the_bound_it_held_longest(tmp_path):
+    write_run(tmp_path / "auto", gen_s=0.3, train_s=0.2, sync_s=0.05, score_s=0.01, bounds=[1, 2, 2, 2, 3] + [2] * 7)
+    fit = calibrate.from_run(tmp_path / "auto")
+    assert fit.loop().max_staleness == 2
+    assert any("auto: simulated at 2" in n and "from 1 to 3" in n for n in fit.notes)
+    write_run(tmp_path / "silent", gen_s=0.3, train_s=0.2, sync_s=0.05, score_s=0.01, bounds=[])
+    with pytest.raises(ValueError, match="recorded no staleness/bound"):
+        calibrate.from_run(tmp_path / "silent")
 
 
 def test_from_run_refuses_a_directory_without_a_database(tmp_path):

@@ -226,6 +226,19 @@ class _Db:
         self.db.close()
 
 
+def _auto_bound(db: _Db, notes: list[str]) -> int:
+    """The bound an ``auto`` run (``--max-staleness auto``) held for most of its steps
+    (its ``staleness/bound`` scalar), since the simulator runs one fixed bound."""
+    bounds = [round(v) for _, _, v in db.scalars(names.STALENESS_BOUND, "trainer")]
+    if not bounds:
+        raise ValueError("the run's --max-staleness is auto but it recorded no staleness/bound: "
+                         "nothing tells which bound to simulate (give one with --max-staleness K)")
+    held = statistics.mode(bounds)
+    notes.append(f"--max-staleness auto: simulated at {held}, the bound it held longest "
+                 f"(from {min(bounds)} to {max(bounds)} over {len(bounds)} steps)")
+    return held
+
+
 def _paired(db: _Db, role: str, what: str, rate_names: list[str]) -> list[tuple[int, float, float, float, list[float]]]:
     """Each unit of work of ``role`` with the rates its executor reported after it: the
     ``what`` intervals before one report (the first scalar of each name at or after their
@@ -300,6 +313,8 @@ def from_run(run_dir: str | Path, *, lengths_sigma: float | None = None) -> Cali
 
 def _fit(db: _Db, lengths_sigma: float | None) -> Calibration:
     cfg, notes = db.config, []
+    if cfg.get("max_staleness") == "auto":
+        cfg["max_staleness"] = _auto_bound(db, notes)
     cap = int(cfg.get("max_new_tokens", 48))
     batches = _paired(db, "generator", "generate", [names.GEN_TOKENS_PER_S, names.GEN_SEQS_PER_S])
     if not batches:
