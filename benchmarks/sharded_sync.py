@@ -50,6 +50,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -228,15 +229,22 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
     checks = {"streamed": DigestCheck(me, replica, wait_s=TIMEOUT_S),
               "after": DigestCheck(me, replica, wait_s=TIMEOUT_S, overlap=False)}
 
+    # A method's receiver thread is started before its step is timed and stopped after,
+    # as a generator's runs all along (one thread at a time: two would both answer group
+    # 0's next sync): the timed window is from the announcement to the staged version.
+    threads: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
+
     def receive_with(receiver: WeightReceiver, method: str, check: str | None = None):
-        def receive(rep: int) -> None:
-            version = rep if check is None else _digest_version(method, rep)
-            # One receiver thread at a time: both would answer group 0's next sync.
+        def start() -> None:
             receiver.verify = None if check is None else checks[check]
             receiver.start_background()
+
+        threads[method] = (start, receiver.stop_background)
+
+        def receive(rep: int) -> None:
+            version = rep if check is None else _digest_version(method, rep)
             refused = lambda: any(c.counts for c in checks.values())  # noqa: E731
             barrier._wait(lambda: receiver.latest_version() == version or refused(), f"version {version}")
-            receiver.stop_background()
             if refused():
                 raise RuntimeError(f"benchmark: generator {replica} refused a version: "
                                    f"{ {k: c.refused for k, c in checks.items()} }")
@@ -263,9 +271,12 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
     for rep in range(-1, args.repeats):
         for name, fn in methods.items():
             key = f"bench/{ranks}/{name}/{rep}"
+            start, stop = threads.get(name, (lambda: None, lambda: None))
+            start()
             barrier.arrive(key + "/ready")
             fn(rep)
             barrier.arrive(key + "/done")
+            stop()
             if name == "sharded" and not checked:  # outside the timed window
                 torch.manual_seed(0)
                 expected = torch.cat([t.reshape(-1) for _, t in llama_like_params(args.params)])

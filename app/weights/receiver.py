@@ -250,9 +250,10 @@ class WeightReceiver:
                                                               [g.writers(0)]) is None]
             if not pending:
                 break
-            if self._stop.is_set() or (should_stop is not None and should_stop()):
+            if should_stop is not None and should_stop():
                 return False
-            time.sleep(backoff.next())
+            if self._stop.wait(backoff.next()):  # set: stop now, not after the sleep
+                return False
         return True
 
     def _receive(self) -> tuple[SyncStats, Verification | None]:
