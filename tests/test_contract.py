@@ -89,6 +89,26 @@ def test_an_episode_of_several_segments_round_trips_and_counts_its_oldest_segmen
     assert old.rollouts[0].segment_versions.tolist() == [2] and old.oldest_version == 2
 
 
+def test_each_episode_of_a_group_keeps_its_own_task_on_the_wire():
+    """An episode's reward lives in its task: a group of episodes scored 1 and 0 must
+    arrive scored 1 and 0, or every group has zero variance and nothing is learnt."""
+    group = make_group(G=2)
+    group.rollouts[0].task = {"answer": 7.0, "env_reward": 1.0, "turns": 2}
+    group.rollouts[1].task = {"answer": 7.0, "env_reward": 0.0, "turns": 3}
+    got = from_message(wire(group), vocab_size=32)
+    assert [r.task for r in got.rollouts] == [r.task for r in group.rollouts]
+    assert "tasks" not in wire(make_group())  # single-turn rollouts share the row's task: sent once
+    msg = wire(group)
+    msg["tasks"][1] = [0.0]
+    with pytest.raises(MalformedMessage) as err:
+        from_message(msg)
+    assert (err.value.reason, err.value.field) == ("wrong_type", "tasks[1]")
+    msg["tasks"] = msg["tasks"][:1]
+    with pytest.raises(MalformedMessage) as err:
+        from_message(msg)
+    assert (err.value.reason, err.value.field) == ("wrong_length", "tasks")
+
+
 @pytest.mark.parametrize("edit, reason, field", [
     (lambda m: m["policy_mask"].__setitem__(0, m["policy_mask"][0][:-1]), "wrong_length", "policy_mask[0]"),
     (lambda m: m["policy_mask"].__setitem__(0, m["policy_mask"][0].long()), "wrong_type", "policy_mask[0]"),

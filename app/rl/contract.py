@@ -12,7 +12,12 @@ builds and reads that message here, with ``to_message`` and ``from_message``:
      "logprobs": [float32[T_i]] * G, "results": [RewardResult dict] * G  (scored only),
      "slot": int  (optional),
      "policy_mask": [bool[T_i]] * G  (optional: absent, every completion token is the policy's),
-     "segment_versions": [int64[S_i]] * G  (optional: absent, every policy segment is of "version")}
+     "segment_versions": [int64[S_i]] * G  (optional: absent, every policy segment is of "version"),
+     "tasks": [{...JSON...}] * G  (optional: absent, every rollout's task is "task")}
+
+An episode's task differs per rollout (its environment's reward, turns and tool calls go
+into it), so a group whose rollouts' tasks differ sends each of them in ``tasks``; the
+reward of each episode is then its own, not the first's.
 
 Token ids and log-probs travel as raw tensor bytes (``llamarl.app.control.transport``'s frames),
 exact, and stay tensors: a ``Rollout`` holds 1-D CPU tensors from the sampler to the
@@ -211,6 +216,8 @@ def to_message(group: RolloutGroup) -> dict[str, Any]:
         msg["policy_mask"] = [r.policy_mask for r in group.rollouts]
     if not all(bool(r.segment_versions.eq(group.version).all()) for r in group.rollouts):
         msg["segment_versions"] = [r.segment_versions for r in group.rollouts]
+    if any(r.task != first.task for r in group.rollouts[1:]):
+        msg["tasks"] = [r.task for r in group.rollouts]
     if group.slot is not None:
         msg["slot"] = group.slot
     if group.scored:
@@ -336,6 +343,7 @@ def from_message(msg: dict[str, Any], *, vocab_size: int | None = None,
     logprobs = _list_of(msg, "logprobs", G)
     results, masks, versions = (_list_of(msg, k, G) if k in msg else [None] * G
                                 for k in ("results", "policy_mask", "segment_versions"))
+    tasks = _list_of(msg, "tasks", G) if "tasks" in msg else [task] * G
     group_id = GroupId(generator, seq)
     rollouts = []
     for i in range(G):
@@ -349,10 +357,12 @@ def from_message(msg: dict[str, Any], *, vocab_size: int | None = None,
         if not bool(torch.isfinite(lp).all()) or float(lp.max()) > _LOGPROB_SLACK:
             raise MalformedMessage(BAD_VALUE, f"logprobs[{i}]", "log-probs must be finite and <= 0")
         mask, segment_versions = _segments(masks[i], versions[i], i, len(tokens), version)
+        if not isinstance(tasks[i], dict):
+            raise MalformedMessage(WRONG_TYPE, f"tasks[{i}]", f"got {type(tasks[i]).__name__}")
         rollouts.append(Rollout(
             prompt_ids=prompt_ids, completion_ids=tokens, behaviour_logprobs=lp, policy_mask=mask,
             segment_versions=segment_versions, version=version, group_id=group_id, prompt=prompt,
-            completion=texts[i], task=task,
+            completion=texts[i], task=tasks[i],
             result=None if results[i] is None else _result(results[i], f"results[{i}]")))
     return RolloutGroup(group_id=group_id, version=version, rollouts=rollouts, sent_at=sent_at, slot=slot)
 
