@@ -4,14 +4,17 @@
 
 Three measurements, each side by side in one run on this machine:
 
-1. **Tool vs no tool.** Two runs of the real TorchX app from the same policy (by default
-   the tiny policy's tool warm start, ``llamarl.app.envs.tool_warmstart``, which has seen
-   worked solutions and calculator calls alike) and seed, the same steps and samples, on
-   the built-in arithmetic task's hardest level (level 3: three chained operations) as an environment (``BenchCalculator``): one with the ``calculate``
-   tool described to the policy, one without (the same environment, ``tool=false``). Each
-   run's final checkpoint then plays the same held-out rows (greedy, one episode per row,
-   up to ``--max-turns`` turns) with its own condition's environment: ``acc_tool``,
-   ``acc_no_tool`` and ``acc_se`` (the larger binomial standard error of the two).
+1. **Tool vs no tool.** Runs of the real TorchX app with the same seed, steps and
+   samples, on the built-in arithmetic task's hardest level (level 3: three chained
+   operations) as an environment (``BenchCalculator``): ``tool``, the tiny policy's tool
+   warm start (``llamarl.app.envs.tool_warmstart``: worked solutions and calculator calls)
+   with the ``calculate`` tool described to it; ``no_tool``, the plain warm start (worked
+   solutions only: the policy that does the sums in its head best) without it; and
+   ``no_tool_same_start``, the tool warm start without the tool (the same environment,
+   ``tool=false``). Each run's final checkpoint then plays the same held-out rows (greedy,
+   one episode per row, up to ``--max-turns`` turns) with its own condition's
+   environment: ``acc_tool``, ``acc_no_tool``, ``acc_no_tool_same_start`` and ``acc_se``
+   (the largest binomial standard error of them).
 2. **Async vs sync with a variable tool latency.** Two app runs with ``max_staleness`` 0
    (generate, train, sync) and 1, every environment step sleeping a uniform 0 to
    ``--max-sleep-ms`` ms first (``BenchCalculator(max_sleep_ms=...)``, the tool's
@@ -67,14 +70,14 @@ def spec(**options: Any) -> str:
     return f"{ENV}({','.join(f'{k}={str(v).lower()}' for k, v in options.items())})"
 
 
-def launch(name: str, env: str, max_staleness: int, args: argparse.Namespace) -> Path:
+def launch(name: str, env: str, max_staleness: int, args: argparse.Namespace, policy: str) -> Path:
     from torchx.runner import get_runner
     from torchx.specs import AppState
 
     from benchmarks import apps
 
     options = ["--num_generators", "1", "--steps", str(args.steps), "--max_staleness", str(max_staleness),
-               "--runs_dir", args.runs_dir, "--threads", "1", "--policy", args.policy]
+               "--runs_dir", args.runs_dir, "--threads", "1", "--policy", policy]
     flags = ["--env", env, "--rewards", "env_reward", "--max-turns", str(args.max_turns),
              "--max-episode-tokens", str(args.max_episode_tokens), "--max-new-tokens", str(args.max_new_tokens),
              "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
@@ -163,7 +166,7 @@ def tokens_per_s(policy: Path | str, args: argparse.Namespace) -> dict[str, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True, help="where to write the results")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-turns", type=int, default=3)
@@ -176,31 +179,39 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32, help="episodes in flight for the tokens/s figure")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy", default="warmstart", help="a policy directory; 'warmstart': the tool warm start")
+    parser.add_argument("--plain-policy", default="warmstart",
+                        help="the no-tool run's policy directory; 'warmstart': the plain warm start")
     parser.add_argument("--runs-dir", default="runs/bench-episodes")
     parser.add_argument("--timeout-s", type=float, default=900)
     args = parser.parse_args()
     if args.policy == "warmstart":
         from llamarl.app.envs.tool_warmstart import ensure_tool_warmstart
         args.policy = str(ensure_tool_warmstart().resolve())
+    if args.plain_policy == "warmstart":
+        from llamarl.app.rl.warmstart import ensure_warmstart
+        args.plain_policy = str(ensure_warmstart().resolve())
 
     speed = tokens_per_s(args.policy, args)
-    runs = {name: run_summary(launch(name, env, staleness, args)) for name, env, staleness in [
-        ("tool", spec(tool=True), 1), ("no_tool", spec(tool=False), 1),
-        ("sync_slow_tool", spec(max_sleep_ms=args.max_sleep_ms), 0),
-        ("async_slow_tool", spec(max_sleep_ms=args.max_sleep_ms), 1)]}
+    runs = {name: run_summary(launch(name, env, staleness, args, policy)) for name, env, staleness, policy in [
+        ("tool", spec(tool=True), 1, args.policy), ("no_tool", spec(tool=False), 1, args.plain_policy),
+        ("no_tool_same_start", spec(tool=False), 1, args.policy),
+        ("sync_slow_tool", spec(max_sleep_ms=args.max_sleep_ms), 0, args.policy),
+        ("async_slow_tool", spec(max_sleep_ms=args.max_sleep_ms), 1, args.policy)]}
     acc = {name: held_out_accuracy(Path(runs[name]["run_dir"]) / "checkpoints" / f"step-{args.steps}",
-                                   name == "tool", args) for name in ("tool", "no_tool")}
+                                   name == "tool", args) for name in ("tool", "no_tool", "no_tool_same_start")}
     sync_s, async_s = runs["sync_slow_tool"]["median_step_s"], runs["async_slow_tool"]["median_step_s"]
     result = {
         "acc_tool": acc["tool"]["acc"], "acc_no_tool": acc["no_tool"]["acc"],
-        "acc_se": max(acc["tool"]["se"], acc["no_tool"]["se"]),
+        "acc_no_tool_same_start": acc["no_tool_same_start"]["acc"],
+        "acc_se": max(a["se"] for a in acc.values()),
         "async_speedup_tool_latency": sync_s / async_s,
         "sync_step_s": sync_s, "async_step_s": async_s, **speed,
         "details": {"held_out": acc, "runs": runs, "args": {k: v for k, v in vars(args).items() if k != "json"}},
     }
     Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     print(f"held-out accuracy (level 3, {args.eval_rows} rows): tool {result['acc_tool']:.3f}, "
-          f"no tool {result['acc_no_tool']:.3f} (se {result['acc_se']:.3f})")
+          f"no tool {result['acc_no_tool']:.3f}, the tool's start without it "
+          f"{result['acc_no_tool_same_start']:.3f} (se {result['acc_se']:.3f})")
     print(f"step time with a 0-{args.max_sleep_ms} ms tool: sync {sync_s:.2f} s, async {async_s:.2f} s, "
           f"speedup {result['async_speedup_tool_latency']:.2f}x")
     print(f"generator tokens/s: episodes {speed['episode_tokens_per_s']:.0f}, single-turn "
