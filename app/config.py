@@ -370,10 +370,16 @@ class GeneratorConfig:
     """Tokens after the prompt per episode at most, the policy's and the environment's (with ``--env``)."""
     env_step_timeout_s: float = 10.0
     """Deadline of one environment step (a tool call); past it the episode ends, counted (with ``--env``)."""
+    episode_kv_cache_mb: float = 1024.0
+    """Memory for the keys and values kept between an episode's turns, so that a turn
+    prefills only the tokens since the last (MiB, all episodes in flight; 0: every turn
+    prefills its whole sequence; Llama-architecture policies; with ``--env``)."""
 
     def __post_init__(self) -> None:
         if min(self.max_turns, self.max_episode_tokens) < 1 or self.env_step_timeout_s <= 0:
             raise ValueError("max_turns and max_episode_tokens must be >= 1 and env_step_timeout_s > 0")
+        if self.episode_kv_cache_mb < 0:
+            raise ValueError(f"episode_kv_cache_mb must be >= 0, got {self.episode_kv_cache_mb}")
         if self.gen_decoder not in get_args(Decoder):
             raise ValueError(f"gen_decoder must be one of {', '.join(get_args(Decoder))}, got {self.gen_decoder!r}")
         if self.gen_decoder == "compiled" and self.gen_precision == "int8":

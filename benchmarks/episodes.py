@@ -107,15 +107,15 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     return {"run_dir": str(run_dir), "median_step_s": statistics.median(step_s[1:] or step_s), "env": env}
 
 
-def _runner(policy: Path | str, env: BenchCalculator, args: argparse.Namespace):
+def _runner(policy: Path | str, env: BenchCalculator, args: argparse.Namespace, model_tokenizer=None, **gen: Any):
     from llamarl.app.config import GeneratorConfig
     from llamarl.app.envs.episodes import EpisodeRunner
     from llamarl.app.model.policy import load_policy
 
-    model, tokenizer = load_policy(policy)
-    gen = GeneratorConfig(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens,
-                          max_new_tokens=args.max_new_tokens)
-    return EpisodeRunner(model, tokenizer, lambda: BenchCalculator(tool=bool(env.tools)), gen, greedy=True)
+    model, tokenizer = model_tokenizer or load_policy(policy)
+    cfg = GeneratorConfig(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens,
+                          max_new_tokens=args.max_new_tokens, **gen)
+    return EpisodeRunner(model, tokenizer, lambda: BenchCalculator(tool=bool(env.tools)), cfg, greedy=True)
 
 
 def held_out_accuracy(policy: Path, tool: bool, args: argparse.Namespace) -> dict[str, float]:
@@ -133,34 +133,76 @@ def held_out_accuracy(policy: Path, tool: bool, args: argparse.Namespace) -> dic
             "tool_calls": runner.stats.tool_calls, "turns": runner.stats.turns}
 
 
-def tokens_per_s(policy: Path | str, args: argparse.Namespace) -> dict[str, float]:
-    """Episodes in flight vs single-turn sampling of the same total length (see the module)."""
+EPISODE_RUNS: dict[str, dict[str, Any]] = {
+    "episode_before": {"episode_kv_cache_mb": 0.0},  # every turn prefills its whole sequence
+    "episode": {},  # the default: keys and values kept between an episode's turns
+}
+"""The episode runner's settings the tokens/s figure compares (``GeneratorConfig`` fields)."""
+
+
+def tokens_per_s(policy: Path | str, args: argparse.Namespace) -> dict[str, Any]:
+    """Episodes in flight, under each of ``EPISODE_RUNS``, vs single-turn sampling of the
+    same total length (see the module): ``--repeats`` rounds of them all in turn after one
+    untimed round, each figure the median."""
     import torch
 
+    from llamarl.app.model.policy import load_policy
     from llamarl.app.sampling import SamplingParams, sample
 
+    torch.set_num_threads(args.threads)
     env = BenchCalculator()
-    runner = _runner(policy, env, args)
-    runner.temperature = 1.0
+    model_tokenizer = load_policy(policy)
     rows = env.rows("train", args.rows, seed=args.seed)
-    try:
+
+    def episodes(cfg: dict[str, Any]) -> tuple[float, list]:
+        runner = _runner(policy, env, args, model_tokenizer, **cfg)
+        runner.temperature = 1.0
+        try:
+            t0 = time.perf_counter()
+            groups = runner.run(rows, group_size=1, version=lambda: 0, rng=torch.Generator().manual_seed(args.seed))
+            seconds = time.perf_counter() - t0
+        finally:
+            runner.close()
+        return seconds, [(ep, runner.stats) for g in groups for ep in g]
+
+    def single_turn(prompts: list[list[int]], length: int) -> tuple[float, int]:
+        model, tokenizer = model_tokenizer
         t0 = time.perf_counter()
-        groups = runner.run(rows, group_size=1, version=lambda: 0, rng=torch.Generator().manual_seed(args.seed))
-        episode_s = time.perf_counter() - t0
-    finally:
-        runner.close()
-    episodes = [ep for g in groups for ep in g]
-    tokens = sum(len(ep.ids) for ep in episodes)
-    length = max(1, round(tokens / len(episodes)))
-    prompts = [ep.prompt_ids for ep in episodes]
-    t0 = time.perf_counter()
-    out = sample(runner.model, prompts, SamplingParams(max_new_tokens=length, temperature=1.0),
-                 eos_id=-1, pad_id=runner.tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed))
-    single_s = time.perf_counter() - t0
-    single_tokens = int(out.lengths_B.sum())
-    return {"episode_tokens_per_s": tokens / episode_s, "single_turn_tokens_per_s": single_tokens / single_s,
-            "episode_tokens": tokens, "single_turn_tokens": single_tokens, "episodes": len(episodes),
-            "mean_turns": runner.stats.turns / len(episodes)}
+        out = sample(model, prompts, SamplingParams(max_new_tokens=length, temperature=1.0), eos_id=-1,
+                     pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed))
+        return time.perf_counter() - t0, int(out.lengths_B.sum())
+
+    rates: dict[str, list[float]] = {f"{name}_tokens_per_s": [] for name in [*EPISODE_RUNS, "single_turn"]}
+    counts: dict[str, list[int]] = {k: [] for k in rates}
+    turns = []
+    for repeat in range(args.repeats + 1):  # the first, untimed: one-time costs (allocations, threads)
+        for name, cfg in EPISODE_RUNS.items():
+            seconds, played = episodes(cfg)
+            tokens = sum(len(ep.ids) for ep, _ in played)
+            if repeat:
+                rates[f"{name}_tokens_per_s"].append(tokens / seconds)
+                counts[f"{name}_tokens_per_s"].append(tokens)
+                turns.append(played[0][1].turns / len(played))
+        prompts = [ep.prompt_ids for ep, _ in played]
+        seconds, tokens = single_turn(prompts, max(1, round(tokens / len(played))))
+        if repeat:
+            rates["single_turn_tokens_per_s"].append(tokens / seconds)
+            counts["single_turn_tokens_per_s"].append(tokens)
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in rates.items()}
+    out.update({k.replace("_per_s", ""): statistics.median(v) for k, v in counts.items()})
+    out.update(episodes=len(played), mean_turns=statistics.mean(turns), repeats=args.repeats,
+               episode_speedup=out["episode_tokens_per_s"] / out["episode_before_tokens_per_s"],
+               episode_vs_single_turn=out["episode_tokens_per_s"] / out["single_turn_tokens_per_s"],
+               episode_before_vs_single_turn=out["episode_before_tokens_per_s"] / out["single_turn_tokens_per_s"],
+               per_repeat=rates)
+    return out
+
+
+def speed_line(speed: dict[str, Any]) -> str:
+    runs = ", ".join(f"{k.removesuffix('_tokens_per_s')} {v:.0f}" for k, v in speed.items()
+                     if k.endswith("_tokens_per_s"))
+    return (f"generator tokens/s (medians of {speed['repeats']}): {runs}; episodes vs single-turn "
+            f"{speed['episode_vs_single_turn']:.2f}x (before: {speed['episode_before_vs_single_turn']:.2f}x)")
 
 
 def main() -> None:
@@ -177,12 +219,17 @@ def main() -> None:
     parser.add_argument("--max-sleep-ms", type=int, default=200)
     parser.add_argument("--eval-rows", type=int, default=200)
     parser.add_argument("--rows", type=int, default=32, help="episodes in flight for the tokens/s figure")
+    parser.add_argument("--repeats", type=int, default=10, help="timed rounds of the tokens/s figure")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for the tokens/s figure (the app runs' generators have 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy", default="warmstart", help="a policy directory; 'warmstart': the tool warm start")
     parser.add_argument("--plain-policy", default="warmstart",
                         help="the no-tool run's policy directory; 'warmstart': the plain warm start")
     parser.add_argument("--runs-dir", default="runs/bench-episodes")
     parser.add_argument("--timeout-s", type=float, default=900)
+    parser.add_argument("--only-throughput", action="store_true",
+                        help="measure 3 (generator tokens/s) only, in this process: a minute or two")
     args = parser.parse_args()
     if args.policy == "warmstart":
         from llamarl.app.envs.tool_warmstart import ensure_tool_warmstart
@@ -192,6 +239,11 @@ def main() -> None:
         args.plain_policy = str(ensure_warmstart().resolve())
 
     speed = tokens_per_s(args.policy, args)
+    if args.only_throughput:
+        args_out = {k: v for k, v in vars(args).items() if k != "json"}
+        Path(args.json).write_text(json.dumps({**speed, "details": {"args": args_out}}, indent=2, default=str))
+        print(speed_line(speed) + f"; wrote {args.json}")
+        return
     runs = {name: run_summary(launch(name, env, staleness, args, policy)) for name, env, staleness, policy in [
         ("tool", spec(tool=True), 1, args.policy), ("no_tool", spec(tool=False), 1, args.plain_policy),
         ("no_tool_same_start", spec(tool=False), 1, args.policy),
@@ -214,8 +266,7 @@ def main() -> None:
           f"{result['acc_no_tool_same_start']:.3f} (se {result['acc_se']:.3f})")
     print(f"step time with a 0-{args.max_sleep_ms} ms tool: sync {sync_s:.2f} s, async {async_s:.2f} s, "
           f"speedup {result['async_speedup_tool_latency']:.2f}x")
-    print(f"generator tokens/s: episodes {speed['episode_tokens_per_s']:.0f}, single-turn "
-          f"{speed['single_turn_tokens_per_s']:.0f}; wrote {args.json}")
+    print(speed_line(speed) + f"; wrote {args.json}")
 
 
 if __name__ == "__main__":

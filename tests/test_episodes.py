@@ -81,6 +81,31 @@ def test_turns_are_segments_with_their_versions_and_the_environment_is_masked(po
     assert torch.equal(again.rollouts[1].segment_versions, groups[0].rollouts[1].segment_versions)
 
 
+def test_kept_keys_and_values_sample_what_whole_prefills_do_until_the_weights_change(policy):
+    """A 3-turn episode prefilled after its kept keys and values at turns 2 and 3 draws
+    the tokens, and records the log-probs, of one prefilled whole at every turn (same
+    seed); a weight change between turns (the generator's swap) drops them, and none are
+    kept past ``kv_cache_mb``."""
+    model = policy[0]
+
+    @torch.no_grad()
+    def swap_in_place():  # the weight receiver's way: copied into the parameters
+        model.lm_head.weight.mul_(1.0)
+
+    played = {}
+    for mb, swap in ((0.0, False), (64.0, False), (64.0, True), (1e-3, False)):
+        r = runner(policy, max_turns=3, max_episode_tokens=200, kv_cache_mb=mb)
+        (g,) = r.groups([{"question": "a"}], group_size=1, version=lambda: 0, rng=torch.Generator().manual_seed(0),
+                        between_turns=swap_in_place if swap else (lambda: None))
+        r.close()
+        played[mb, swap] = g.rollouts[0], r.stats.kv_cached_turns
+    (whole, n_whole), (kept, n_kept), (swapped, n_swapped), (over, n_over) = played.values()
+    assert (n_whole, n_kept, n_swapped, n_over) == (0, 2, 0, 0) and kept.task["turns"] == 3
+    for ro in (kept, swapped, over):
+        assert torch.equal(ro.completion_ids, whole.completion_ids) and torch.equal(ro.policy_mask, whole.policy_mask)
+        torch.testing.assert_close(ro.behaviour_logprobs, whole.behaviour_logprobs, rtol=0, atol=1e-5)
+
+
 def test_a_hung_or_crashing_step_ends_only_its_episode(policy):
     r = runner(policy, max_turns=2, env_step_timeout_s=0.5, workers=4)
     groups = r.groups([{"question": "x", "hang": True}, {"question": "y", "crash": True},

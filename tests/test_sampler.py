@@ -11,7 +11,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 from llamarl.app.rl import step as rl
 from llamarl.app.tasks import arithmetic as tasks
 from llamarl.app.model.policy import build_tokenizer, encode_prompts
-from llamarl.app.sampling import (KVBufferLayer, LlamaFastPath, SamplingParams, Samples, decode, draw,
+from llamarl.app.sampling import (KVBufferLayer, LlamaFastPath, Prefixes, SamplingParams, Samples, decode, draw,
                           generic, kv_cache, llama_fast, logits, new_cache, prefill_groups,
                           process_logits, sample, token_logprobs)
 
@@ -401,6 +401,39 @@ def test_llama_fast_path_prefill_and_decode_match_the_model(kind, tokenizer, pro
             assert (logits_UV[i] - ref_TV[-2]).abs().max() <= 1e-4
             assert (step_UV[i] - ref_TV[-1]).abs().max() <= 1e-4
     assert next_pos_U1.squeeze(-1).tolist() == [len(p) for p in prompts]
+
+
+@pytest.mark.parametrize("decoder", ["eager", "static"])
+@pytest.mark.parametrize("chunk_tokens", [512, 8])
+def test_prefill_after_kept_keys_and_values_samples_what_a_whole_prefill_does(decoder, chunk_tokens, tokenizer,
+                                                                              prompts, monkeypatch):
+    """Prompts continuing an earlier call's (one of them repeated there), prefilled after the
+    keys and values that call kept (``Prefixes``; one prompt without: prefilled whole),
+    draw the tokens and record the log-probs of whole prefills, and keep theirs in turn;
+    in one prefill chunk or several."""
+    monkeypatch.setattr(llama_fast, "PREFILL_CHUNK_TOKENS", chunk_tokens)
+    model = make_model("llama", len(tokenizer))  # GQA: the new tokens' attention groups heads
+    first = prompts + [prompts[0]]
+    params = SamplingParams(max_new_tokens=5)
+
+    def run(batch, prefixes=None):
+        return sample(model, batch, params, eos_id=-1, pad_id=PAD, decoder=decoder, prefixes=prefixes,
+                      generator=torch.Generator().manual_seed(1))
+
+    earlier = Prefixes([None] * len(first))
+    out = run(first, earlier)
+    assert [kv.shape[-2] for kv in earlier.kept] == [len(p) for p in first]
+    longer = [p + out.completion_ids(i) + [5] * (i % 3) for i, p in enumerate(first)]
+    past = list(earlier.kept)
+    past[2] = None
+    after, fresh = Prefixes(past), Prefixes([None] * len(longer))
+    cont, whole = run(longer, after), run(longer, fresh)
+    assert torch.equal(cont.tokens_BT, whole.tokens_BT)
+    torch.testing.assert_close(cont.logprobs_BT, whole.logprobs_BT, rtol=0, atol=1e-5)
+    for kept, made in zip(after.kept, fresh.kept):
+        torch.testing.assert_close(kept, made, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="fewer tokens"):
+        run(first, Prefixes(earlier.kept))  # a past as long as its prompt: nothing left to run
 
 
 def test_fast_path_refuses_rotary_that_depends_on_the_length(tokenizer):

@@ -5,7 +5,13 @@ Each episode: ``env.reset(row)`` renders to the prompt's ids; then rounds of
 1. every episode waiting for the policy samples its turn, all of them in ONE ``sample``
    call (the same sampler as single-turn rollouts), stopping at the end-of-turn token
    (EOS; a Hermes tool call ends the turn too, since the template closes it with the
-   end-of-turn token) or at ``max_new_tokens``;
+   end-of-turn token) or at ``max_new_tokens``. The call's prefill starts from the keys
+   and values the episode's last turn kept (``Prefixes``; Llama-architecture policies),
+   so it runs only the tokens since then, where the same weights made them: a weight
+   version or parameter change in between (``weights_stamp``, which the generator's
+   in-place swap bumps) drops them and the turn prefills its whole sequence, so that
+   its log-probs are the recorded version's alone (not a mix of keys from the old
+   weights and queries from the new);
 2. each finished turn goes to ``env.step`` on a thread pool, with a deadline of
    ``env_step_timeout_s``: the next round samples the episodes that are ready while others'
    steps run, so one slow tool does not stall the batch;
@@ -51,7 +57,8 @@ from llamarl.app.config import GeneratorConfig
 from llamarl.app.envs.chat import ChatFormat
 from llamarl.app.envs.protocol import Environment, Message, Step, as_messages, tool_schemas
 from llamarl.app.rl.contract import GroupId, Rollout, RolloutGroup
-from llamarl.app.sampling import SamplingParams, sample
+from llamarl.app.sampling import Prefixes, SamplingParams, sample
+from llamarl.app.sampling.precision import weights_stamp
 
 log = logging.getLogger("llamarl")
 
@@ -70,10 +77,14 @@ class EpisodeStats:
     ends: Counter[str] = field(default_factory=Counter)
     env_seconds: float = 0.0
     """Summed wall time of environment steps."""
+    kv_cached_turns: int = 0
+    """Policy turns prefilled after keys and values kept from the episode's last turn
+    (only the tokens since then ran)."""
 
     def metrics(self) -> dict[str, float]:
         out = {"episodes": float(self.episodes), "episode_turns": float(self.turns),
-               "tool_calls": float(self.tool_calls), "env_step_s": self.env_seconds}
+               "tool_calls": float(self.tool_calls), "env_step_s": self.env_seconds,
+               "kv_cached_turns": float(self.kv_cached_turns)}
         out.update({f"tool_errors/{k}": float(v) for k, v in self.tool_errors.items()})
         out.update({f"episode_end/{k}": float(v) for k, v in self.ends.items()})
         return out
@@ -100,6 +111,10 @@ class _Episode:
     limit: int = 0
     """Tokens after the prompt it may reach: ``max_episode_tokens``, or less where the
     model's context ends first."""
+    kv: torch.Tensor | None = None
+    """The keys and values of its sequence as of its last turn's prefill (``Prefixes``)."""
+    kv_key: tuple | None = None
+    """The weights ``kv`` was computed with: the version and ``weights_stamp``."""
 
 
 class StepPool:
@@ -148,6 +163,9 @@ class EpisodeRunner:
         self.pool = StepPool(workers)
         self.stats = EpisodeStats()
         self._logged: set[str] = set()
+        self._kv_blocks: dict[int, list[int]] = {}
+        """The blocks of kept keys and values this run's episodes hold (``_hold``): by
+        address, their bytes and how many episodes hold a view of them."""
 
     def close(self) -> None:
         """Stop the pool's threads (a hung step's thread is abandoned: a daemon)."""
@@ -155,6 +173,7 @@ class EpisodeRunner:
 
     def _ended(self, ep: _Episode, reason: str, detail: str = "") -> None:
         ep.end = reason
+        self._hold(ep, None, None)
         self.stats.ends[reason] += 1
         self._log_once(reason, detail)
         if callable(getattr(ep.env, "close", None)):  # optional: a client's connection, say
@@ -184,15 +203,44 @@ class EpisodeRunner:
             return None
         return _Episode(env, fmt, row, messages, prompt, prompt_ids, limit=limit)
 
+    def _hold(self, ep: _Episode, kv: torch.Tensor | None, key: tuple | None) -> None:
+        """Keep ``kv`` (made by weights ``key``) for ``ep``'s next turn, in place of what it
+        held. A round's keys and values are views of one block (``LlamaFastPath.kept``),
+        counted whole while any episode holds a view of it; a new block that would take
+        the run past ``kv_cache_mb`` is not kept."""
+        if ep.kv is not None:
+            held = self._kv_blocks[ep.kv.untyped_storage().data_ptr()]
+            held[1] -= 1
+            if held[1] == 0:
+                del self._kv_blocks[ep.kv.untyped_storage().data_ptr()]
+        ep.kv = ep.kv_key = None
+        if kv is None:
+            return
+        block = kv.untyped_storage()
+        if block.data_ptr() not in self._kv_blocks:
+            if sum(n for n, _ in self._kv_blocks.values()) + block.nbytes() > self.gen.episode_kv_cache_mb * 2**20:
+                return
+            self._kv_blocks[block.data_ptr()] = [block.nbytes(), 0]
+        self._kv_blocks[block.data_ptr()][1] += 1
+        ep.kv, ep.kv_key = kv, key
+
     def _sample_turns(self, ready: list[_Episode], version: int, rng: torch.Generator | None) -> None:
         budgets = [ep.limit - len(ep.ids) for ep in ready]
         params = SamplingParams(max_new_tokens=min(self.gen.max_new_tokens, max(budgets)),
                                 temperature=self.temperature, top_p=self.top_p)
         eot = ready[0].fmt.end_of_turn_id
+        # Keys and values kept from the episodes' last turns, where the same weights made
+        # them: after a swap between turns the sequence is prefilled again, so that the
+        # turn's log-probs are those of the version it records.
+        key = (version, weights_stamp(self.model)) if self.gen.episode_kv_cache_mb > 0 else None
+        prefixes = Prefixes([ep.kv if ep.kv_key == key else None for ep in ready]) if key else None
+        self.stats.kv_cached_turns += 0 if prefixes is None else sum(kv is not None for kv in prefixes.past)
         out = sample(self.model, [ep.prompt_ids + ep.ids for ep in ready], params, eos_id=eot,
-                     pad_id=self.tokenizer.pad_token_id, generator=rng, decoder=self.gen.gen_decoder)
+                     pad_id=self.tokenizer.pad_token_id, generator=rng, decoder=self.gen.gen_decoder,
+                     prefixes=prefixes)
         tokens_BT, logprobs_BT, lengths = out.tokens_BT.cpu(), out.logprobs_BT.cpu(), out.lengths_B.tolist()
         for i, ep in enumerate(ready):
+            self._hold(ep, None if prefixes is None else prefixes.kept[i], key)
             n = min(lengths[i], budgets[i])
             turn_ids = tokens_BT[i, :n].tolist()
             ep.ids += turn_ids
@@ -262,6 +310,7 @@ class EpisodeRunner:
         round of sampling (a generator swaps in new weights there)."""
         model_was_training = self.model.training
         self.model.eval()
+        self._kv_blocks.clear()  # episodes do not outlive a run
         groups = [[ep for ep in (self._start(row) for _ in range(group_size)) if ep is not None] for row in rows]
         live = [ep for g in groups for ep in g]
         try:

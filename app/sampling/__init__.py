@@ -52,13 +52,13 @@ from llamarl.app.sampling import kv_cache
 from llamarl.app.sampling import decode, precision, static_decode
 from llamarl.app.sampling.decode import Samples, Then
 from llamarl.app.sampling.generic import cache_kwarg, prefill_groups
-from llamarl.app.sampling.kv_cache import TESTED_TRANSFORMERS, KVBufferLayer, ReusedStorage, new_cache
+from llamarl.app.sampling.kv_cache import TESTED_TRANSFORMERS, KVBufferLayer, Prefixes, ReusedStorage, new_cache
 from llamarl.app.sampling.llama_fast import LlamaFastPath
 from llamarl.app.sampling.logits import draw, process_logits, token_logprobs
 from llamarl.app.sampling.precision import GEN_PRECISIONS, GenPrecision, GenWeights, quantize_
 
 __all__ = ["SamplingParams", "Samples", "Then", "sample", "process_logits", "token_logprobs", "draw",
-           "cache_kwarg", "prefill_groups", "KVBufferLayer", "ReusedStorage", "new_cache",
+           "cache_kwarg", "prefill_groups", "KVBufferLayer", "Prefixes", "ReusedStorage", "new_cache",
            "LlamaFastPath", "TESTED_TRANSFORMERS", "GEN_PRECISIONS", "GenPrecision", "GenWeights",
            "quantize_", "Decoder", "DEFAULT_DECODER"]
 
@@ -106,13 +106,17 @@ class SamplingParams:
 @torch.inference_mode()
 def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams, *,
            eos_id: int, pad_id: int, generator: torch.Generator | None = None,
-           decoder: Decoder = "auto", then: Then | None = None) -> Samples | None:
+           decoder: Decoder = "auto", then: Then | None = None, prefixes: Prefixes | None = None
+           ) -> Samples | None:
     """Sample one completion per prompt (repeat a prompt G times for G samples: it is
     prefilled once). Rows stop at ``eos_id`` (kept, and counted in ``lengths_B``) or after
     ``params.max_new_tokens``; ``generator`` makes the draws reproducible (the eager and
     the static decoder use it differently: the same seed draws different samples, and
     equal greedy tokens). The ``Samples`` are returned, or, with ``then``, handed on to it
-    from the decode loop as it ends (``decode.finish``) and nothing is returned."""
+    from the decode loop as it ends (``decode.finish``) and nothing is returned.
+    ``prefixes``: keys and values of the prompts' first tokens, kept from an earlier call
+    with the same weights, and those of every prompt kept for a later one (``Prefixes``;
+    the Llama fast path only: other models prefill whole prompts and keep none)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     weight = next(model.parameters())
@@ -121,7 +125,7 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingPar
                                and LlamaFastPath.supports(model)) else "eager"
     if decoder in ("static", "compiled"):
         return static_decode.decoder_for(model, compiled=decoder == "compiled").run(
-            prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator, then=then)
+            prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator, then=then, prefixes=prefixes)
     if decoder != "eager":
         raise ValueError(f"decoder must be one of {', '.join(get_args(Decoder))}; got {decoder!r}")
     B, T = len(prompts), params.max_new_tokens
@@ -132,4 +136,4 @@ def sample(model: PreTrainedModel, prompts: list[list[int]], params: SamplingPar
     with kv_cache.KV_STORAGE.lend(shape, weight.dtype, weight.device) as storage:
         cache, fast = new_cache(model, P + T, storage)
         return decode.run(model, prompts, params, cache, fast=fast, fast_path=fast_path if fast else None,
-                          eos_id=eos_id, pad_id=pad_id, generator=generator, then=then)
+                          eos_id=eos_id, pad_id=pad_id, generator=generator, then=then, prefixes=prefixes)

@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from llamarl.app.sampling import generic
+from llamarl.app.sampling.kv_cache import Prefixes
 from llamarl.app.sampling.llama_fast import LlamaFastPath
 from llamarl.app.sampling.logits import draw, process_logits, token_logprobs
 
@@ -52,18 +53,20 @@ call as the loop ends, not returned up through the sampler."""
 
 def run(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams,
         cache: DynamicCache, *, fast: bool, fast_path: LlamaFastPath | None, eos_id: int,
-        pad_id: int, generator: torch.Generator | None, then: Then | None = None) -> Samples | None:
-    """``sample`` on a fresh ``cache`` (``fast``: of ``KVBufferLayer``s): prefill, then
-    the decode loop; the ``Samples`` go on to ``then`` (``finish``)."""
+        pad_id: int, generator: torch.Generator | None, then: Then | None = None,
+        prefixes: Prefixes | None = None) -> Samples | None:
+    """``sample`` on a fresh ``cache`` (``fast``: of ``KVBufferLayer``s): prefill (after
+    ``prefixes``' past, with the fast path), then the decode loop; the ``Samples`` go on
+    to ``then`` (``finish``)."""
     device = next(model.parameters()).device
     B, T = len(prompts), params.max_new_tokens
     P = max(len(p) for p in prompts)
 
-    unique, src_B = distinct_prompts(prompts, device)
     cache_arg = generic.cache_kwarg(model)
     if fast_path is not None:
-        logits_RV, valid_UP, next_pos_U1 = fast_path.prefill(unique, cache)
+        unique, src_B, (logits_RV, valid_UP, next_pos_U1) = prefill_fast(fast_path, prompts, cache, prefixes)
     else:
+        unique, src_B = distinct_prompts(prompts, device)
         logits_RV, valid_UP, next_pos_U1 = generic.prefill(model, unique, cache, fast=fast,
                                                            pad_id=pad_id, cache_arg=cache_arg)
     # Batch row r continues prompt src_R[r] and fills output row rows_R[r]. Repeated
@@ -116,6 +119,26 @@ def run(model: PreTrainedModel, prompts: list[list[int]], params: SamplingParams
         next_pos_R = next_pos_R + 1
 
     return finish(tokens_BT, logprobs_BT, eos_id=eos_id, pad_id=pad_id, then=then)
+
+
+def prefill_fast(fast_path: LlamaFastPath, prompts: list[list[int]], cache: DynamicCache,
+                 prefixes: Prefixes | None) -> tuple[list[list[int]], torch.Tensor, tuple]:
+    """The fast path's prefill of ``prompts``' distinct ones (``distinct_prompts``): the
+    distinct prompts, ``src_B`` and ``LlamaFastPath.prefill``'s result. With ``prefixes``
+    each prompt's past is used (any of a repeated prompt's: the same keys and values) and
+    every prompt's keys and values are kept (``Prefixes.kept``)."""
+    unique, src_B = distinct_prompts(prompts, fast_path.cos_LD.device)
+    if prefixes is None:
+        return unique, src_B, fast_path.prefill(unique, cache)
+    src = src_B.tolist()
+    past_U: list[torch.Tensor | None] = [None] * len(unique)
+    for i, u in enumerate(src):
+        if prefixes.past[i] is not None:
+            past_U[u] = prefixes.past[i]
+    out = fast_path.prefill(unique, cache, past_U)
+    kept_U = fast_path.kept(cache, [len(p) for p in unique])
+    prefixes.kept = [kept_U[u] for u in src]
+    return unique, src_B, out
 
 
 def distinct_prompts(prompts: list[list[int]], device: torch.device

@@ -199,6 +199,27 @@ class KVBufferLayer(DynamicLayer):
         raise NotImplementedError("KVBufferLayer is for sampling only")
 
 
+class Prefixes:
+    """Keys and values kept from one ``sample`` call's prefill for a later call whose
+    prompts continue the same sequences (an episode's next turn: its earlier tokens' keys
+    and values stay what they were as long as the weights do), so that call prefills
+    only the tokens after them.
+
+    The layout of one sequence's keys and values is ``(layers, 2 * kv_heads, tokens,
+    head_dim)``: per layer its keys' heads, then its values' (the order of the k and v
+    heads in the fast path's fused q/k/v projection). Only the Llama fast path reads and
+    keeps them; any other model prefills whole prompts and keeps none.
+    """
+
+    def __init__(self, past: list[torch.Tensor | None]) -> None:
+        self.past = past
+        """Per prompt, the keys and values of its first tokens (fewer than the prompt's,
+        computed by the same weights), or None: prefilled from its start."""
+        self.kept: list[torch.Tensor | None] = [None] * len(past)
+        """Set by the prefill: per prompt, the keys and values of all of its tokens (the
+        next call's ``past``), or None where the path keeps none."""
+
+
 def new_cache(model: PreTrainedModel, capacity: int, storage: torch.Tensor | None = None
               ) -> tuple[DynamicCache, bool]:
     """A cache for ``model`` and whether it is the preallocated kind (plain full

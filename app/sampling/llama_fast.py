@@ -27,6 +27,11 @@ from llamarl.app.sampling.kernels import DenseKernel, LinearKernel
 # (32 prompts, 2 cores: 1600 page faults and ~15% of the prefill's time unchunked).
 PREFILL_CHUNK_TOKENS = 512
 
+# ... and at most this many padded positions (rows x the longest prompt): what its
+# attention and its q/k/v buffer hold, where prompts continue kept keys and values
+# (``prefill``'s ``past``) and few of their tokens are new.
+PREFILL_CHUNK_PADDED = 2048
+
 # Rotary types whose cos/sin at a position do not depend on the sequence length, so one
 # table per call serves prefill and every decode step ("dynamic" and "longrope" rescale
 # with the length seen so far).
@@ -177,10 +182,13 @@ class LlamaFastPath:
         act_NI = F.silu(gate_up_NI[:, :half], inplace=True).mul_(gate_up_NI[:, half:])
         w_down.add_to_(h_NE, act_NI)
 
-    def prefill(self, prompts: list[list[int]], cache: DynamicCache
+    def prefill(self, prompts: list[list[int]], cache: DynamicCache,
+                past: list[torch.Tensor | None] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fill ``cache`` with ``prompts`` (U of them, sorted by length, right-padded to
-        the longest, P), in chunks of about ``PREFILL_CHUNK_TOKENS`` tokens.
+        the longest, P), in chunks of about ``PREFILL_CHUNK_TOKENS`` tokens. ``past[u]``,
+        where given, holds prompt u's keys and values for its first tokens
+        (``kv_cache.Prefixes``): they are copied in, and only the tokens after them run.
 
         Returns the next-token logits ``(U, V)``, ``valid_UP`` (True on prompt tokens) and
         each prompt's next position ``(U, 1)``."""
@@ -188,52 +196,77 @@ class LlamaFastPath:
         lengths_U = torch.tensor([len(p) for p in prompts])
         if (lengths_U.diff() < 0).any():
             raise ValueError("LlamaFastPath.prefill wants prompts sorted by length")
+        past = past or [None] * len(prompts)
+        if any(kv is not None and kv.shape[-2] >= len(p) for p, kv in zip(prompts, past)):
+            raise ValueError("a prompt's past keys and values must cover fewer tokens than the prompt")
         U, P = len(prompts), int(lengths_U.max())
         for layer in cache.layers:
             layer.allocate(U, self.n_kv_heads, self.head_dim, like=self.cos_LD)
+        new_U = [len(p) - (0 if kv is None else kv.shape[-2]) for p, kv in zip(prompts, past)]
         logits, start = [], 0
         while start < U:
             end, tokens = start, 0
-            while end < U and (end == start or tokens + len(prompts[end]) <= PREFILL_CHUNK_TOKENS):
-                tokens, end = tokens + len(prompts[end]), end + 1
-            logits.append(self._prefill_chunk(prompts[start:end], cache, slice(start, end), P))
+            while end < U and (end == start or (tokens + new_U[end] <= PREFILL_CHUNK_TOKENS
+                                                and (end + 1 - start) * len(prompts[end]) <= PREFILL_CHUNK_PADDED)):
+                tokens, end = tokens + new_U[end], end + 1
+            logits.append(self._prefill_chunk(prompts[start:end], cache, slice(start, end), P, past[start:end]))
             start = end
         valid_UP = (torch.arange(P)[None, :] < lengths_U[:, None]).to(device)
         return torch.cat(logits), valid_UP, lengths_U[:, None].to(device)
 
     def _prefill_chunk(self, prompts: list[list[int]], cache: DynamicCache, rows: slice,
-                       length: int) -> torch.Tensor:
-        """Prefill of cache rows ``rows``: packed tokens (N) through every matmul, padded
-        to this chunk's longest prompt (P) only for attention; the cache is zero-padded
-        to ``length``. Logits ``(U, V)``."""
+                       length: int, past: list[torch.Tensor | None]) -> torch.Tensor:
+        """Prefill of cache rows ``rows``: the new tokens (after each prompt's ``past``),
+        packed (N), through every matmul, padded to this chunk's longest prompt (P) only
+        for attention; the cache is zero-padded to ``length``. Logits ``(U, V)``."""
         device = self.cos_LD.device
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         U = len(prompts)
         lengths_U = torch.tensor([len(p) for p in prompts])
-        P, N = int(lengths_U.max()), int(lengths_U.sum())
-        starts_U = lengths_U.cumsum(0) - lengths_U
-        pos_N = torch.arange(N) - starts_U.repeat_interleave(lengths_U)
-        slot_N = (torch.arange(U).repeat_interleave(lengths_U) * P + pos_N).to(device)
-        pos_N, last_U = pos_N.to(device), (starts_U + lengths_U - 1).to(device)
+        cached_U = torch.tensor([0 if kv is None else kv.shape[-2] for kv in past])
+        new_U = lengths_U - cached_U
+        P, N, Q = int(lengths_U.max()), int(new_U.sum()), int(new_U.max())
+        starts_U = new_U.cumsum(0) - new_U
+        j_N = torch.arange(N) - starts_U.repeat_interleave(new_U)  # index among its prompt's new tokens
+        row_N = torch.arange(U).repeat_interleave(new_U)
+        pos_N = cached_U.repeat_interleave(new_U) + j_N
+        slot_N, query_N = (row_N * P + pos_N).to(device), (row_N * Q + j_N).to(device)
+        pos_N, last_U = pos_N.to(device), (starts_U + new_U - 1).to(device)
 
-        ids_N = torch.tensor([tok for p in prompts for tok in p], device=device)
+        ids_N = torch.tensor([tok for p, c in zip(prompts, cached_U.tolist()) for tok in p[c:]], device=device)
         h_NE = self.model.model.embed_tokens(ids_N)
         # Zeros where padding is: padded keys and values are attended with weight 0 only
         # after the mask, and 0 * garbage can be NaN.
         qkv_pad = h_NE.new_zeros((U * P, H + 2 * K, D))
+        qkv_UXPD = qkv_pad.view(U, P, H + 2 * K, D).transpose(1, 2)
+        k_UKPD, v_UKPD = qkv_UXPD[:, H: H + K], qkv_UXPD[:, H + K:]
+        mask_U1QP = None
+        if int(cached_U.max()) > 0:
+            # Past keys and values go to their positions, each layer's before its new
+            # tokens'; the new tokens' queries attend to every key up to their own position.
+            query_pos_UQ = cached_U[:, None] + torch.arange(Q)[None, :]
+            mask_U1QP = (torch.arange(P)[None, None, :] <= query_pos_UQ[:, :, None])[:, None].to(device)
         rotary = self._rotary(pos_N)
         for i, ((w_qkv, w_o, w_gate_up, w_down), kv) in enumerate(zip(self.layers, cache.layers)):
             qkv_NXD = w_qkv(self._norm(h_NE)).view(N, H + 2 * K, D)
             qkv_NXD[:, : H + K] = self._rotate(qkv_NXD[:, : H + K], *rotary)
+            for u, kv_XCD in enumerate(past):
+                if kv_XCD is not None:
+                    qkv_UXPD[u, H:, : kv_XCD.shape[-2]] = kv_XCD[i]
             qkv_pad[slot_N] = qkv_NXD
-            qkv_UXPD = qkv_pad.view(U, P, H + 2 * K, D).transpose(1, 2)
-            k_UKPD, v_UKPD = qkv_UXPD[:, H: H + K], qkv_UXPD[:, H + K:]
             kv.write(rows, k_UKPD, v_UKPD, length=length)
             if i + 1 < len(self.layers):
-                o_UHPD = F.scaled_dot_product_attention(
-                    qkv_UXPD[:, :H], k_UKPD, v_UKPD, is_causal=True, scale=1.0,
-                    enable_gqa=H != K)
-                o_NE = o_UHPD.transpose(1, 2).reshape(U * P, H * D)[slot_N]
+                if mask_U1QP is None:
+                    o_UHPD = F.scaled_dot_product_attention(
+                        qkv_UXPD[:, :H], k_UKPD, v_UKPD, is_causal=True, scale=1.0, enable_gqa=H != K)
+                    o_NE = o_UHPD.transpose(1, 2).reshape(U * P, H * D)[slot_N]
+                else:
+                    q_pad = h_NE.new_zeros((U * Q, H, D))
+                    q_pad[query_N] = qkv_NXD[:, :H]
+                    o_UHQD = F.scaled_dot_product_attention(
+                        q_pad.view(U, Q, H, D).transpose(1, 2), k_UKPD, v_UKPD, attn_mask=mask_U1QP,
+                        scale=1.0, enable_gqa=H != K)
+                    o_NE = o_UHQD.transpose(1, 2).reshape(U * Q, H * D)[query_N]
             else:  # what follows only feeds the logits: the last token of each prompt
                 h_NE = h_NE[last_U]
                 valid_UP = (torch.arange(P)[None, :] < lengths_U[:, None]).to(device)
@@ -242,6 +275,17 @@ class LlamaFastPath:
             w_o.add_to_(h_NE, o_NE)
             self._mlp_(h_NE, w_gate_up, w_down)
         return self.head(self._norm(h_NE))
+
+    def kept(self, cache: DynamicCache, lengths: list[int]) -> list[torch.Tensor]:
+        """After ``prefill``: each of its prompts' keys and values (of ``lengths`` tokens),
+        in ``kv_cache.Prefixes``' layout, copied out of ``cache`` into one block of which
+        each is a view (two copies per layer, none per prompt)."""
+        U, P, K = len(lengths), max(lengths), self.n_kv_heads
+        block_ULXPD = self.cos_LD.new_empty((U, len(cache.layers), 2 * K, P, self.head_dim))
+        for i, layer in enumerate(cache.layers):
+            block_ULXPD[:, i, :K] = layer.key_buf[:U, :, :P]
+            block_ULXPD[:, i, K:] = layer.value_buf[:U, :, :P]
+        return [block_ULXPD[u, :, :, :n] for u, n in enumerate(lengths)]
 
     def mask_bias(self, valid_RL: torch.Tensor) -> torch.Tensor:
         """Additive attention bias ``(R, 1, 1, L)``: 0 where valid, -inf elsewhere."""

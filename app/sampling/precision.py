@@ -166,6 +166,13 @@ def fast_linears(model: PreTrainedModel) -> FusedLinears | None:
     return weights.fast_linears
 
 
+def weights_stamp(model: PreTrainedModel) -> tuple:
+    """Changes whenever a parameter is written in place (the weight receiver's swap) or
+    rebound, or the precision's kernels are rebuilt (``GenWeights.refresh``): what the
+    static decoder's fused kernels and an episode's kept keys and values were made from."""
+    return (id(fast_linears(model)), *((p.data_ptr(), p._version) for p in model.parameters()))
+
+
 def fast_kernel(model: PreTrainedModel) -> Callable[[torch.Tensor], LinearKernel]:
     """What builds a fast-path kernel from a full-precision weight at ``model``'s
     generator precision (fp32 for a model ``quantize_`` left alone)."""

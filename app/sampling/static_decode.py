@@ -82,7 +82,7 @@ from transformers import PreTrainedModel
 
 from llamarl.app.sampling import decode, precision
 from llamarl.app.sampling.kernels import Int8DynamicKernel
-from llamarl.app.sampling.kv_cache import new_cache
+from llamarl.app.sampling.kv_cache import Prefixes, new_cache
 from llamarl.app.sampling.llama_fast import FusedLinears, FusedWeights, LlamaFastPath, fused_linears, fused_weights
 from llamarl.app.sampling.static_state import StaticState, StepKey, bucket_for, capacity_for
 from llamarl.app.sampling.logits import inverse_cdf, process_logits, token_logprobs
@@ -164,12 +164,6 @@ class StaticDecoder:
         return None
 
     # -- weights -------------------------------------------------------------------
-    def _weights_stamp(self) -> tuple:
-        """Changes whenever a parameter is written in place (the weight receiver's swap)
-        or rebound, or the precision's kernels are rebuilt (``GenWeights.refresh``)."""
-        fast = precision.fast_linears(self.model)
-        return (id(fast), *((p.data_ptr(), p._version) for p in self.model.parameters()))
-
     @staticmethod
     def _storage(stamp: tuple | None) -> tuple | None:
         return None if stamp is None else tuple(ptr for ptr, _ in stamp[1:])
@@ -178,7 +172,7 @@ class StaticDecoder:
     def refresh_weights(self) -> bool:
         """Bring the fused kernels the steps read up to the model's weights, in place;
         True when they changed."""
-        stamp = self._weights_stamp()
+        stamp = precision.weights_stamp(self.model)
         if stamp == self._stamp:
             return False
         if self.linears is not None and self._storage(stamp) != self._storage(self._stamp):
@@ -364,18 +358,21 @@ class StaticDecoder:
     # -- one call --------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], params: SamplingParams, *, eos_id: int, pad_id: int,
-            generator: torch.Generator | None, then: decode.Then | None = None) -> decode.Samples | None:
-        """``sample`` through static steps; the ``Samples`` go on to ``then`` (``decode.finish``)."""
+            generator: torch.Generator | None, then: decode.Then | None = None,
+            prefixes: Prefixes | None = None) -> decode.Samples | None:
+        """``sample`` through static steps (prefilled after ``prefixes``' past); the
+        ``Samples`` go on to ``then`` (``decode.finish``)."""
         with self._lock:
             skips = inductor_cudagraph_skips() if self.compiled else 0
-            out = self._run(prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator, then=then)
+            out = self._run(prompts, params, eos_id=eos_id, pad_id=pad_id, generator=generator, then=then,
+                            prefixes=prefixes)
             if self.compiled and self.device.type == "cuda" and (new := inductor_cudagraph_skips() - skips):
                 self.cudagraph_skips += new
                 log.warning("static decoder: inductor ran compiled decode steps without their CUDA graphs %d "
                             "times in this call (%d so far; torch logged why)", new, self.cudagraph_skips)
             return out
 
-    def _run(self, prompts, params, *, eos_id, pad_id, generator, then):
+    def _run(self, prompts, params, *, eos_id, pad_id, generator, then, prefixes):
         device = self.device
         B, T = len(prompts), params.max_new_tokens
         P = max(len(p) for p in prompts)
@@ -386,9 +383,8 @@ class StaticDecoder:
         if self.capture:
             self._capture_all(st, key)
 
-        unique, src_B = decode.distinct_prompts(prompts, device)
         cache, _ = new_cache(self.model, st.capacity, st.kv)  # writes the prefill set
-        logits_UV, valid_UP, next_pos_U1 = st.fast_path.prefill(unique, cache)
+        _, src_B, (logits_UV, valid_UP, next_pos_U1) = decode.prefill_fast(st.fast_path, prompts, cache, prefixes)
         # Rows B..b-1 copy row 0 (finite values to compute on) and write to the sink row.
         src_b = torch.cat([src_B, src_B[:1].expand(b - B)])
         st.kv[1, :, :, :b, :, :P] = st.kv[0, :, :, :, :, :P].index_select(2, src_b)
