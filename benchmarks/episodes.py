@@ -1,6 +1,7 @@
 """Multi-turn episodes with a tool: accuracy, async with a slow tool, generator tokens/s.
 
     python benchmarks/episodes.py --json out.json
+    python benchmarks/episodes.py --only-throughput --json out.json   # part 3 alone
 
 Three measurements, each side by side in one run on this machine:
 
@@ -19,10 +20,14 @@ Three measurements, each side by side in one run on this machine:
    (generate, train, sync) and 1, every environment step sleeping a uniform 0 to
    ``--max-sleep-ms`` ms first (``BenchCalculator(max_sleep_ms=...)``, the tool's
    latency): ``async_speedup_tool_latency`` = sync median step time / async.
-3. **Generator tokens/s.** In this process, the policy plays ``--rows`` episodes at once
-   through the episode runner, then ``sample`` writes single-turn completions of the same
-   total length (the episodes' mean completion tokens, no EOS stop) for the same prompts:
-   tokens per second of each (every completion token counted, environment tokens too).
+3. **Generator tokens/s.** In this process (``--threads`` torch threads), the policy
+   plays ``--rows`` episodes at once through the episode runner under each of
+   ``EPISODE_RUNS`` (each episode's keys and values kept between its turns, the default,
+   and not: every turn prefilling its whole sequence), then ``sample`` writes single-turn
+   completions of the same total length (the episodes' mean completion tokens, no EOS
+   stop) for the same prompts: tokens per second of each (every completion token
+   counted, environment tokens too), ``--repeats`` interleaved rounds after an untimed
+   one, medians. ``--only-throughput`` runs this part alone (a minute or less).
 """
 
 from __future__ import annotations
@@ -229,7 +234,7 @@ def main() -> None:
     parser.add_argument("--runs-dir", default="runs/bench-episodes")
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--only-throughput", action="store_true",
-                        help="measure 3 (generator tokens/s) only, in this process: a minute or two")
+                        help="measure 3 (generator tokens/s) only, in this process: a minute or less")
     args = parser.parse_args()
     if args.policy == "warmstart":
         from llamarl.app.envs.tool_warmstart import ensure_tool_warmstart

@@ -9,6 +9,10 @@ On CPU the cache's storage is lent by ``KV_STORAGE`` (one buffer kept for the pr
 lifetime) when the Llama fast path runs, which knows the storage shape up front; other
 models' layers allocate their own buffers on first use.
 
+``Prefixes`` carries keys and values from one ``sample`` call to a later one whose
+prompts continue the same sequences (an episode's turns), so that it prefills only their
+new tokens.
+
 ``KVBufferLayer`` subclasses transformers' ``DynamicLayer`` and relies on internals that
 are not a public API (``lazy_initialization``, ``is_initialized``, how ``DynamicCache``
 builds and calls its layers). Importing this module therefore checks that the installed
