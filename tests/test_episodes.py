@@ -85,7 +85,7 @@ def test_kept_keys_and_values_sample_what_whole_prefills_do_until_the_weights_ch
     """A 3-turn episode prefilled after its kept keys and values at turns 2 and 3 draws
     the tokens, and records the log-probs, of one prefilled whole at every turn (same
     seed); a weight change between turns (the generator's swap) drops them, and none are
-    kept past ``kv_cache_mb``."""
+    kept past ``episode_kv_cache_mb``."""
     model = policy[0]
 
     @torch.no_grad()
@@ -94,7 +94,7 @@ def test_kept_keys_and_values_sample_what_whole_prefills_do_until_the_weights_ch
 
     played = {}
     for mb, swap in ((0.0, False), (64.0, False), (64.0, True), (1e-3, False)):
-        r = runner(policy, max_turns=3, max_episode_tokens=200, kv_cache_mb=mb)
+        r = runner(policy, max_turns=3, max_episode_tokens=200, episode_kv_cache_mb=mb)
         (g,) = r.groups([{"question": "a"}], group_size=1, version=lambda: 0, rng=torch.Generator().manual_seed(0),
                         between_turns=swap_in_place if swap else (lambda: None))
         r.close()

@@ -207,7 +207,7 @@ class EpisodeRunner:
         """Keep ``kv`` (made by weights ``key``) for ``ep``'s next turn, in place of what it
         held. A round's keys and values are views of one block (``LlamaFastPath.kept``),
         counted whole while any episode holds a view of it; a new block that would take
-        the run past ``kv_cache_mb`` is not kept."""
+        the run past ``episode_kv_cache_mb`` is not kept."""
         if ep.kv is not None:
             held = self._kv_blocks[ep.kv.untyped_storage().data_ptr()]
             held[1] -= 1
