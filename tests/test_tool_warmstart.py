@@ -2,6 +2,8 @@
 episode runner records (the environment's own answers, masked), and the warm start trains
 on them and saves a policy whose prompt with the tool fits its context."""
 
+from pathlib import Path
+
 from llamarl.app.envs.builtins import Calculator, calculate
 from llamarl.app.envs.chat import ChatFormat
 from llamarl.app.envs.protocol import as_messages, tool_schemas
@@ -47,3 +49,29 @@ def test_tool_warm_start_demonstrates_the_episode_the_environment_plays(tmp_path
     assert final.done and final.reward == 1.0
 
     assert has_calculator(build_env("calculator")) and not has_calculator(build_env("guess_number"))
+
+
+def test_a_cached_warm_start_of_other_steps_is_trained_again(tmp_path):
+    """A cache an earlier llamarl trained with fewer steps is replaced, one with the
+    steps asked for is kept, and one that does not say is kept only without ``steps``."""
+    from llamarl.app.rl.warmstart import ensure_warmstart, trained_steps
+
+    trained: list[int] = []
+
+    def train(steps: int):
+        def run(out: str) -> None:
+            Path(out).mkdir(parents=True)
+            (Path(out) / "config.json").write_text("{}")
+            (Path(out) / "warmstart.txt").write_text(f"{ {'out': out, 'steps': steps} }\n{ {} }\n")
+            trained.append(steps)
+        return run
+
+    path = tmp_path / "ws"
+    ensure_warmstart(path, train=train(250), log=lambda _: None)
+    ensure_warmstart(path, train=train(600), log=lambda _: None)  # no steps asked: the cache is kept
+    assert trained == [250] and trained_steps(path) == 250
+    said: list[str] = []
+    ensure_warmstart(path, train=train(600), steps=600, log=said.append)
+    assert trained == [250, 600] and trained_steps(path) == 600 and "250 steps, not 600" in said[0]
+    ensure_warmstart(path, train=train(600), steps=600, log=said.append)
+    assert trained == [250, 600]

@@ -92,7 +92,7 @@ def train_tool_warmstart(cfg: WarmStartConfig, *, log: Callable[[str], None] = p
 
 def ensure_tool_warmstart(path: str | Path = TOOL_WARMSTART, *, log: Callable[[str], None] = print) -> Path:
     """The tool warm start at ``path``, trained there once if missing (see the module)."""
-    return ensure_warmstart(path, log=log, train=lambda out: train_tool_warmstart(
+    return ensure_warmstart(path, log=log, steps=TOOL_STEPS, train=lambda out: train_tool_warmstart(
         WarmStartConfig(out=out, steps=TOOL_STEPS), log=log))
 
 

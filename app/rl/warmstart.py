@@ -7,8 +7,10 @@ Deterministic from the seed. ``python -m llamarl.app.roles.warmstart --out check
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,10 +126,22 @@ def warm_start(cfg: WarmStartConfig, *, log=print, extra: ExtraDemonstrations | 
     return metrics
 
 
+def trained_steps(path: str | Path) -> int | None:
+    """The optimizer steps a warm start at ``path`` was trained with (its ``warmstart.txt``),
+    None when it does not say."""
+    try:
+        first = (Path(path) / "warmstart.txt").read_text().splitlines()[0]
+        steps = ast.literal_eval(first).get("steps")  # a dict's repr, written by warm_start
+    except (OSError, IndexError, ValueError, SyntaxError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) else None
+
+
 def ensure_warmstart(path: str | Path = "checkpoints/warmstart", *, log=print,
-                     train: Callable[[str], Any] | None = None) -> Path:
+                     train: Callable[[str], Any] | None = None, steps: int | None = None) -> Path:
     """The warm-started default policy at ``path``, trained there first if it is missing
-    (by ``train(path)``; the plain warm start when None).
+    (by ``train(path)``; the plain warm start when None), or, with ``steps``, if it was
+    trained with another number of steps (a cache an earlier llamarl trained shorter).
 
     A file lock makes concurrent callers (several roles of one app) train it only once.
     """
@@ -135,6 +149,10 @@ def ensure_warmstart(path: str | Path = "checkpoints/warmstart", *, log=print,
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if steps is not None and (path / "config.json").is_file() and trained_steps(path) != steps:
+            log(f"the warm start at {path} was trained with {trained_steps(path)} steps, not {steps}: "
+                "training it again")
+            shutil.rmtree(path)
         if not (path / "config.json").is_file():
             log(f"no warm-started policy at {path}: training it now "
                 "(once; 3 to 6 minutes on 2 CPU cores)")
