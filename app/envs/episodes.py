@@ -286,12 +286,14 @@ class EpisodeRunner:
         ep.logprobs += [0.0] * len(obs_ids)
         ep.mask += [False] * len(obs_ids)
 
-    def _collect(self, waiting: list[_Episode], block: bool, stop: Callable[[], bool]) -> None:
+    def _collect(self, waiting: list[_Episode], block: bool, stop: Callable[[], bool],
+                 max_wait_s: float = 1.0) -> None:
         """Finish the steps that are done; with ``block``, first wait for one (or for the
-        nearest deadline). Steps past their deadline end their episodes."""
+        nearest deadline, or ``max_wait_s``). Steps past their deadline end their episodes."""
         if block:
             timeout = max(0.0, min(ep.deadline for ep in waiting) - time.monotonic())
-            wait([ep.step for ep in waiting], timeout=min(timeout, 1.0), return_when=FIRST_COMPLETED)  # type: ignore[misc]
+            wait([ep.step for ep in waiting], timeout=min(timeout, max_wait_s),  # type: ignore[misc]
+                 return_when=FIRST_COMPLETED)
         now = time.monotonic()
         for ep in waiting:
             if ep.step.done():  # type: ignore[union-attr]
@@ -311,24 +313,20 @@ class EpisodeRunner:
         model_was_training = self.model.training
         self.model.eval()
         self._kv_blocks.clear()  # episodes do not outlive a run
-        groups = [[ep for ep in (self._start(row) for _ in range(group_size)) if ep is not None] for row in rows]
-        live = [ep for g in groups for ep in g]
+        flight = InFlight(self, rng=rng, stop=stop)
+        for i, row in enumerate(rows):
+            flight.admit(i, row, group_size)
+        done: dict[Any, list[_Episode]] = {}
         try:
-            while live and not stop():
-                ready = [ep for ep in live if ep.step is None and ep.end is None]
-                if ready:
+            while len(flight) and not stop():
+                if flight.ready():
                     between_turns()
-                    self._sample_turns(ready, version(), rng)
-                waiting = [ep for ep in live if ep.step is not None]
-                if waiting:
-                    # Block only when nothing is left to sample: decoding goes on beside steps.
-                    self._collect(waiting, block=not any(ep.step is None and ep.end is None for ep in live),
-                                  stop=stop)
-                live = [ep for ep in live if ep.end is None]
+                done.update(flight.advance(version()))
         finally:
             self.model.train(model_was_training)
-        self.stats.episodes += sum(ep.end is not None for g in groups for ep in g)
-        return [[ep for ep in g if ep.end is not None] for g in groups]
+        left = {k: [ep for ep in g if ep.end is not None] for k, g in flight.groups.items()}  # stopped
+        self.stats.episodes += sum(map(len, left.values()))
+        return [done[i] if i in done else left[i] for i in range(len(rows))]
 
     def groups(self, rows: Sequence[Mapping[str, Any]], *, group_size: int, version: Callable[[], int],
                generator_id: int = 0, first_seq: int = 0, **kw: Any) -> list[RolloutGroup]:
@@ -339,6 +337,51 @@ class EpisodeRunner:
             if episodes:
                 out.append(to_group(episodes, GroupId(generator_id, first_seq + i), self.tokenizer))
         return out
+
+
+class InFlight:
+    """Groups of episodes being played (``EpisodeRunner.run`` plays a batch of rows this
+    way, a streaming generator keeps it filled): ``admit`` starts a row's G episodes under
+    a key, ``advance`` plays one round (sample every episode waiting for the policy, in
+    one ``sample`` call; collect the environment steps that are done) and hands back each
+    group whose episodes have all ended, by key. A group with no episode that started (its
+    resets failed) comes back at the next ``advance``, empty."""
+
+    def __init__(self, runner: EpisodeRunner, *, rng: torch.Generator | None = None,
+                 stop: Callable[[], bool] = lambda: False) -> None:
+        self.runner, self.rng, self.stop = runner, rng, stop
+        self.groups: dict[Any, list[_Episode]] = {}
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def admit(self, key: Any, row: Mapping[str, Any], group_size: int) -> int:
+        """Start ``group_size`` episodes of ``row`` as group ``key``; how many started."""
+        if key in self.groups:
+            raise ValueError(f"episode group {key!r} is already in flight")
+        self.groups[key] = [ep for ep in (self.runner._start(row) for _ in range(group_size)) if ep is not None]
+        return len(self.groups[key])
+
+    def ready(self) -> bool:
+        """Whether an episode waits for the policy's turn."""
+        return any(ep.step is None and ep.end is None for g in self.groups.values() for ep in g)
+
+    def advance(self, version: int, max_wait_s: float = 1.0) -> dict[Any, list[_Episode]]:
+        """One round at weights ``version`` (see the class); when no episode waits for the
+        policy it first waits up to ``max_wait_s`` for an environment step to finish."""
+        live = [ep for g in self.groups.values() for ep in g if ep.end is None]
+        ready = [ep for ep in live if ep.step is None]
+        if ready:
+            self.runner._sample_turns(ready, version, self.rng)
+        if waiting := [ep for ep in live if ep.step is not None]:
+            # Block only when nothing is left to sample: decoding goes on beside steps.
+            self.runner._collect(waiting, block=not any(ep.step is None and ep.end is None for ep in live),
+                                 stop=self.stop, max_wait_s=max_wait_s)
+        done = {k: g for k, g in self.groups.items() if all(ep.end is not None for ep in g)}
+        for k, g in done.items():
+            del self.groups[k]
+            self.runner.stats.episodes += len(g)
+        return done
 
 
 def _timed_step(env: Environment, turn: str) -> tuple[Step, float]:
@@ -369,5 +412,5 @@ def to_group(episodes: list[_Episode], group_id: GroupId, tokenizer: PreTrainedT
     return RolloutGroup(group_id=group_id, version=version, rollouts=rollouts)
 
 
-__all__ = ["DONE", "ENV_ERROR", "EpisodeRunner", "EpisodeStats", "MAX_TOKENS", "MAX_TURNS",
+__all__ = ["DONE", "ENV_ERROR", "EpisodeRunner", "EpisodeStats", "InFlight", "MAX_TOKENS", "MAX_TURNS",
            "STEP_TIMEOUT", "episode_reward", "to_group"]
