@@ -28,32 +28,46 @@ PUSH_TIMEOUT_S = 600.0
 class Outbox:
     """One generator's sends: ``open(slots, first_seq)`` before a batch, ``send(group)`` for
     each group as it is built, ``close()`` after; then ``sent``, ``rollouts``, ``tokens``
-    and ``push_s`` say what the batch sent and how long its pushes took."""
+    and ``push_s`` say what the batch sent and how long its pushes took. A streaming
+    generator ``add``s slots as it takes them, ``close``s before an idle wait and
+    ``resume``s after, and ``reset_counts`` after each report."""
 
     def __init__(self, queue: StoreQueue, held: HeldSlots, timeline: Timeline, *,
                  should_stop: Callable[[], bool]) -> None:
         self.queue, self.held, self.timeline, self.should_stop = queue, held, timeline, should_stop
-        self._slots: list[int] = []
-        self._first_seq = 0
+        self._slots: dict[int, int] = {}  # sequence number -> the slot its group fills
         self._since = 0.0  # start of the current ``generate`` interval
         self.sent = self.rollouts = self.tokens = 0
         self.push_s = 0.0
 
     def open(self, slots: list[int], first_seq: int) -> None:
         """A batch begins: group ``first_seq + k`` fills ``slots[k]``; its ``generate`` interval starts now."""
-        self._slots, self._first_seq = list(slots), first_seq
+        self._slots = {}
+        self.add(slots, first_seq)
+        self.reset_counts()
+        self.resume()
+
+    def add(self, slots: list[int], first_seq: int) -> None:
+        """More groups to come (a streaming generator's): group ``first_seq + k`` fills ``slots[k]``."""
+        self._slots.update({first_seq + k: slot for k, slot in enumerate(slots)})
+
+    def reset_counts(self) -> None:
         self.sent = self.rollouts = self.tokens = 0
-        self.push_s, self._since = 0.0, time.time()
+        self.push_s = 0.0
+
+    def resume(self) -> None:
+        """Generating again after an idle wait: a ``generate`` interval starts now."""
+        self._since = time.time()
 
     def send(self, group: RolloutGroup) -> None:
         """Frame ``group`` into the queue (waiting while it is full) and pass its slot on."""
-        k = group.group_id.seq - self._first_seq
-        if not 0 <= k < len(self._slots):
-            raise ValueError(f"outbox: group {group.group_id} is not one of this batch's {len(self._slots)} "
-                             f"(sequence numbers from {self._first_seq})")
+        slot = self._slots.pop(group.group_id.seq, None)
+        if slot is None:
+            raise ValueError(f"outbox: group {group.group_id} fills none of the slots it was given "
+                             f"(sequence numbers {sorted(self._slots)})")
         t0 = self._generated()
         with self.timeline.idle("queue_full"):
-            group.sent_at, group.slot = time.time(), self._slots[k]
+            group.sent_at, group.slot = time.time(), slot
             self.queue.push(to_message(group), timeout_s=PUSH_TIMEOUT_S, should_stop=self.should_stop)
             self.held.passed(group.slot)
         self._since = time.time()

@@ -21,9 +21,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from llamarl.app import names
 from llamarl.app.config import GeneratorConfig, TrainerConfig
-from llamarl.app.envs.episodes import EpisodeRunner, episode_reward
+from llamarl.app.envs.episodes import EpisodeRunner, InFlight, episode_reward, to_group
 from llamarl.app.envs.spec import build_env
-from llamarl.app.rl.contract import RolloutGroup
+from llamarl.app.rl.contract import GroupId, RolloutGroup
 
 ROWS = 1000
 """Training rows drawn from the environment; slots cycle through them."""
@@ -68,19 +68,35 @@ class SlotEpisodes:
 
     def groups(self, slot_ids: list[int], *, version: int, rng: torch.Generator | None, generator_id: int,
                first_seq: int, stop: Callable[[], bool]) -> list[RolloutGroup]:
-        """One group of ``group_size`` episodes per slot, in slot order; none once ``stop``."""
+        """One group of ``group_size`` episodes per slot, in slot order, played as one batch;
+        none once ``stop``."""
         rows = [self.rows[i % len(self.rows)] for i in slot_ids]
-        groups = self.runner.groups(rows, group_size=self.group_size, version=lambda: version, rng=rng,
-                                    generator_id=generator_id, first_seq=first_seq, stop=stop)
+        played = self.runner.run(rows, group_size=self.group_size, version=lambda: version, rng=rng, stop=stop)
         if stop():
             return []
-        if len(groups) != len(rows):
-            raise RuntimeError(f"env {self.spec!r}: no episode of {len(rows) - len(groups)} of this batch's rows "
-                               f"could start (reset failed: {dict(self.runner.stats.ends)}); see the warning above")
-        for r in (r for g in groups for r in g.rollouts):
+        return [self.group(episodes, generator_id=generator_id, seq=first_seq + i) for i, episodes in enumerate(played)]
+
+    def in_flight(self, *, rng: torch.Generator | None, stop: Callable[[], bool]) -> InFlight:
+        """An empty set of groups in flight for a streaming generator (``admit``, then
+        ``InFlight.advance``; each group it hands back goes through ``group``)."""
+        self.runner.model.eval()
+        return InFlight(self.runner, rng=rng, stop=stop)
+
+    def admit(self, flight: InFlight, slot: int, *, key: int) -> None:
+        """Start the ``group_size`` episodes of ``slot``'s row in ``flight`` as group ``key``."""
+        flight.admit(key, self.rows[slot % len(self.rows)], self.group_size)
+
+    def group(self, episodes: list[Any], *, generator_id: int, seq: int) -> RolloutGroup:
+        """The played ``episodes`` of one slot as rollout group ``(generator_id, seq)``,
+        counted in the length and version histograms."""
+        if not episodes:
+            raise RuntimeError(f"env {self.spec!r}: no episode of a row could start (reset failed: "
+                               f"{dict(self.runner.stats.ends)}); see the warning above")
+        group = to_group(episodes, GroupId(generator_id, seq), self.runner.tokenizer)
+        for r in group.rollouts:
             self.lengths[1 << max(0, len(r.completion_ids) - 1).bit_length()] += 1
             self.versions[len(set(r.segment_versions.tolist()))] += 1
-        return groups
+        return group
 
     def metrics(self) -> dict[str, Any]:
         out = {names.ENV_PREFIX + k: v for k, v in self.runner.stats.metrics().items()}

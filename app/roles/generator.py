@@ -95,7 +95,13 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
     # under this attempt, so no id is ever used twice and readers take only this
     # attempt's (they refuse a second copy, and a frame from before a resume).
     sent = first_seq(incarnations.register(rt.signed, rt.replica, runtime.run_attempt(rt)))
-    episodes = SlotEpisodes(model, tokenizer, trainer_cfg, gen_cfg) if gen_cfg.env else None
+    if gen_cfg.env:
+        episodes = SlotEpisodes(model, tokenizer, trainer_cfg, gen_cfg)
+        try:
+            return _play_forever(rt, model, subscriber, episodes, gen_cfg, budget=budget, held=held, outbox=outbox,
+                                 rng=rng, sent=sent, timeline=timeline)
+        finally:
+            episodes.close()
     while True:
         with timeline.idle("wait_weights"):
             while version is None and not subscriber.waiting():
@@ -122,28 +128,96 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
         # Each group goes out as the sampler's batch is cut into it (llamarl.app.control.outbox);
         # an episode batch's groups go out as its last turn ends.
         outbox.open(slot_ids, first_seq=sent)
-        if episodes is not None:
-            for group in episodes.groups(slot_ids, version=version, rng=rng, generator_id=rt.replica,
-                                         first_seq=sent, stop=rt.should_stop):
-                outbox.send(group)
-        else:
-            rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slot_ids],
-                               group_size=trainer_cfg.group_size, params=sampling, version=version, rng=rng,
-                               generator_id=rt.replica, first_seq=sent, format_prompt=prompts.format_prompt,
-                               decoder=gen_cfg.gen_decoder, send=outbox.send)
+        rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slot_ids],
+                           group_size=trainer_cfg.group_size, params=sampling, version=version, rng=rng,
+                           generator_id=rt.replica, first_seq=sent, format_prompt=prompts.format_prompt,
+                           decoder=gen_cfg.gen_decoder, send=outbox.send)
         outbox.close()
-        dt = time.time() - t0 - outbox.push_s
         sent += outbox.sent
-        events = metrics.scalars({names.GEN_TOKENS_PER_S: outbox.tokens / dt,
-                                  names.GEN_SEQS_PER_S: outbox.rollouts / dt,
-                                  names.GEN_CPU_S: time.thread_time() - cpu0,
-                                  names.GEN_VERSION: version,
-                                  names.IDLE_FRACTION: timeline.idle_fraction(),
-                                  **devices.device_metrics(device), **subscriber.digest_metrics(),
-                                  **rt.security_metrics(),
-                                  **(episodes.metrics() if episodes is not None else {})},
-                                 role="generator", replica=rt.replica)
-        rt.emit(events + subscriber.events() + timeline.drain(), flush=True)
+        _report(rt, subscriber, outbox, timeline, version, device, busy_s=time.time() - t0 - outbox.push_s,
+                cpu_s=time.thread_time() - cpu0)
+
+
+def _report(rt: runtime.Runtime, subscriber: Subscriber, outbox: Outbox, timeline: metrics.Timeline, version: int,
+            device: torch.device, *, busy_s: float, cpu_s: float, extra: dict[str, float] | None = None) -> None:
+    """The generator's scalars for what ``outbox`` sent in ``busy_s`` seconds of generating."""
+    busy_s = max(busy_s, 1e-9)
+    events = metrics.scalars({names.GEN_TOKENS_PER_S: outbox.tokens / busy_s,
+                              names.GEN_SEQS_PER_S: outbox.rollouts / busy_s,
+                              names.GEN_CPU_S: cpu_s, names.GEN_VERSION: version,
+                              names.IDLE_FRACTION: timeline.idle_fraction(),
+                              **devices.device_metrics(device), **subscriber.digest_metrics(),
+                              **rt.security_metrics(), **(extra or {})},
+                             role="generator", replica=rt.replica)
+    rt.emit(events + subscriber.events() + timeline.drain(), flush=True)
+
+
+def _play_forever(rt: runtime.Runtime, model, subscriber: Subscriber, episodes: SlotEpisodes,
+                  gen_cfg: GeneratorConfig, *, budget: slots.SlotBudget, held: slots.HeldSlots, outbox: Outbox,
+                  rng: torch.Generator, sent: int, timeline: metrics.Timeline) -> None:
+    """The generator's loop with ``--env``: episodes streamed. Up to ``gen_batch_prompts``
+    groups are in flight; each round (one turn of every episode waiting for the policy,
+    ``llamarl.app.envs.episodes.InFlight``) swaps in new weights first, refills the
+    groups that went out with new slots as far as the staleness bound allows, and sends
+    each group the moment its episodes have all ended. So while some episodes wait on a
+    slow tool, others, of the next step's slots when the bound allows, are sampled: the
+    generator does not idle until the batch's slowest episode ends. An episode's turns
+    may be sampled with different versions (each recorded; staleness counts the oldest).
+    Synchronous (``max_staleness 0``) this is the batch loop: the next step's slots wait
+    for its weights. Scalars are reported every ``gen_batch_prompts`` groups sent."""
+    flight = episodes.in_flight(rng=rng, stop=rt.should_stop)
+    device = next(model.parameters()).device
+    version: int | None = None
+    retry_at = 0.0  # the bound refused: ask again at new weights or after LOST_SLOTS_POLL_S
+    outbox.open([], first_seq=sent)
+    t0, cpu0, idle_s = time.time(), time.thread_time(), 0.0
+    while True:
+        if rt.should_stop():
+            raise transport.Stopped("stop requested")
+        new = subscriber.swap_into(model)
+        if new is not None:
+            version, retry_at = new, 0.0
+        if version is None:
+            with timeline.idle("wait_weights"):
+                t = time.time()
+                while not subscriber.waiting():
+                    if rt.should_stop():
+                        raise transport.Stopped("stop requested")
+                    time.sleep(0.005)
+                idle_s += time.time() - t
+            continue
+        room = gen_cfg.gen_batch_prompts - len(flight)
+        if room > 0 and time.monotonic() >= retry_at:
+            slot_ids = slots.take_lost_slots(rt.signed, room) or budget.slot_ids(budget.reserve(room, version))
+            if slot_ids:
+                held.take(slot_ids)
+                rng.manual_seed(batch_seed(gen_cfg.gen_seed, slot_ids[0]))
+                outbox.add(slot_ids, first_seq=sent)
+                for k, slot in enumerate(slot_ids):
+                    episodes.admit(flight, slot, key=sent + k)
+                sent += len(slot_ids)
+            else:
+                retry_at = time.monotonic() + LOST_SLOTS_POLL_S
+        if not len(flight):
+            outbox.close()
+            with timeline.idle("staleness_bound"):
+                t = time.time()
+                _wait_for_weights_or_lost_slots(rt, subscriber, version)
+                idle_s += time.time() - t
+            retry_at = 0.0
+            outbox.resume()
+            continue
+        # At the bound with room left, wait for a step at most until the next ask.
+        for seq, played in flight.advance(version, max_wait_s=LOST_SLOTS_POLL_S).items():
+            outbox.send(episodes.group(played, generator_id=rt.replica, seq=seq))
+        if outbox.sent >= gen_cfg.gen_batch_prompts:
+            outbox.close()
+            _report(rt, subscriber, outbox, timeline, version, device,
+                    busy_s=time.time() - t0 - outbox.push_s - idle_s,
+                    cpu_s=time.thread_time() - cpu0, extra=episodes.metrics())
+            outbox.reset_counts()
+            outbox.resume()
+            t0, cpu0, idle_s = time.time(), time.thread_time(), 0.0
 
 
 def batch_seed(gen_seed: int, first_slot: int) -> int:
