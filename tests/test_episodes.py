@@ -163,32 +163,59 @@ def test_a_slow_step_does_not_stall_the_other_episodes(policy):
     assert groups[1].rollouts[0].task["turns"] == 3
 
 
+class Gated:
+    """Row "slow": its one step waits until the test opens ``gate`` (or 20 s); row "fast":
+    three quick turns."""
+
+    tools = ()
+    gate = threading.Event()
+
+    def rows(self, split, n, seed):
+        return []
+
+    def reset(self, row):
+        self.row, self.n = row, 0
+        return "Q: go\nA:"
+
+    def step(self, turn):
+        self.n += 1
+        if self.row["kind"] == "slow":
+            return Step(reward=float(self.gate.wait(20)), done=True)
+        return Step(observation="ok", reward=0.0, done=self.n == 3)
+
+
 def test_a_group_goes_out_as_its_episodes_end_and_new_ones_join_in_flight(policy):
     """What a streaming generator relies on (``InFlight``): the fast group comes back while
     the slow one's step still runs, and a group admitted then is played beside it, its
     turns recorded with the version of the round that sampled them."""
     from llamarl.app.envs.episodes import InFlight
 
-    r = EpisodeRunner(*policy, SlowAndFast, GeneratorConfig(max_new_tokens=2, max_turns=3, env_step_timeout_s=60))
-    SlowAndFast.fast_done.clear()
+    r = EpisodeRunner(*policy, Gated, GeneratorConfig(max_new_tokens=2, max_turns=3, env_step_timeout_s=60))
+    Gated.gate.clear()
     flight = InFlight(r, rng=torch.Generator().manual_seed(0))
     flight.admit("slow", {"kind": "slow"}, 1)
     flight.admit("fast", {"kind": "fast"}, 1)
-    out, rounds = {}, 0
-    while "fast" not in out:
+    out: dict = {}
+    for _ in range(100):
         out.update(flight.advance(version=1, max_wait_s=0.05))
-        rounds += 1
-        assert rounds < 100
-    assert "slow" in flight.groups and "slow" not in out  # its step still waits for the fast one
+        if "fast" in out:
+            break
+    assert set(out) == {"fast"} and set(flight.groups) == {"slow"}  # its step still runs
     flight.admit("late", {"kind": "fast"}, 1)  # a new slot's group, while the slow one is out
     with pytest.raises(ValueError, match="already in flight"):
         flight.admit("late", {"kind": "fast"}, 1)
-    while len(flight):
+    for _ in range(100):
         out.update(flight.advance(version=2, max_wait_s=0.05))
+        if "late" in out:
+            break
+    assert set(flight.groups) == {"slow"}  # the late group went out past the slow one
+    Gated.gate.set()
+    while len(flight):
+        out.update(flight.advance(version=3, max_wait_s=0.05))
     r.close()
     assert [ep.turns for ep in out["fast"]] == [3] and set(out["fast"][0].versions) == {1}
     assert [ep.turns for ep in out["late"]] == [3] and set(out["late"][0].versions) == {2}
-    assert sum(out["slow"][0].rewards) == 1.0
+    assert sum(out["slow"][0].rewards) == 1.0 and out["slow"][0].versions == [1]
 
 
 class Graded:

@@ -4,7 +4,8 @@
 
 Everything else (policy, sampling, group size, staleness bound) comes from the trainer
 through the control store, so all roles agree by construction. Weights arrive on the
-weight plane in a background thread and are swapped in between decode batches.
+weight plane in a background thread and are swapped in between decode batches (with
+``--env``, between rounds of turns: episodes stream, ``_play_forever``).
 
 Staleness bound: before sampling, a generator reserves group slots from a global
 counter (``llamarl.app.control.slots.SlotBudget``: a signed record, replaced by
