@@ -19,7 +19,8 @@ Three measurements, each side by side in one run on this machine:
 2. **Async vs sync with a variable tool latency.** Two app runs with ``max_staleness`` 0
    (generate, train, sync) and 1, every environment step sleeping a uniform 0 to
    ``--max-sleep-ms`` ms first (``BenchCalculator(max_sleep_ms=...)``, the tool's
-   latency): ``async_speedup_tool_latency`` = sync median step time / async.
+   latency), ``--pairs`` pairs alternating: ``async_speedup_tool_latency`` = the median
+   over pairs of sync median step time / async (``pair_speedups`` each).
 3. **Generator tokens/s.** In this process (``--threads`` torch threads), the policy
    plays ``--rows`` episodes at once through the episode runner under each of
    ``EPISODE_RUNS`` (each episode's keys and values kept between its turns, the default,
@@ -86,7 +87,7 @@ def launch(name: str, env: str, max_staleness: int, args: argparse.Namespace, po
     flags = ["--env", env, "--rewards", "env_reward", "--max-turns", str(args.max_turns),
              "--max-episode-tokens", str(args.max_episode_tokens), "--max-new-tokens", str(args.max_new_tokens),
              "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
-             "--gen-batch-prompts", str(args.prompts_per_step), "--seed", str(args.seed),
+             "--gen-batch-prompts", str(args.gen_batch_prompts or args.prompts_per_step), "--seed", str(args.seed),
              "--eval-every", str(args.steps), "--eval-size", "20", "--save-every", str(args.steps)]
     t0 = time.time()
     with get_runner() as runner:
@@ -216,12 +217,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--gen-batch-prompts", type=int, default=None,
+                        help="groups a generator keeps in flight (default: one step's, --prompts-per-step; "
+                             "more puts the next step's slots beside the current step's, which then end later)")
     parser.add_argument("--max-turns", type=int, default=3)
     # A level-3 worked solution is about 30 tokens (one per digit): the no-tool condition
     # needs room to write it.
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--max-episode-tokens", type=int, default=96)
     parser.add_argument("--max-sleep-ms", type=int, default=200)
+    parser.add_argument("--pairs", type=int, default=3, help="sync/async pairs of runs with the slow tool, alternating")
     parser.add_argument("--eval-rows", type=int, default=200)
     parser.add_argument("--rows", type=int, default=32, help="episodes in flight for the tokens/s figure")
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds of the tokens/s figure")
@@ -249,19 +254,23 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({**speed, "details": {"args": args_out}}, indent=2, default=str))
         print(speed_line(speed) + f"; wrote {args.json}")
         return
+    slow = spec(max_sleep_ms=args.max_sleep_ms)
     runs = {name: run_summary(launch(name, env, staleness, args, policy)) for name, env, staleness, policy in [
         ("tool", spec(tool=True), 1, args.policy), ("no_tool", spec(tool=False), 1, args.plain_policy),
         ("no_tool_same_start", spec(tool=False), 1, args.policy),
-        ("sync_slow_tool", spec(max_sleep_ms=args.max_sleep_ms), 0, args.policy),
-        ("async_slow_tool", spec(max_sleep_ms=args.max_sleep_ms), 1, args.policy)]}
+        *[(f"{mode}_slow_tool_{i}", slow, staleness, args.policy)
+          for i in range(args.pairs) for mode, staleness in (("sync", 0), ("async", 1))]]}
     acc = {name: held_out_accuracy(Path(runs[name]["run_dir"]) / "checkpoints" / f"step-{args.steps}",
                                    name == "tool", args) for name in ("tool", "no_tool", "no_tool_same_start")}
-    sync_s, async_s = runs["sync_slow_tool"]["median_step_s"], runs["async_slow_tool"]["median_step_s"]
+    pairs = [(runs[f"sync_slow_tool_{i}"]["median_step_s"], runs[f"async_slow_tool_{i}"]["median_step_s"])
+             for i in range(args.pairs)]
+    sync_s, async_s = statistics.median(s for s, _ in pairs), statistics.median(a for _, a in pairs)
     result = {
         "acc_tool": acc["tool"]["acc"], "acc_no_tool": acc["no_tool"]["acc"],
         "acc_no_tool_same_start": acc["no_tool_same_start"]["acc"],
         "acc_se": max(a["se"] for a in acc.values()),
-        "async_speedup_tool_latency": sync_s / async_s,
+        "async_speedup_tool_latency": statistics.median(s / a for s, a in pairs),
+        "pair_speedups": [s / a for s, a in pairs],
         "sync_step_s": sync_s, "async_step_s": async_s, **speed,
         "details": {"held_out": acc, "runs": runs, "args": {k: v for k, v in vars(args).items() if k != "json"}},
     }
@@ -270,7 +279,8 @@ def main() -> None:
           f"no tool {result['acc_no_tool']:.3f}, the tool's start without it "
           f"{result['acc_no_tool_same_start']:.3f} (se {result['acc_se']:.3f})")
     print(f"step time with a 0-{args.max_sleep_ms} ms tool: sync {sync_s:.2f} s, async {async_s:.2f} s, "
-          f"speedup {result['async_speedup_tool_latency']:.2f}x")
+          f"speedup {result['async_speedup_tool_latency']:.2f}x (median of {args.pairs} pairs: "
+          f"{', '.join(f'{x:.2f}x' for x in result['pair_speedups'])})")
     print(speed_line(speed) + f"; wrote {args.json}")
 
 
