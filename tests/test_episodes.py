@@ -163,19 +163,11 @@ def test_a_slow_step_does_not_stall_the_other_episodes(policy):
     assert groups[1].rollouts[0].task["turns"] == 3
 
 
-class Gated:
+class Gated(SlowAndFast):
     """Row "slow": its one step waits until the test opens ``gate`` (or 20 s); row "fast":
     three quick turns."""
 
-    tools = ()
     gate = threading.Event()
-
-    def rows(self, split, n, seed):
-        return []
-
-    def reset(self, row):
-        self.row, self.n = row, 0
-        return "Q: go\nA:"
 
     def step(self, turn):
         self.n += 1
