@@ -116,12 +116,14 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
 def _runner(policy: Path | str, env: BenchCalculator, args: argparse.Namespace, model_tokenizer=None, **gen: Any):
     from llamarl.app.config import GeneratorConfig
     from llamarl.app.envs.episodes import EpisodeRunner
+    from llamarl.app.envs.slots import step_workers
     from llamarl.app.model.policy import load_policy
 
     model, tokenizer = model_tokenizer or load_policy(policy)
     cfg = GeneratorConfig(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens,
                           max_new_tokens=args.max_new_tokens, **gen)
-    return EpisodeRunner(model, tokenizer, lambda: BenchCalculator(tool=bool(env.tools)), cfg, greedy=True)
+    return EpisodeRunner(model, tokenizer, lambda: BenchCalculator(tool=bool(env.tools)), cfg, greedy=True,
+                         workers=step_workers(max(args.rows, args.eval_rows)))
 
 
 def held_out_accuracy(policy: Path, tool: bool, args: argparse.Namespace) -> dict[str, float]:

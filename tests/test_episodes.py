@@ -210,6 +210,21 @@ def test_a_group_goes_out_as_its_episodes_end_and_new_ones_join_in_flight(policy
     assert sum(out["slow"][0].rewards) == 1.0 and out["slow"][0].versions == [1]
 
 
+def test_a_round_samples_the_earliest_steps_episodes_only(policy):
+    """A streaming generator's next-step groups wait while the current step's episodes
+    are ready: a round samples the lowest priority that has a ready episode."""
+    from llamarl.app.envs.episodes import InFlight
+
+    r = runner(policy, max_turns=3, max_episode_tokens=200)
+    flight = InFlight(r, rng=torch.Generator().manual_seed(0))
+    flight.admit("next step", {"question": "b"}, 2, priority=6)
+    flight.admit("this step", {"question": "a"}, 2, priority=5)
+    flight.advance(version=1)
+    r.close()
+    assert [ep.turns for ep in flight.groups["this step"]] == [1, 1]
+    assert [ep.turns for ep in flight.groups["next step"]] == [0, 0]
+
+
 class Graded:
     """Two turns per episode, then the row's own reward; a training row scores -1, so a
     held-out evaluation that played one would show it."""

@@ -345,21 +345,29 @@ class InFlight:
     a key, ``advance`` plays one round (sample every episode waiting for the policy, in
     one ``sample`` call; collect the environment steps that are done) and hands back each
     group whose episodes have all ended, by key. A group with no episode that started (its
-    resets failed) comes back at the next ``advance``, empty."""
+    resets failed) comes back at the next ``advance``, empty.
+
+    Groups have a priority (a streaming generator's: the step their slot trains at): a
+    round samples only the ready episodes of the lowest priority that has any, so the
+    next step's episodes are sampled while the current step's wait on their environment,
+    and never slow the current step's rounds down by sharing them."""
 
     def __init__(self, runner: EpisodeRunner, *, rng: torch.Generator | None = None,
                  stop: Callable[[], bool] = lambda: False) -> None:
         self.runner, self.rng, self.stop = runner, rng, stop
         self.groups: dict[Any, list[_Episode]] = {}
+        self._priority: dict[Any, int] = {}
 
     def __len__(self) -> int:
         return len(self.groups)
 
-    def admit(self, key: Any, row: Mapping[str, Any], group_size: int) -> int:
-        """Start ``group_size`` episodes of ``row`` as group ``key``; how many started."""
+    def admit(self, key: Any, row: Mapping[str, Any], group_size: int, priority: int = 0) -> int:
+        """Start ``group_size`` episodes of ``row`` as group ``key`` (lower ``priority``
+        first); how many started."""
         if key in self.groups:
             raise ValueError(f"episode group {key!r} is already in flight")
         self.groups[key] = [ep for ep in (self.runner._start(row) for _ in range(group_size)) if ep is not None]
+        self._priority[key] = priority
         return len(self.groups[key])
 
     def ready(self) -> bool:
@@ -370,16 +378,20 @@ class InFlight:
         """One round at weights ``version`` (see the class); when no episode waits for the
         policy it first waits up to ``max_wait_s`` for an environment step to finish."""
         live = [ep for g in self.groups.values() for ep in g if ep.end is None]
-        ready = [ep for ep in live if ep.step is None]
+        ready: dict[int, list[_Episode]] = {}
+        for k, g in self.groups.items():
+            for ep in g:
+                if ep.end is None and ep.step is None:
+                    ready.setdefault(self._priority[k], []).append(ep)
         if ready:
-            self.runner._sample_turns(ready, version, self.rng)
+            self.runner._sample_turns(ready[min(ready)], version, self.rng)
         if waiting := [ep for ep in live if ep.step is not None]:
             # Block only when nothing is left to sample: decoding goes on beside steps.
             self.runner._collect(waiting, block=not any(ep.step is None and ep.end is None for ep in live),
                                  stop=self.stop, max_wait_s=max_wait_s)
         done = {k: g for k, g in self.groups.items() if all(ep.end is not None for ep in g)}
         for k, g in done.items():
-            del self.groups[k]
+            del self.groups[k], self._priority[k]
             self.runner.stats.episodes += len(g)
         return done
 

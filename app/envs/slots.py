@@ -29,6 +29,17 @@ ROWS = 1000
 """Training rows drawn from the environment; slots cycle through them."""
 
 
+MAX_STEP_WORKERS = 256
+"""Threads running environment steps at most (``step_workers``)."""
+
+
+def step_workers(episodes: int) -> int:
+    """Environment-step threads for ``episodes`` in flight: one each (up to
+    ``MAX_STEP_WORKERS``), so a step never queues behind others' slow tools; a thread
+    waiting on a tool costs no CPU, and a tool that computes shares the cores anyway."""
+    return max(1, min(episodes, MAX_STEP_WORKERS))
+
+
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: TrainerConfig, gen: GeneratorConfig,
              step: int) -> dict[str, float]:
     """Held-out accuracy through ``gen.env`` (see the module): the mean episode reward over
@@ -39,7 +50,7 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Tr
     rows = make().rows("test", cfg.eval_size, seed=cfg.seed)
     out: dict[str, float] = {}
     for key, greedy in (("accuracy", True), ("sampled_accuracy", False)):
-        runner = EpisodeRunner(model, tokenizer, make, gen, greedy=greedy)
+        runner = EpisodeRunner(model, tokenizer, make, gen, greedy=greedy, workers=step_workers(len(rows)))
         rng = None if greedy else torch.Generator(next(model.parameters()).device).manual_seed(step)
         try:
             episodes = [ep for g in runner.run(rows, group_size=1, version=lambda: step, rng=rng) for ep in g]
@@ -58,13 +69,14 @@ class SlotEpisodes:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: TrainerConfig,
                  gen: GeneratorConfig) -> None:
         make = build_env(gen.env)
-        self.spec, self.group_size = gen.env, cfg.group_size
+        self.spec, self.group_size, self.per_step = gen.env, cfg.group_size, cfg.prompts_per_step
         self.rows = make().rows("train", ROWS, seed=cfg.seed)
         # Episodes per length bucket (tokens after the prompt, up to a power of two) and per
         # number of weight versions their turns were sampled with: the dashboard's histograms.
         self.lengths: Counter[int] = Counter()
         self.versions: Counter[int] = Counter()
-        self.runner = EpisodeRunner(model, tokenizer, make, gen)
+        self.runner = EpisodeRunner(model, tokenizer, make, gen,
+                                    workers=step_workers(gen.gen_batch_prompts * cfg.group_size))
 
     def groups(self, slot_ids: list[int], *, version: int, rng: torch.Generator | None, generator_id: int,
                first_seq: int, stop: Callable[[], bool]) -> list[RolloutGroup]:
@@ -83,8 +95,9 @@ class SlotEpisodes:
         return InFlight(self.runner, rng=rng, stop=stop)
 
     def admit(self, flight: InFlight, slot: int, *, key: int) -> None:
-        """Start the ``group_size`` episodes of ``slot``'s row in ``flight`` as group ``key``."""
-        flight.admit(key, self.rows[slot % len(self.rows)], self.group_size)
+        """Start the ``group_size`` episodes of ``slot``'s row in ``flight`` as group ``key``,
+        at the priority of the step the slot trains at (earlier steps' turns first)."""
+        flight.admit(key, self.rows[slot % len(self.rows)], self.group_size, priority=slot // self.per_step)
 
     def group(self, episodes: list[Any], *, generator_id: int, seq: int) -> RolloutGroup:
         """The played ``episodes`` of one slot as rollout group ``(generator_id, seq)``,
