@@ -121,4 +121,4 @@ class SlotEpisodes:
         self.runner.close()
 
 
-__all__ = ["ROWS", "SlotEpisodes", "evaluate"]
+__all__ = ["MAX_STEP_WORKERS", "ROWS", "SlotEpisodes", "evaluate", "step_workers"]

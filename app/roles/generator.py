@@ -126,8 +126,7 @@ def _generate_forever(rt: runtime.Runtime, model, tokenizer, subscriber: Subscri
         held.take(slot_ids)
         rng.manual_seed(batch_seed(gen_cfg.gen_seed, slot_ids[0]))
         t0, cpu0 = time.time(), time.thread_time()
-        # Each group goes out as the sampler's batch is cut into it (llamarl.app.control.outbox);
-        # an episode batch's groups go out as its last turn ends.
+        # Each group goes out as the sampler's batch is cut into it (llamarl.app.control.outbox).
         outbox.open(slot_ids, first_seq=sent)
         rl.generate_groups(model, tokenizer, [prompts.order.problem(i) for i in slot_ids],
                            group_size=trainer_cfg.group_size, params=sampling, version=version, rng=rng,
@@ -179,6 +178,7 @@ def _play_forever(rt: runtime.Runtime, model, subscriber: Subscriber, episodes: 
         if new is not None:
             version, retry_at = new, 0.0
         if version is None:
+            outbox.close()
             with timeline.idle("wait_weights"):
                 t = time.time()
                 while not subscriber.waiting():
@@ -186,6 +186,7 @@ def _play_forever(rt: runtime.Runtime, model, subscriber: Subscriber, episodes: 
                         raise transport.Stopped("stop requested")
                     time.sleep(0.005)
                 idle_s += time.time() - t
+            outbox.resume()
             continue
         room = gen_cfg.gen_batch_prompts - len(flight)
         if room > 0 and time.monotonic() >= retry_at:
