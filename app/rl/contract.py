@@ -13,11 +13,7 @@ builds and reads that message here, with ``to_message`` and ``from_message``:
      "slot": int  (optional),
      "policy_mask": [bool[T_i]] * G  (optional: absent, every completion token is the policy's),
      "segment_versions": [int64[S_i]] * G  (optional: absent, every policy segment is of "version"),
-     "tasks": [{...JSON...}] * G  (optional: absent, every rollout's task is "task")}
-
-An episode's task differs per rollout (its environment's reward, turns and tool calls go
-into it), so a group whose rollouts' tasks differ sends each of them in ``tasks``; the
-reward of each episode is then its own, not the first's.
+     "tasks": [{...JSON...}] * G  (optional, when the tasks differ, as episodes' rewards do)}
 
 Token ids and log-probs travel as raw tensor bytes (``llamarl.app.control.transport``'s frames),
 exact, and stay tensors: a ``Rollout`` holds 1-D CPU tensors from the sampler to the
@@ -400,12 +396,8 @@ class Rejections:
         self._in_a_row = 0
 
     def __call__(self, reason: str, detail: str, field_name: str = "") -> None:
-        self.counts[reason] += 1
+        self.counted(reason, detail, field_name)
         self._in_a_row += 1
-        if (reason, field_name) not in self._logged:
-            self._logged.add((reason, field_name))
-            log.warning("%s: dropped a message (%s%s): %s; further ones like it are only counted",
-                        self.where, reason, f" in {field_name!r}" if field_name else "", detail)
         if self._in_a_row >= self.flood_frames:
             raise FrameFlood(
                 f"{self.where}: {self._in_a_row} messages rejected in a row with no valid one between "
@@ -413,15 +405,15 @@ class Rejections:
                 f"outside the app or from a role with another secret; the store's port must be "
                 f"reachable only by the app's roles (docs/security.md)")
 
-    def counted(self, reason: str, detail: str) -> None:
-        """A message dropped for ``reason`` that is valid app traffic as often as not (a
-        group too old to train): counted and logged once like a rejection, but not part of
-        a flood's run (it came from a role, signed)."""
+    def counted(self, reason: str, detail: str, field_name: str = "") -> None:
+        """A message dropped for ``reason``, counted and logged once per reason and field.
+        Called alone for one that is valid app traffic as often as not (a group too old to
+        train): not part of a flood's run (it came from a role, signed)."""
         self.counts[reason] += 1
-        if (reason, "") not in self._logged:
-            self._logged.add((reason, ""))
-            log.warning("%s: dropped a message (%s): %s; further ones like it are only counted",
-                        self.where, reason, detail)
+        if (reason, field_name) not in self._logged:
+            self._logged.add((reason, field_name))
+            log.warning("%s: dropped a message (%s%s): %s; further ones like it are only counted",
+                        self.where, reason, f" in {field_name!r}" if field_name else "", detail)
 
     def accepted(self, n: int = 1) -> None:
         """``n`` valid messages arrived: the run of rejections is over."""
