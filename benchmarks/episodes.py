@@ -1,7 +1,8 @@
 """Multi-turn episodes with a tool: accuracy, async with a slow tool, generator tokens/s.
 
     python benchmarks/episodes.py --json out.json
-    python benchmarks/episodes.py --only-throughput --json out.json   # part 3 alone
+    python benchmarks/episodes.py --only throughput --json out.json   # part 3 alone
+    python benchmarks/episodes.py --only latency --json out.json      # part 2 alone
 
 Three measurements, each side by side in one run on this machine:
 
@@ -16,11 +17,14 @@ Three measurements, each side by side in one run on this machine:
    one episode per row, up to ``--max-turns`` turns) with its own condition's
    environment: ``acc_tool``, ``acc_no_tool``, ``acc_no_tool_same_start`` and ``acc_se``
    (the largest binomial standard error of them).
-2. **Async vs sync with a variable tool latency.** Two app runs with ``max_staleness`` 0
-   (generate, train, sync) and 1, every environment step sleeping a uniform 0 to
-   ``--max-sleep-ms`` ms first (``BenchCalculator(max_sleep_ms=...)``, the tool's
-   latency), ``--pairs`` pairs alternating: ``async_speedup_tool_latency`` = the median
-   over pairs of sync median step time / async (``pair_speedups`` each).
+2. **Async vs sync with a variable tool latency, beside single-turn.** App runs with
+   ``max_staleness`` 0 (generate, train, sync) and ``--bound`` (default 1), of two
+   workloads with the same settings: episodes whose every environment step sleeps a
+   uniform 0 to ``--max-sleep-ms`` ms first (``BenchCalculator(max_sleep_ms=...)``, the
+   tool's latency), and single-turn completions of the same level's problems (no
+   environment); ``--pairs`` pairs of each, alternating: ``async_speedup_tool_latency``
+   and ``async_speedup_single_turn`` = the median over pairs of sync median step time /
+   async (``pair_speedups``, ``single_turn_pair_speedups`` each).
 3. **Generator tokens/s.** In this process (``--threads`` torch threads), the policy
    plays ``--rows`` episodes at once through the episode runner under each of
    ``EPISODE_RUNS`` (each episode's keys and values kept between its turns, the default,
@@ -28,7 +32,9 @@ Three measurements, each side by side in one run on this machine:
    completions of the same total length (the episodes' mean completion tokens, no EOS
    stop) for the same prompts: tokens per second of each (every completion token
    counted, environment tokens too), ``--repeats`` interleaved rounds after an untimed
-   one, medians. ``--only-throughput`` runs this part alone (a minute or less).
+   one, medians.
+
+``--only`` runs some parts alone (``throughput`` takes a minute or less).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from llamarl.app.envs.builtins import Calculator  # noqa: E402
 from llamarl.app.envs.protocol import Step  # noqa: E402
 
 ENV = "benchmarks.episodes:BenchCalculator"
+LEVEL = 3  # the built-in task's hardest level: three chained operations
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -59,7 +66,7 @@ class BenchCalculator(Calculator):
     """The calculator environment on one arithmetic level, with or without its tool, each
     step first sleeping a uniform ``0..max_sleep_ms`` ms (a tool of variable latency)."""
 
-    def __init__(self, *, tool: bool = True, level: int = 3, max_sleep_ms: int = 0) -> None:
+    def __init__(self, *, tool: bool = True, level: int = LEVEL, max_sleep_ms: int = 0) -> None:
         super().__init__(levels=(level,))
         if not tool:
             self.tools = ()
@@ -84,8 +91,10 @@ def launch(name: str, env: str, max_staleness: int, args: argparse.Namespace, po
 
     options = ["--num_generators", "1", "--steps", str(args.steps), "--max_staleness", str(max_staleness),
                "--runs_dir", args.runs_dir, "--threads", "1", "--policy", policy]
-    flags = ["--env", env, "--rewards", "env_reward", "--max-turns", str(args.max_turns),
-             "--max-episode-tokens", str(args.max_episode_tokens), "--max-new-tokens", str(args.max_new_tokens),
+    # ``env`` None: single-turn completions of the same level's problems, no environment.
+    task = (["--env", env, "--rewards", "env_reward", "--max-turns", str(args.max_turns),
+             "--max-episode-tokens", str(args.max_episode_tokens)] if env else ["--levels", str(LEVEL)])
+    flags = [*task, "--max-new-tokens", str(args.max_new_tokens),
              "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
              "--gen-batch-prompts", str(args.gen_batch_prompts or args.prompts_per_step), "--seed", str(args.seed),
              "--eval-every", str(args.steps), "--eval-size", "20", "--save-every", str(args.steps)]
@@ -228,7 +237,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--max-episode-tokens", type=int, default=96)
     parser.add_argument("--max-sleep-ms", type=int, default=200)
-    parser.add_argument("--pairs", type=int, default=3, help="sync/async pairs of runs with the slow tool, alternating")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="sync/async pairs of runs of each workload (the slow tool, single-turn), alternating")
+    parser.add_argument("--bound", type=int, default=1, help="the async runs' max_staleness")
     parser.add_argument("--eval-rows", type=int, default=200)
     parser.add_argument("--rows", type=int, default=32, help="episodes in flight for the tokens/s figure")
     parser.add_argument("--repeats", type=int, default=10, help="timed rounds of the tokens/s figure")
@@ -240,8 +251,9 @@ def main() -> None:
                         help="the no-tool run's policy directory; 'warmstart': the plain warm start")
     parser.add_argument("--runs-dir", default="runs/bench-episodes")
     parser.add_argument("--timeout-s", type=float, default=900)
-    parser.add_argument("--only-throughput", action="store_true",
-                        help="measure 3 (generator tokens/s) only, in this process: a minute or less")
+    parser.add_argument("--only", default="",
+                        help="comma-separated parts to run (accuracy, latency, throughput; default all); "
+                             "throughput alone takes a minute or less")
     args = parser.parse_args()
     if args.policy == "warmstart":
         from llamarl.app.envs.tool_warmstart import ensure_tool_warmstart
@@ -250,40 +262,67 @@ def main() -> None:
         from llamarl.app.rl.warmstart import ensure_warmstart
         args.plain_policy = str(ensure_warmstart().resolve())
 
-    speed = tokens_per_s(args.policy, args)
-    if args.only_throughput:
-        args_out = {k: v for k, v in vars(args).items() if k != "json"}
-        Path(args.json).write_text(json.dumps({**speed, "details": {"args": args_out}}, indent=2, default=str))
-        print(speed_line(speed) + f"; wrote {args.json}")
-        return
-    slow = spec(max_sleep_ms=args.max_sleep_ms)
-    runs = {name: run_summary(launch(name, env, staleness, args, policy)) for name, env, staleness, policy in [
-        ("tool", spec(tool=True), 1, args.policy), ("no_tool", spec(tool=False), 1, args.plain_policy),
-        ("no_tool_same_start", spec(tool=False), 1, args.policy),
-        *[(f"{mode}_slow_tool_{i}", slow, staleness, args.policy)
-          for i in range(args.pairs) for mode, staleness in (("sync", 0), ("async", 1))]]}
-    acc = {name: held_out_accuracy(Path(runs[name]["run_dir"]) / "checkpoints" / f"step-{args.steps}",
-                                   name == "tool", args) for name in ("tool", "no_tool", "no_tool_same_start")}
-    pairs = [(runs[f"sync_slow_tool_{i}"]["median_step_s"], runs[f"async_slow_tool_{i}"]["median_step_s"])
-             for i in range(args.pairs)]
-    sync_s, async_s = statistics.median(s for s, _ in pairs), statistics.median(a for _, a in pairs)
-    result = {
-        "acc_tool": acc["tool"]["acc"], "acc_no_tool": acc["no_tool"]["acc"],
-        "acc_no_tool_same_start": acc["no_tool_same_start"]["acc"],
-        "acc_se": max(a["se"] for a in acc.values()),
-        "async_speedup_tool_latency": statistics.median(s / a for s, a in pairs),
-        "pair_speedups": [s / a for s, a in pairs],
-        "sync_step_s": sync_s, "async_step_s": async_s, **speed,
-        "details": {"held_out": acc, "runs": runs, "args": {k: v for k, v in vars(args).items() if k != "json"}},
-    }
+    parts = {"accuracy": accuracy, "latency": latency, "throughput": throughput}
+    result: dict[str, Any] = {"details": {"args": {k: v for k, v in vars(args).items() if k != "json"}}}
+    for name in (args.only.split(",") if args.only else parts):
+        if name not in parts:
+            raise SystemExit(f"--only: unknown part {name!r} (known: {', '.join(parts)})")
+        out = parts[name](args)
+        result["details"].update(out.pop("details", {}))
+        result.update(out)
     Path(args.json).write_text(json.dumps(result, indent=2, default=str))
-    print(f"held-out accuracy (level 3, {args.eval_rows} rows): tool {result['acc_tool']:.3f}, "
-          f"no tool {result['acc_no_tool']:.3f}, the tool's start without it "
-          f"{result['acc_no_tool_same_start']:.3f} (se {result['acc_se']:.3f})")
-    print(f"step time with a 0-{args.max_sleep_ms} ms tool: sync {sync_s:.2f} s, async {async_s:.2f} s, "
-          f"speedup {result['async_speedup_tool_latency']:.2f}x (median of {args.pairs} pairs: "
-          f"{', '.join(f'{x:.2f}x' for x in result['pair_speedups'])})")
-    print(speed_line(speed) + f"; wrote {args.json}")
+    print(f"wrote {args.json}")
+
+
+def accuracy(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 1: tool vs no tool, held-out accuracy after the same steps."""
+    runs = {name: run_summary(launch(name, env, 1, args, policy)) for name, env, policy in [
+        ("tool", spec(tool=True), args.policy), ("no_tool", spec(tool=False), args.plain_policy),
+        ("no_tool_same_start", spec(tool=False), args.policy)]}
+    acc = {name: held_out_accuracy(Path(runs[name]["run_dir"]) / "checkpoints" / f"step-{args.steps}",
+                                   name == "tool", args) for name in runs}
+    out = {"acc_tool": acc["tool"]["acc"], "acc_no_tool": acc["no_tool"]["acc"],
+           "acc_no_tool_same_start": acc["no_tool_same_start"]["acc"], "acc_se": max(a["se"] for a in acc.values()),
+           "details": {"held_out": acc, "accuracy_runs": runs}}
+    print(f"held-out accuracy (level {LEVEL}, {args.eval_rows} rows): tool {out['acc_tool']:.3f}, "
+          f"no tool {out['acc_no_tool']:.3f}, the tool's start without it "
+          f"{out['acc_no_tool_same_start']:.3f} (se {out['acc_se']:.3f})")
+    return out
+
+
+def latency(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 2: sync vs async step time, episodes with the slow tool and single-turn
+    completions of the same problems, the same settings, pairs alternating."""
+    workloads = {"slow_tool": spec(max_sleep_ms=args.max_sleep_ms), "single_turn": None}
+    runs = {name: run_summary(launch(name, env, staleness, args, args.policy)) for name, env, staleness in [
+        (f"{mode}_{work}_{i}", env, staleness) for i in range(args.pairs)
+        for work, env in workloads.items() for mode, staleness in (("sync", 0), ("async", args.bound))]}
+    pairs = {work: [(runs[f"sync_{work}_{i}"]["median_step_s"], runs[f"async_{work}_{i}"]["median_step_s"])
+                    for i in range(args.pairs)] for work in workloads}
+    speedup = {work: statistics.median(s / a for s, a in p) for work, p in pairs.items()}
+    for work, what in (("slow_tool", f"episodes with a 0-{args.max_sleep_ms} ms tool"),
+                       ("single_turn", "single-turn, the same problems")):
+        print(f"step time, {what}: sync {statistics.median(s for s, _ in pairs[work]):.3f} s, async "
+              f"(bound {args.bound}) {statistics.median(a for _, a in pairs[work]):.3f} s, speedup "
+              f"{speedup[work]:.2f}x (median of {args.pairs} pairs: "
+              f"{', '.join(f'{s / a:.2f}x' for s, a in pairs[work])})")
+    return {
+        "async_speedup_tool_latency": speedup["slow_tool"], "async_speedup_single_turn": speedup["single_turn"],
+        "pair_speedups": [s / a for s, a in pairs["slow_tool"]],
+        "single_turn_pair_speedups": [s / a for s, a in pairs["single_turn"]],
+        "sync_step_s": statistics.median(s for s, _ in pairs["slow_tool"]),
+        "async_step_s": statistics.median(a for _, a in pairs["slow_tool"]),
+        "single_turn_sync_step_s": statistics.median(s for s, _ in pairs["single_turn"]),
+        "single_turn_async_step_s": statistics.median(a for _, a in pairs["single_turn"]),
+        "details": {"latency_runs": runs},
+    }
+
+
+def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 3: generator tokens/s, in this process."""
+    speed = tokens_per_s(args.policy, args)
+    print(speed_line(speed))
+    return speed
 
 
 if __name__ == "__main__":

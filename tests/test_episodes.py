@@ -210,6 +210,41 @@ def test_a_group_goes_out_as_its_episodes_end_and_new_ones_join_in_flight(policy
     assert sum(out["slow"][0].rewards) == 1.0 and out["slow"][0].versions == [1]
 
 
+class HalfGated(Gated):
+    """Every other episode started is row "slow" whatever its row says: one group holds a
+    slow episode and a fast one."""
+
+    started = 0
+
+    def reset(self, row):
+        HalfGated.started += 1
+        return super().reset({"kind": "slow" if HalfGated.started % 2 else "fast"})
+
+
+def test_an_ended_episode_waiting_for_its_group_holds_no_place(policy):
+    """A streaming generator admits by ``playing``: a group's ended episodes, waiting for
+    its slowest, are not counted, so the decode batch can be refilled beside it."""
+    from llamarl.app.envs.episodes import InFlight
+
+    r = EpisodeRunner(*policy, HalfGated, GeneratorConfig(max_new_tokens=2, max_turns=3, env_step_timeout_s=60))
+    Gated.gate.clear()
+    HalfGated.started = 0
+    flight = InFlight(r, rng=torch.Generator().manual_seed(0))
+    flight.admit("mixed", {"kind": "any"}, 2)
+    assert flight.playing() == 2
+    for _ in range(100):
+        assert not flight.advance(version=1, max_wait_s=0.05)  # its slow episode holds the group
+        if flight.playing() == 1:
+            break
+    assert flight.playing() == 1 and len(flight) == 1  # the fast one ended; the group is still out
+    Gated.gate.set()
+    out: dict = {}
+    while len(flight):
+        out.update(flight.advance(version=2, max_wait_s=0.05))
+    r.close()
+    assert flight.playing() == 0 and sorted(ep.turns for ep in out["mixed"]) == [1, 3]
+
+
 def test_a_round_samples_the_earliest_steps_episodes_only(policy):
     """A streaming generator's next-step groups wait while the current step's episodes
     are ready: a round samples the lowest priority that has a ready episode."""

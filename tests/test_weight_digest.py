@@ -161,7 +161,9 @@ def test_a_generator_takes_only_weights_that_match_every_ranks_signed_record(sto
     params = flattened(model_params(1))
     runs = runs_of(params)
     rank0 = ShardDigest(signed(store, "trainer/0"), params, rank=0, ranks=2)
-    check = DigestCheck(signed(store, "generator/0"), 0, wait_s=0.0)
+    # A record is looked for until ``wait_s`` as a generator does (once in four full runs
+    # under load a record just put read as absent with no wait at all).
+    check = DigestCheck(signed(store, "generator/0"), 0, wait_s=0.5)
     theirs = [[torch.zeros(3)]]  # trainer rank 1's runs (one float run)
     with caplog.at_level(logging.ERROR, logger="llamarl"):
         assert not check(1, [runs, theirs])  # nothing published yet

@@ -370,6 +370,11 @@ class InFlight:
         self._priority[key] = priority
         return len(self.groups[key])
 
+    def playing(self) -> int:
+        """Episodes not yet ended: a group's ended episodes waiting for its last one to end
+        hold no row of the decode batch."""
+        return sum(ep.end is None for g in self.groups.values() for ep in g)
+
     def ready(self) -> bool:
         """Whether an episode waits for the policy's turn."""
         return any(ep.step is None and ep.end is None for g in self.groups.values() for ep in g)

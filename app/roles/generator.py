@@ -156,12 +156,14 @@ def _play_forever(rt: runtime.Runtime, model, subscriber: Subscriber, episodes: 
                   gen_cfg: GeneratorConfig, *, budget: slots.SlotBudget, held: slots.HeldSlots, outbox: Outbox,
                   rng: torch.Generator, sent: int, timeline: metrics.Timeline) -> None:
     """The generator's loop with ``--env``: episodes streamed. Up to ``gen_batch_prompts``
-    groups are in flight; each round (one turn of every episode waiting for the policy,
-    ``llamarl.app.envs.episodes.InFlight``) swaps in new weights first, refills the
-    groups that went out with new slots as far as the staleness bound allows, and sends
-    each group the moment its episodes have all ended. So while some episodes wait on a
-    slow tool, others, of the next step's slots when the bound allows, are sampled: the
-    generator does not idle until the batch's slowest episode ends. An episode's turns
+    x ``group_size`` episodes are being played; each round (one turn of every episode
+    waiting for the policy, ``llamarl.app.envs.episodes.InFlight``) swaps in new weights
+    first, admits a new slot's group whenever that many places are free, as far as the
+    staleness bound allows, and sends each group the moment its episodes have all ended.
+    A place is an episode still playing: a group's ended episodes, waiting for its slowest,
+    hold none, so while some episodes wait on a slow tool, others, of the next step's
+    slots when the bound allows, are sampled: the generator does not idle until the
+    batch's slowest episode ends, and its decode batch stays full. An episode's turns
     may be sampled with different versions (each recorded; staleness counts the oldest).
     Synchronous (``max_staleness 0``) this is the batch loop: the next step's slots wait
     for its weights. Scalars are reported every ``gen_batch_prompts`` groups sent."""
@@ -188,7 +190,7 @@ def _play_forever(rt: runtime.Runtime, model, subscriber: Subscriber, episodes: 
                 idle_s += time.time() - t
             outbox.resume()
             continue
-        room = gen_cfg.gen_batch_prompts - len(flight)
+        room = gen_cfg.gen_batch_prompts - -(-flight.playing() // episodes.group_size)
         if room > 0 and time.monotonic() >= retry_at:
             slot_ids = slots.take_lost_slots(rt.signed, room) or budget.slot_ids(budget.reserve(room, version))
             if slot_ids:
