@@ -18,11 +18,11 @@ def table(run: data.Run) -> tuple[pd.DataFrame | None, str]:
     try:
         fit = calibrate.from_run(run.path)
         measured = calibrate.measured(run.path)
+        loop = fit.loop()  # refuses a configuration the simulator cannot take
     except (OSError, ValueError) as err:
-        return None, f"Not enough recorded to fit the simulator yet: {err}"
+        return None, f"The simulator cannot fit this run (yet): {err}"
     if len(measured.step_s) < 2:
         return None, "Not enough recorded to fit the simulator yet: fewer than two steps."
-    loop = fit.loop()
     rows = [_row("measured", measured)] + [_row(f"predicted: {label}", r) for label, r in engine.what_if(loop)]
     caption = (f"Cost models fitted from this run's metrics (python -m llamarl.app.sim --from-run {run.path}); "
                f"{loop.generators} generator(s), max_staleness {loop.max_staleness}. "

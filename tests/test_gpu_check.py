@@ -95,3 +95,12 @@ def test_the_sampler_table_survives_a_failing_side_and_takes_sides_per_case():
     with pytest.raises(ZeroDivisionError):
         sampler._counting_skips(skipping, skips, "compiled", 0)
     assert skips == {"compiled": 4}
+
+
+def test_its_own_tiny_policy_is_a_policy_the_checks_can_load(tmp_path):
+    """What a GPU session without ``--policy`` runs on (``_tiny_policy``), made and loaded."""
+    from benchmarks import gpu_check
+    from llamarl.app.model.policy import load_policy
+
+    model, tokenizer = load_policy(gpu_check._tiny_policy(tmp_path))
+    assert sum(p.numel() for p in model.parameters()) > 0 and tokenizer.eos_token_id is not None

@@ -166,3 +166,11 @@ def test_warmstart_is_deterministic(tmp_path):
     a, b, c = train("a"), train("b"), train("c", seed=1)
     assert all(torch.equal(v, b[k]) for k, v in a.items())
     assert not all(torch.equal(v, c[k]) for k, v in a.items())
+
+
+def test_a_warm_start_leaves_the_callers_thread_count_as_it_was(tmp_path):
+    before = torch.get_num_threads()
+    threads = 2 if before != 2 else 1
+    cfg = WarmStartConfig(out=str(tmp_path / "w"), steps=1, batch_size=4, train_size=8, eval_size=1, threads=threads)
+    warm_start(cfg, log=lambda _: None)
+    assert torch.get_num_threads() == before

@@ -84,9 +84,18 @@ def _lr_at(step: int, cfg: WarmStartConfig) -> float:
 
 def warm_start(cfg: WarmStartConfig, *, log=print, extra: ExtraDemonstrations | None = None) -> dict[str, float]:
     """Train, evaluate and save; returns the held-out metrics. With ``extra``, its
-    demonstrations join the worked solutions in the shuffled order."""
+    demonstrations join the worked solutions in the shuffled order. ``cfg.threads`` holds
+    for the warm start only: the caller's torch thread count is restored after."""
+    threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg, log, extra)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: WarmStartConfig, log, extra: ExtraDemonstrations | None) -> dict[str, float]:
     t0 = time.time()
     extra_kw = {} if extra is None else {"extra_corpus": extra.corpus, "vocab_size": extra.vocab_size}
     model, tokenizer = create_default_policy(cfg.seed, **extra_kw)
