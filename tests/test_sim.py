@@ -220,6 +220,10 @@ def test_a_run_on_shared_cpu_cores_is_costed_at_a_core_to_itself(tmp_path):
     assert fit.cores == cores and fit.host_load == pytest.approx(3 * cores - 1, rel=0.01)
     assert calibrate.host_load(tmp_path) == pytest.approx(fit.host_load)
     assert fit.gen.seconds([20] * 16) == pytest.approx(0.1, abs=0.002)
+    # One batch shape on a CPU: a batch of other rows costs in proportion (not the same,
+    # as a per-batch cost would say): a CPU computes every row.
+    assert fit.gen.seconds([20] * 8) == pytest.approx(0.05, abs=0.002)
+    assert fit.gen.batch_s == fit.gen.step_s == 0.0 and any("per row" in n for n in fit.notes)
     assert fit.train.seconds(320) == pytest.approx(0.2 / 3, abs=0.002)
     measured = calibrate.measured(tmp_path).median_step_s
     assert engine.simulate(fit.loop()).median_step_s == pytest.approx(measured, rel=0.03)

@@ -329,11 +329,22 @@ def _fit(db: _Db, lengths_sigma: float | None) -> Calibration:
     steps = _paired(db, "trainer", "train", [names.TRAIN_TOKENS_PER_S])
     cores, load, cost = host.fit(db, cfg, batches, steps, notes)
     longest = {r: expected_longest(lengths, r) for r in set(rows)}
-    a, b, c = robust_fit([[1.0, longest[r], t] for r, t in zip(rows, tokens)], cost["generator"])
-    if len(set(rows)) == 1:
-        notes.append("one batch shape: per-batch and per-decode-step generator costs are one term (batch_s)")
+    r_s = 0.0
+    if cores and statistics.pstdev(rows) < NARROW * statistics.mean(rows):
+        # One batch shape: what a batch costs beyond its tokens cannot be told apart from a
+        # per-batch, per-row or per-step cost, and another group size's batches differ in
+        # rows. A CPU computes every row (its prompt's prefill, each step's compute), so on
+        # a CPU host it is taken per row; a GPU's step is memory-bound, whatever the rows.
+        r_s, c = robust_fit([[float(r), t] for r, t in zip(rows, tokens)], cost["generator"])
+        a = b = 0.0
+        notes.append("one batch shape on a CPU host: the generator's cost per row and per token "
+                     "(per batch and per decode step left at 0)")
+    else:
+        a, b, c = robust_fit([[1.0, longest[r], t] for r, t in zip(rows, tokens)], cost["generator"])
+        if len(set(rows)) == 1:
+            notes.append("one batch shape: per-batch and per-decode-step generator costs are one term (batch_s)")
     gaps = _cycle_overheads(batches, db.intervals("generator"), ("wait_weights", "staleness_bound"))
-    gen = GenCost(batch_s=a, step_s=b, token_s=c,
+    gen = GenCost(batch_s=a, row_s=r_s, step_s=b, token_s=c,
                   overhead_s=_median(host.gap_work(gaps, host.busy_spans(db), cores, load) if cores
                                      else [g for g, _, _ in gaps]))
 

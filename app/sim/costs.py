@@ -72,14 +72,17 @@ class Lengths:
 
 @dataclass(kw_only=True)
 class GenCost:
-    """One generator instance's batch: ``batch_s + step_s * longest + token_s * tokens``.
-    Rows that finish leave the batch (llamarl's sampler compacts it), so the per-step cost
-    is paid as long as the longest row runs and the per-token cost once per token. A batch
+    """One generator instance's batch: ``batch_s + row_s * rows + step_s * longest +
+    token_s * tokens``. Rows that finish leave the batch (llamarl's sampler compacts it),
+    so the per-step cost is paid as long as the longest row runs and the per-token cost
+    once per token. A batch
     of more rows than fit at once (``max_rows``, the KV-cache room) runs in waves, each
     paying its own longest row: the long tail is paid once per wave."""
 
     batch_s: float = 0.0
     """Per batch: prefill, setup, sampling bookkeeping."""
+    row_s: float = 0.0
+    """Per row, whatever its length (its prompt's prefill, its sampling bookkeeping)."""
     step_s: float = 0.0
     """Per decode step, whatever the rows (launch overhead, reading the weights)."""
     token_s: float = 0.0
@@ -95,7 +98,7 @@ class GenCost:
     def seconds(self, lengths: list[int]) -> float:
         wave = self.max_rows or max(1, len(lengths))
         longest = sum(max(lengths[i:i + wave]) for i in range(0, len(lengths), wave))
-        return self.batch_s + self.step_s * longest + self.token_s * sum(lengths)
+        return self.batch_s + self.row_s * len(lengths) + self.step_s * longest + self.token_s * sum(lengths)
 
 
 @dataclass(kw_only=True)
