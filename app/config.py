@@ -13,6 +13,7 @@ from typing import Literal, get_args
 
 from llamarl.app.tasks.answers import AnswerFormat
 from llamarl.app.devices import DeviceChoice, TrainPrecision
+from llamarl.app.errors import check_at_least
 from llamarl.app.sampling import GEN_PRECISIONS, Decoder, GenPrecision, SamplingParams
 from llamarl.app.tasks.arithmetic import PROMPT_TEMPLATE
 
@@ -84,13 +85,9 @@ class StreamConfig:
     """Token ids must be below it (None: unchecked)."""
 
     def __post_init__(self) -> None:
-        for name in ("groups_per_batch", "prefetch", "ranks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        check_at_least(self, 1, "groups_per_batch", "prefetch", "ranks")
+        check_at_least(self, 0, "max_staleness")
+        check_at_least(self, 0, "timeout_s", strict=True)
 
 
 @dataclass(kw_only=True)
@@ -246,30 +243,19 @@ class TrainerConfig:
     it is refused."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_step", "group_size", "eval_every", "eval_size", "micro_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least(self, 1, "steps", "prompts_per_step", "group_size", "eval_every", "eval_size", "micro_batch")
         if self.group_size < 2:
             raise ValueError("group_size must be >= 2: group-relative advantages need a group")
-        if self.lr <= 0 or self.rho_max <= 0 or self.clip_eps <= 0:
-            raise ValueError("lr, rho_max and clip_eps must be > 0")
+        check_at_least(self, 0, "lr", "rho_max", "clip_eps", strict=True)
         auto = self.max_staleness == "auto"
         if not auto and (not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool)
                          or self.max_staleness < 0):
             raise ValueError(f"max_staleness must be an int >= 0 or 'auto', got {self.max_staleness!r}")
-        if self.staleness_cap < 1:
-            raise ValueError(f"staleness_cap must be >= 1, got {self.staleness_cap}")
+        check_at_least(self, 1, "staleness_cap")
         if not self.ratio_correction and self.loss != "aipo":
             raise ValueError("--no-ratio-correction is AIPO's (PPO-clip's ratio is its objective)")
-        if self.slot_deadline_s <= 0:
-            raise ValueError(f"slot_deadline_s must be > 0, got {self.slot_deadline_s}")
-        if self.weight_sync_timeout_s <= 0:
-            raise ValueError(f"weight_sync_timeout_s must be > 0, got {self.weight_sync_timeout_s}")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        for name in ("save_every", "keep_last"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_at_least(self, 0, "slot_deadline_s", "weight_sync_timeout_s", strict=True)
+        check_at_least(self, 0, "kl_coef", "save_every", "keep_last")
         if len(self.run_id) > MAX_RUN_ID:  # a file name has at most 255 bytes; run ids name files too
             raise ValueError(f"run_id must be at most {MAX_RUN_ID} characters, got {len(self.run_id)}")
         if self.run_id and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.run_id):
@@ -376,10 +362,9 @@ class GeneratorConfig:
     prefills its whole sequence; Llama-architecture policies; with ``--env``)."""
 
     def __post_init__(self) -> None:
-        if min(self.max_turns, self.max_episode_tokens) < 1 or self.env_step_timeout_s <= 0:
-            raise ValueError("max_turns and max_episode_tokens must be >= 1 and env_step_timeout_s > 0")
-        if self.episode_kv_cache_mb < 0:
-            raise ValueError(f"episode_kv_cache_mb must be >= 0, got {self.episode_kv_cache_mb}")
+        check_at_least(self, 1, "max_turns", "max_episode_tokens")
+        check_at_least(self, 0, "env_step_timeout_s", strict=True)
+        check_at_least(self, 0, "episode_kv_cache_mb")
         if self.gen_decoder not in get_args(Decoder):
             raise ValueError(f"gen_decoder must be one of {', '.join(get_args(Decoder))}, got {self.gen_decoder!r}")
         if self.gen_decoder == "compiled" and self.gen_precision == "int8":
@@ -389,8 +374,7 @@ class GeneratorConfig:
             raise ValueError(f"gen_precision must be one of {', '.join(GEN_PRECISIONS)}, got {self.gen_precision!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 for RL sampling, got {self.temperature}")
-        if self.gen_batch_prompts < 1:
-            raise ValueError(f"gen_batch_prompts must be >= 1, got {self.gen_batch_prompts}")
+        check_at_least(self, 1, "gen_batch_prompts")
         self.sampling()  # validates max_new_tokens and top_p
 
     def sampling(self) -> SamplingParams:

@@ -27,12 +27,13 @@ import sys
 import time
 from pathlib import Path
 
-if not __package__:  # `python benchmarks/reward_workers.py`: the repository root, for `examples.*`
+if not __package__:  # `python benchmarks/reward_workers.py`: the repository root, for `examples.*`, `benchmarks.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llamarl.app.tasks import arithmetic as tasks# noqa: E402
 from llamarl.app.rewards import Component, CompositeReward, Sample  # noqa: E402
 from examples.my_reward import brevity  # noqa: E402
+from benchmarks.table import Table  # noqa: E402
 
 
 def make_samples(n: int) -> list[Sample]:
@@ -85,10 +86,12 @@ def main() -> None:
     summary = {"samples": len(samples), "repeats": args.repeats, "component": "examples.my_reward:brevity",
                "by_batch": rows, "worker_start_s": statistics.median(starts), "worker_start_runs_s": starts}
 
-    print(f"{'batch':>6} {'inline us/sample':>17} {'worker us/sample':>17} {'overhead us':>12} {'worker ms/batch':>16}")
+    table = Table(("batch", ">6"), ("inline us/sample", ">17.1f"), ("worker us/sample", ">17.1f"),
+                  ("overhead us", ">12.1f"), ("worker ms/batch", ">16.2f"), sep=" ")
+    print(table.header())
     for r in rows:
-        print(f"{r['batch']:>6} {r['inline_us_per_sample']:>17.1f} {r['worker_us_per_sample']:>17.1f} "
-              f"{r['worker_overhead_us_per_sample']:>12.1f} {r['worker_ms_per_batch']:>16.2f}")
+        print(table.row(r["batch"], r["inline_us_per_sample"], r["worker_us_per_sample"],
+                        r["worker_overhead_us_per_sample"], r["worker_ms_per_batch"]))
     print(f"worker start (load(): spawn, import, ready): median {summary['worker_start_s'] * 1e3:.0f} ms "
           f"over {args.repeats}")
     with open(args.json, "w") as f:

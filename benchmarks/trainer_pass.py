@@ -19,10 +19,14 @@ import copy
 import dataclasses
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+if not __package__:  # `python benchmarks/trainer_pass.py`: the repository root, for `benchmarks.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llamarl.app.data import sources as data
 from llamarl.app.rl import packing
@@ -31,6 +35,7 @@ from llamarl.app.rl import steps
 from llamarl.app.config import GeneratorConfig, TrainerConfig
 from llamarl.app.model.policy import load_policy
 from llamarl.app.rewards import build_reward
+from benchmarks.table import Table
 
 PASSES = ("padded", "packed")
 
@@ -116,10 +121,12 @@ def main(argv: list[str] | None = None) -> dict:
         "max_abs_param_diff": param_diff,
     }
     out["speedup_packed_vs_padded"] = out["padded"]["step_s_median"] / out["packed"]["step_s_median"]
-    print(f"{'pass':8} {'padding share':>14} {'fed slots':>10} {'step s (median)':>16}")
+    table = Table(("pass", "8"), ("padding share", ">14.1%"), ("fed slots", ">10d"), ("step s (median)", ">16.3f"),
+                  sep=" ")
+    print(table.header())
     for name in PASSES:
         r = out[name]
-        print(f"{name:8} {r['padding_share']:14.1%} {r['fed_slots']:10d} {r['step_s_median']:16.3f}")
+        print(table.row(name, r["padding_share"], r["fed_slots"], r["step_s_median"]))
     print(f"packed is {out['speedup_packed_vs_padded']:.2f}x the padded pass's speed; largest loss difference "
           f"{loss_diff:.2e}, parameter difference {param_diff:.2e}")
     if args.json:

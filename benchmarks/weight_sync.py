@@ -63,6 +63,7 @@ from llamarl.app.weights.receiver import WeightReceiver
 from llamarl.app.weights.sender import WeightSender
 from llamarl.app.weights.subscriber import swap_staged
 from benchmarks import spawn
+from benchmarks.table import Table
 
 HIDDEN, INTERMEDIATE, VOCAB = 768, 2048, 32000
 
@@ -287,10 +288,11 @@ def main() -> None:
     }
     print(f"\nweight sync: {summary['params'] / 1e6:.1f} M params, {nbytes / 2**20:.0f} MiB fp32, "
           f"trainer -> {args.generators} generators, gloo loopback, median of {args.repeats}")
-    print(f"{'method':<18}{'seconds':>10}{'GB/s per gen':>14}{'vs raw':>9}{'paired':>9}")
+    table = Table(("method", "<18"), ("seconds", ">10.3f"), ("GB/s per gen", ">14.2f"), ("vs raw", ">9.2f"),
+                  ("paired", ">9.2f"))
+    print(table.header())
     for name, sec in sorted(med.items(), key=lambda kv: kv[1]):
-        print(f"{name:<18}{sec:>10.3f}{nbytes / sec / 1e9:>14.2f}{sec / med['raw']:>9.2f}"
-              f"{paired[name]:>9.2f}")
+        print(table.row(name, sec, nbytes / sec / 1e9, sec / med["raw"], paired[name]))
     print(f"apply (staging -> live, per generator) at the best bucket size: "
           f"{summary['apply_seconds']:.3f} s")
     print("zero-copy buckets (of all): " + ", ".join(f"{k} {a}/{b}" for k, (a, b) in zero_copy.items()))

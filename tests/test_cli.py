@@ -141,8 +141,8 @@ def test_trainer_and_generator_flags_parse_together():
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "steps must be >= 1"),
     (["--group-size", "1"], "group_size must be >= 2"),
-    (["--lr", "0"], "must be > 0"),
-    (["--rho-max", "-2"], "must be > 0"),
+    (["--lr", "0"], "lr must be > 0, got 0.0"),
+    (["--rho-max", "-2"], "rho_max must be > 0, got -2.0"),
     (["--max-staleness", "-1"], "max_staleness must be an int >= 0 or 'auto', got -1"),
     (["--max-staleness", "sometimes"], "--max-staleness: an int or 'auto', got 'sometimes'"),
     (["--max-staleness", "auto", "--staleness-cap", "0"], "staleness_cap must be >= 1"),

@@ -42,6 +42,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from llamarl.app.errors import check_at_least
+
 UNSHARE = ("unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child")
 
 
@@ -72,8 +74,8 @@ class SandboxLimits:
     """Largest file the code may write, MiB."""
 
     def __post_init__(self) -> None:
-        if min(self.cpu_s, self.memory_mb, self.output_bytes, self.file_mb) < 1 or self.wall_s <= 0:
-            raise ValueError("sandbox limits must be positive")
+        check_at_least(self, 1, "cpu_s", "memory_mb", "output_bytes", "file_mb")
+        check_at_least(self, 0, "wall_s", strict=True)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+from llamarl.app.errors import check_at_least
 from llamarl.app.rewards.core import Sample
 
 _MODELS: dict[tuple[str, str, str], tuple[Any, Any]] = {}
@@ -74,8 +75,7 @@ class SemanticSimilarity:
     """Key of the reference text in each sample's meta."""
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.max_length < 1:
-            raise ValueError(f"batch_size and max_length must be >= 1, got {self.batch_size}, {self.max_length}")
+        check_at_least(self, 1, "batch_size", "max_length")
 
     def load(self) -> tuple[Any, Any]:
         return load_local("encoder", minilm_path(), self.device)
@@ -137,8 +137,7 @@ class HFClassifier:
                              f"got {self.path!r}")
         if self.output not in ("prob", "logit"):
             raise ValueError(f"hf_classifier output must be 'prob' or 'logit', got {self.output!r}")
-        if self.batch_size < 1 or self.max_length < 1:
-            raise ValueError(f"batch_size and max_length must be >= 1, got {self.batch_size}, {self.max_length}")
+        check_at_least(self, 1, "batch_size", "max_length")
 
     def load(self) -> tuple[Any, Any]:
         return load_local("classifier", self.path, self.device)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from llamarl.app import cli
+from llamarl.app.errors import check_at_least
 from llamarl.app.rl import step as rl
 from llamarl.app.tasks import arithmetic as tasks
 from llamarl.app.model.policy import DEFAULT_VOCAB_SIZE, create_default_policy, encode_prompts, save_policy
@@ -65,13 +66,10 @@ class WarmStartConfig:
     """torch threads (0 keeps torch's default)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "train_size", "eval_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least(self, 1, "steps", "batch_size", "train_size", "eval_size")
         if not 0 <= self.shortcut_rate <= 1:
             raise ValueError(f"shortcut_rate must be in [0, 1], got {self.shortcut_rate}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        check_at_least(self, 0, "lr", strict=True)
 
 
 def _lr_at(step: int, cfg: WarmStartConfig) -> float:

@@ -47,6 +47,7 @@ from typing import Literal, get_args
 import torch
 from transformers import PreTrainedModel
 
+from llamarl.app.errors import check_at_least
 # kv_cache first: importing it checks the transformers version before anything uses it.
 from llamarl.app.sampling import kv_cache
 from llamarl.app.sampling import decode, precision, static_decode
@@ -95,10 +96,8 @@ class SamplingParams:
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        check_at_least(self, 1, "max_new_tokens")
+        check_at_least(self, 0, "temperature")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 

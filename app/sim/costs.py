@@ -18,12 +18,6 @@ def _check(name: str, value: float, *, low: float = 0.0) -> None:
         raise ValueError(f"{name} must be a finite number >= {low:g}, got {value!r}")
 
 
-def _check_fields(model: object) -> None:
-    """Every field of a cost model is a finite number >= 0 (a cost or a count of rows)."""
-    for k, v in asdict(model).items():
-        _check(f"{type(model).__name__}.{k}", v)
-
-
 def cpu_share(cores: int, load: float, running: float) -> float:
     """The share of a core each of ``running`` phases of one thread gets on ``cores`` cores
     that ``load`` other threads use too (1 with ``cores`` 0: a device each)."""
@@ -71,7 +65,17 @@ class Lengths:
 
 
 @dataclass(kw_only=True)
-class GenCost:
+class CostModel:
+    """What the four cost models below share: each field is a finite number >= 0 (a cost in
+    seconds or bytes, a slope, a count of rows), checked here once for all of them."""
+
+    def __post_init__(self) -> None:
+        for k, v in asdict(self).items():
+            _check(f"{type(self).__name__}.{k}", v)
+
+
+@dataclass(kw_only=True)
+class GenCost(CostModel):
     """One generator instance's batch: ``batch_s + row_s * rows + step_s * longest +
     token_s * tokens``. Rows that finish leave the batch (llamarl's sampler compacts it),
     so the per-step cost is paid as long as the longest row runs and the per-token cost
@@ -92,9 +96,6 @@ class GenCost:
     max_rows: int = 0
     """Rows decoded at once at most (0: no limit)."""
 
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
     def seconds(self, lengths: list[int]) -> float:
         wave = self.max_rows or max(1, len(lengths))
         longest = sum(max(lengths[i:i + wave]) for i in range(0, len(lengths), wave))
@@ -102,7 +103,7 @@ class GenCost:
 
 
 @dataclass(kw_only=True)
-class RewardCost:
+class RewardCost(CostModel):
     """One scoring call of a reward executor (or of the trainer's inline scorer)."""
 
     batch_s: float = 0.0
@@ -113,16 +114,13 @@ class RewardCost:
     """Per rollout, waiting rather than computing (a remote judge's latency): on a shared
     CPU host it takes no core and no other phase slows it."""
 
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
     def seconds(self, rollouts: int) -> float:
         """The computing part of a call of ``rollouts``; ``wait_s`` comes on top."""
         return self.batch_s + self.rollout_s * rollouts
 
 
 @dataclass(kw_only=True)
-class TrainCost:
+class TrainCost(CostModel):
     """One optimizer step of the trainer (all its ranks together): ``step_s + token_s *
     tokens``, plus the per-step work outside the timed intervals."""
 
@@ -135,15 +133,12 @@ class TrainCost:
     eval_s: float = 0.0
     """One held-out evaluation (every ``eval_every`` steps and at the last)."""
 
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
     def seconds(self, tokens: int) -> float:
         return self.step_s + self.token_s * tokens
 
 
 @dataclass(kw_only=True)
-class SyncCost:
+class SyncCost(CostModel):
     """One weight sync, trainer side (it waits for it): ``fixed_s + bytes / senders *
     byte_s * (1 + receiver_slope * (receivers - 1))``: every trainer rank sends its own
     shard at once, and a broadcast to more receivers costs more per byte."""
@@ -156,9 +151,6 @@ class SyncCost:
     """The policy's size in bytes on the wire."""
     receiver_slope: float = 0.0
     """Extra cost per byte for each receiver past the first (0: a perfect broadcast)."""
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
 
     def seconds(self, *, senders: int, receivers: int) -> float:
         spread = 1.0 + self.receiver_slope * max(0, receivers - 1)
