@@ -136,49 +136,18 @@ def test_without_sbatch_the_submit_says_slurm_is_missing(tmp_path, monkeypatch):
 
 
 # sacct --parsable2 --format=JobID,JobName,State,ExitCode,End, as Slurm 22.05 wrote it for
-# llamarl apps on deploy/slurm/local-cluster.sh (one srun step per replica).
+# llamarl apps on deploy/slurm/local-cluster.sh (one srun step per replica), recorded in
+# tests/data/sacct/: a cancelled job (41); kill -9 of generator-1 at step 5, its step ended
+# alone, the batch script started it again, the trainer finished, and the restart, too late
+# to rejoin, was ended with the job (45); the last generator killed, the trainer failing on
+# it a few seconds later and the job's end stopping the reward executor (42); a time limit
+# after a component was cancelled (44).
+SACCT = Path(__file__).resolve().parent / "data" / "sacct"
 HEADER = "JobID|JobName|State|ExitCode|End\n"
-CANCELLED = HEADER + """\
-41+0|trainer-0|CANCELLED by 0|0:0|2026-12-06T02:40:10
-41+0.batch|batch|CANCELLED|0:15|2026-12-06T02:40:10
-41+0.0|env|CANCELLED|0:15|2026-12-06T02:40:09
-41+1|generator-0|CANCELLED by 0|0:0|2026-12-06T02:40:10
-41+1.1|env|CANCELLED|0:15|2026-12-06T02:40:08
-"""
-# kill -9 of generator-1 at step 5: its step ended alone, the batch script started it
-# again (step 4), the trainer finished; the restart, too late to rejoin, was ended with the job.
-KILLED_AND_RESTARTED = HEADER + """\
-45+0|trainer-0|COMPLETED|0:0|2026-12-06T02:36:26
-45+0.batch|batch|COMPLETED|0:0|2026-12-06T02:36:26
-45+0.1|env|COMPLETED|0:0|2026-12-06T02:35:26
-45+1|generator-0|COMPLETED|0:0|2026-12-06T02:36:26
-45+1.0|env|COMPLETED|0:0|2026-12-06T02:35:18
-45+2|generator-1|COMPLETED|0:0|2026-12-06T02:36:26
-45+2.2|env|CANCELLED|0:9|2026-12-06T02:34:59
-45+2.4|env|CANCELLED|0:15|2026-12-06T02:36:27
-45+3|reward-0|COMPLETED|0:0|2026-12-06T02:36:26
-45+3.3|env|COMPLETED|0:0|2026-12-06T02:35:18
-"""
-# The last generator killed: the trainer failed on it a few seconds later, and the job's
-# end stopped the reward executor.
-TRAINER_FAILED_AFTER_A_LOSS = HEADER + """\
-42+0|trainer-0|FAILED|1:0|2026-12-06T02:50:20
-42+0.batch|batch|FAILED|1:0|2026-12-06T02:50:20
-42+0.0|env|FAILED|1:0|2026-12-06T02:50:19
-42+1|generator-0|FAILED|1:0|2026-12-06T02:50:20
-42+1.1|env|CANCELLED|0:9|2026-12-06T02:50:11
-42+2|reward-0|FAILED|1:0|2026-12-06T02:50:20
-42+2.2|env|CANCELLED|0:15|2026-12-06T02:50:20
-"""
-TIMEOUT = HEADER + """\
-44+0|trainer-0|TIMEOUT|0:0|2026-12-06T03:01:05
-44+0.batch|batch|CANCELLED|0:15|2026-12-06T03:01:05
-44+0.0|env|CANCELLED|0:15|2026-12-06T03:01:04
-44+1|generator-0|TIMEOUT|0:0|2026-12-06T03:01:05
-44+1.1|env|CANCELLED|0:15|2026-12-06T03:01:03
-44+2|generator-1|CANCELLED by 0|0:0|2026-12-06T03:00:30
-44+2.2|env|CANCELLED|0:15|2026-12-06T03:00:30
-"""
+
+
+def sacct(name: str) -> str:
+    return (SACCT / f"{name}.txt").read_text()
 
 
 def replica_states(desc):
@@ -186,7 +155,7 @@ def replica_states(desc):
 
 
 def test_describe_knows_cancelled_by_a_user():
-    desc = describe_from_sacct("41", CANCELLED)
+    desc = describe_from_sacct("41", sacct("cancelled"))
     assert desc.state == AppState.CANCELLED and desc.msg == "CANCELLED by 0; the job was cancelled"
     # The replicas were stopped (SIGTERM; the trainer's launcher ends by it): nobody failed.
     assert set(replica_states(desc).values()) == {AppState.CANCELLED}
@@ -194,7 +163,7 @@ def test_describe_knows_cancelled_by_a_user():
 
 
 def test_a_lost_and_restarted_generator_is_named_in_a_run_that_succeeded():
-    desc = describe_from_sacct("45", KILLED_AND_RESTARTED)
+    desc = describe_from_sacct("45", sacct("killed_and_restarted"))
     assert desc.state == AppState.SUCCEEDED
     assert desc.msg == ("COMPLETED; the trainer finished the run; lost on the way and survived: "
                         "generator-1 killed by SIGKILL (restarted)")
@@ -202,7 +171,7 @@ def test_a_lost_and_restarted_generator_is_named_in_a_run_that_succeeded():
 
 
 def test_describe_names_the_replica_lost_first_not_the_trainer_it_stopped():
-    desc = describe_from_sacct("42", TRAINER_FAILED_AFTER_A_LOSS)
+    desc = describe_from_sacct("42", sacct("trainer_failed_after_a_loss"))
     assert desc.state == AppState.FAILED
     assert desc.msg == "FAILED; lost first: generator-0 killed by SIGKILL; then: trainer-0 exited with code 1"
     assert replica_states(desc) == {("trainer", 0): AppState.FAILED, ("generator", 0): AppState.FAILED,
@@ -210,7 +179,7 @@ def test_describe_names_the_replica_lost_first_not_the_trainer_it_stopped():
 
 
 def test_a_time_limit_is_the_cause_and_a_cancelled_component_before_it_is_named():
-    desc = describe_from_sacct("44", TIMEOUT)
+    desc = describe_from_sacct("44", sacct("timeout"))
     assert desc.state == AppState.FAILED
     assert desc.msg == ("TIMEOUT; the job reached its time limit; lost before: "
                         "generator-1 cancelled (CANCELLED by 0: scancel of its component)")
@@ -239,7 +208,7 @@ def test_a_submit_from_outside_the_repository_without_an_image_warns(tmp_path, m
 
 
 def test_describe_of_an_unknown_job_is_none():
-    assert describe_from_sacct("43", CANCELLED) is None
+    assert describe_from_sacct("43", sacct("cancelled")) is None
     assert describe_from_sacct("43", HEADER) is None
 
 
