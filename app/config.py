@@ -325,7 +325,8 @@ class GeneratorConfig:
     top_p: float = 1.0
     """Nucleus sampling threshold."""
     gen_batch_prompts: int = 8
-    """Prompts per decode batch of a distributed generator (each sampled group_size times)."""
+    """Prompts per decode batch of a distributed generator (each sampled group_size times);
+    with ``--env``, episodes playing at once over group_size."""
     gen_seed: int = 0
     """Sampling seed, mixed with the first slot of each decode batch (``llamarl.app.roles.generator.batch_seed``):
     a batch draws the same whichever generator samples it, resumed runs included."""
