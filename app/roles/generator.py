@@ -30,6 +30,7 @@ if __name__ == "__main__":
 
 import functools
 import logging
+import math
 import sys
 import time
 
@@ -190,7 +191,7 @@ def _play_forever(rt: runtime.Runtime, model, subscriber: Subscriber, episodes: 
                 idle_s += time.time() - t
             outbox.resume()
             continue
-        room = gen_cfg.gen_batch_prompts - -(-flight.playing() // episodes.group_size)
+        room = gen_cfg.gen_batch_prompts - math.ceil(flight.playing() / episodes.group_size)
         if room > 0 and time.monotonic() >= retry_at:
             slot_ids = slots.take_lost_slots(rt.signed, room) or budget.slot_ids(budget.reserve(room, version))
             if slot_ids:
