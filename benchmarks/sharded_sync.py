@@ -1,10 +1,12 @@
 """Sharded weight sync vs gather-then-broadcast vs raw broadcast, per trainer-rank count.
 
 Run by ``benchmarks/weight_sync.py --trainer-ranks 1 2 4``. For each N, N trainer
-processes hold a ~``--params`` fp32 Llama-like model the way FSDP2 holds it (DTensors
-sharded on dim 0 over a gloo group of the N ranks, each rank's chunks allocations of
-their own) and ``--generators`` generator processes hold the full model, flattened as
-the generator does. Every trainer rank has a weight group of its own with every
+processes hold a ~``--params`` fp32 Llama-like model as the trainer holds it: for N > 1
+sharded by ``llamarl.app.rl.sharding.shard`` (real FSDP2 over a gloo group of the N ranks,
+one unit per decoder layer), for N = 1 flattened (``flatten_parameters_``); and a second
+copy as it was held before each rank's shards went into one flat buffer (``shard(flat=False)``:
+each rank's chunks allocations of their own; N = 1: the tensors unflattened).
+``--generators`` generator processes hold the full model, flattened as the generator does. Every trainer rank has a weight group of its own with every
 generator (what ``llamarl.app.weights.epochs`` builds). The methods, timed round-robin (one of each
 per round, so load from other processes lands on all alike), median of ``--repeats``
 after a warm-up round, from the moment every process is ready until every generator
@@ -12,9 +14,11 @@ holds the bytes (and every trainer rank is done):
 
 - ``sharded``: every trainer rank ``WeightSender(rank, ranks).send`` its own shard;
   each generator's ``WeightReceiver`` over the N groups lands all of them in staging;
-  every part below a bucket's size packed (``DEFAULT_ALONE_MB``);
-- ``sharded_alone``: the same with the parts of 1 MB or more sent as they are (the
-  sender's ``alone_mb`` at 1): no copy of most bytes, more broadcasts;
+  the shards lie in one flat buffer per dtype, so each run goes out as slices of it;
+- ``sharded_packed``: the same from the copy whose shards are allocations of their own:
+  every part below a bucket's size packed into buckets (``DEFAULT_ALONE_MB``);
+- ``sharded_alone``: ``sharded_packed`` with the parts of 1 MB or more sent as they are
+  (the sender's ``alone_mb`` at 1): no copy of most bytes, more broadcasts;
 - ``gather``: the gather-then-broadcast path: every rank ``full_tensor()`` (the
   all-gather of an FSDP2 full state dict), rank 0 copies the result into its flat
   full-model buffer and sends it (the one-rank path, zero-copy) in its group;
@@ -54,9 +58,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from llamarl.app.control.signed import SignedStore
 from llamarl.app.control.transport import connect_store, host_store
+from llamarl.app.rl import sharding
 from llamarl.app.weights.digest import DigestCheck, ShardDigest
 from llamarl.app.weights.group import init_weight_group
 from llamarl.app.weights.layout import flatten_parameters_
@@ -66,7 +72,7 @@ from llamarl.app.weights.subscriber import swap_staged
 from benchmarks import spawn
 from benchmarks.weight_sync import llama_like_params
 
-METHODS = ("sharded", "sharded_alone", "gather", "raw", "p2p")
+METHODS = ("sharded", "sharded_packed", "sharded_alone", "gather", "raw", "p2p")
 DIGEST_METHODS = ("sharded_digest", "sharded_digest_after", "gather_digest")
 SECRET = bytes(range(32))
 DIGEST_VERSIONS = 1000
@@ -103,21 +109,34 @@ class _Barrier:
         self._wait(lambda: self.store.check([key]), f"{key!r}")
 
 
-def _sharded_params(full: list[tuple[str, torch.Tensor]], rank: int, ranks: int):
-    """``full`` as FSDP2 holds it on ``rank``: dim-0 DTensors whose local chunks are
-    allocations of their own (``fully_shard`` copies them out likewise)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+class _Layer(nn.Module):
+    """A decoder layer's parameters: ``sharding.shard`` makes each an FSDP2 unit."""
 
-    from llamarl.app.weights.shards import chunk_rows
 
-    mesh = init_device_mesh("cpu", (ranks,))
-    out = []
-    for name, t in full:
-        start, stop = chunk_rows(t.shape[0], ranks, rank)
-        out.append((name, DTensor.from_local(t[start:stop].clone(), mesh, [Shard(0)], run_check=False,
-                                             shape=t.shape, stride=t.stride())))
-    return out
+class _Model(nn.Module):
+    _no_split_modules = ["_Layer"]  # what ``sharding.decoder_layers`` reads
+
+
+def _trainer_params(full: list[tuple[str, torch.Tensor]], ranks: int, flat: bool):
+    """``full`` as the trainer holds it (``flat``) or held it before: with several ranks
+    a module of the same parameter names sharded by ``sharding.shard`` (every rank calls
+    it: a collective), with one the tensors themselves, ``flatten_parameters_`` or not."""
+    if ranks == 1:
+        params = [(n, t.clone()) for n, t in full]
+        if flat:
+            flatten_parameters_([t for _, t in params])
+        return params
+    model = _Model()
+    for name, t in full:  # "model.layers.0.mlp.up_proj.weight": a module per dotted part
+        *path, leaf = name.split(".")
+        node = model
+        for i, part in enumerate(path):
+            if part not in node._modules:
+                node.add_module(part, _Layer() if path[i - 1:i] == ["layers"] else nn.Module())
+            node = node._modules[part]
+        node.register_parameter(leaf, nn.Parameter(t))  # fully_shard copies its chunk out
+    sharding.shard(model, flat=flat)
+    return list(model.named_parameters())
 
 
 def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -> None:
@@ -134,9 +153,11 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
                                   prefix="bench/one_group")
     torch.manual_seed(0)  # every rank the same full model: its chunks are consistent
     full = llama_like_params(args.params)
-    params = _sharded_params(full, rank, ranks) if ranks > 1 else full
+    params = _trainer_params(full, ranks, flat=True)
+    packed_params = _trainer_params(full, ranks, flat=False)
     sharded = WeightSender(group, params, rank=rank, ranks=ranks)
-    alone = WeightSender(group, params, rank=rank, ranks=ranks, alone_mb=1.0)
+    packed = WeightSender(group, packed_params, rank=rank, ranks=ranks)
+    alone = WeightSender(group, packed_params, rank=rank, ranks=ranks, alone_mb=1.0)
     if rank == 0:
         flat_full = [(n, t.clone()) for n, t in full]
         flatten_parameters_([t for _, t in flat_full])
@@ -174,7 +195,7 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
         for work in works:
             one_group.wait(work)
 
-    methods = {"sharded": send_shard, "sharded_alone": alone.send, "gather": gather,
+    methods = {"sharded": send_shard, "sharded_packed": packed.send, "sharded_alone": alone.send, "gather": gather,
                "raw": lambda rep: group.wait(group.broadcast(raw)), "p2p": send_p2p}
     if args.digest:
         methods.update(sharded_digest=lambda rep: send_shard_digest(_digest_version("sharded_digest", rep)),
@@ -199,7 +220,9 @@ def trainer_role(rank: int, ranks: int, generators: int, port: int, args, out) -
                 fn(rep)
                 barrier.arrive(key + "/done")
     out.put((f"trainer/{rank}", {"result": result, "per_sender_s": per_sender, "bytes": sharded.layout.nbytes,
-                                 "broadcasts": sharded.broadcasts, "alone_broadcasts": alone.broadcasts}))
+                                 "broadcasts": sharded.broadcasts, "zero_copy_buckets": sharded.zero_copy_buckets,
+                                 "buckets": sharded.layout.n_buckets, "packed_broadcasts": packed.broadcasts,
+                                 "alone_broadcasts": alone.broadcasts}))
     if ranks > 1:
         dist.destroy_process_group()
 
@@ -217,6 +240,7 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
     params = llama_like_params(args.params)
     flatten_parameters_([p for _, p in params])
     sharded = WeightReceiver(groups, params)
+    packed = WeightReceiver(groups, params)  # built in the trainer's order of its senders
     alone = WeightReceiver(groups, params)
     gather = WeightReceiver(groups[0], params)
     shard_bytes = [int(x) for x in store.get(f"bench/{ranks}/shard_bytes").decode().split()] \
@@ -260,7 +284,7 @@ def generator_role(replica: int, ranks: int, generators: int, port: int, args, o
         for work in works:
             one_group.wait(work)
 
-    methods = {"sharded": receive_with(sharded, "sharded"),
+    methods = {"sharded": receive_with(sharded, "sharded"), "sharded_packed": receive_with(packed, "sharded_packed"),
                "sharded_alone": receive_with(alone, "sharded_alone"), "gather": receive_with(gather, "gather"),
                "raw": receive_raw, "p2p": receive_p2p}
     if args.digest:
@@ -320,6 +344,7 @@ def run(ranks: int, args) -> dict:
     # the load that other processes put on a shared host.
     paired = {m: statistics.median(t / r for t, r in zip(times[m], times["raw"])) for m in METHODS}
     paired_vs_gather = statistics.median(s / g for s, g in zip(times["sharded"], times["gather"]))
+    paired_vs_packed = statistics.median(s / p for s, p in zip(times["sharded"], times["sharded_packed"]))
     digest = {}
     if args.digest:
         def paired_to(a: str, b: str) -> float:
@@ -339,6 +364,11 @@ def run(ranks: int, args) -> dict:
         "sharded_vs_gather": med["sharded"] / med["gather"], "sharded_vs_raw": med["sharded"] / med["raw"],
         "paired_sharded_vs_gather": paired_vs_gather, "paired_sharded_vs_raw": paired["sharded"],
         "paired_gather_vs_raw": paired["gather"], "paired_p2p_vs_raw": paired["p2p"],
+        "sharded_packed_s": med["sharded_packed"], "paired_sharded_packed_vs_raw": paired["sharded_packed"],
+        "paired_sharded_vs_packed": paired_vs_packed,
+        "packed_broadcasts_per_sync": {r: reports[f"trainer/{r}"].get("packed_broadcasts") for r in range(ranks)},
+        "zero_copy_buckets": {r: [reports[f"trainer/{r}"].get("zero_copy_buckets"), reports[f"trainer/{r}"].get("buckets")]
+                              for r in range(ranks)},
         "sharded_alone_s": med["sharded_alone"], "paired_sharded_alone_vs_raw": paired["sharded_alone"],
         "alone_broadcasts_per_sync": {r: reports[f"trainer/{r}"].get("alone_broadcasts") for r in range(ranks)},
         "per_sender_s": {r: statistics.median(reports[f"trainer/{r}"]["per_sender_s"]) for r in range(ranks)},
@@ -355,7 +385,8 @@ def main(args: argparse.Namespace) -> dict:
         load = os.getloadavg()[0]
         by_ranks[str(ranks)] = {**run(ranks, args), "load_avg_1min_before": load}
         r = by_ranks[str(ranks)]
-        print(f"  {ranks} trainer rank(s): sharded {r['sharded_s']:.3f} s, 1 MB parts alone {r['sharded_alone_s']:.3f} s, "
+        print(f"  {ranks} trainer rank(s): sharded {r['sharded_s']:.3f} s, packed {r['sharded_packed_s']:.3f} s, "
+              f"1 MB parts alone {r['sharded_alone_s']:.3f} s, "
               f"gather {r['gather_s']:.3f} s, "
               f"raw {r['raw_s']:.3f} s, p2p {r['p2p_s']:.3f} s (load {load:.1f})", flush=True)
         if args.digest:

@@ -21,10 +21,12 @@ number to trust on a host other work is also loading:
     python benchmarks/weight_sync.py --json out.json [--params 100e6]
 
 With ``--trainer-ranks 1 2 4`` it compares instead, for each number N of trainer ranks,
-the sharded sync (each rank sends its own FSDP2 shard to every generator; ``sharded_alone``:
-the same with its parts of 1 MB or more sent unpacked), gather-then-broadcast and a raw
-broadcast of the same bytes (``benchmarks/sharded_sync.py``); the JSON then holds
-``by_trainer_ranks["N"] = {sharded_s, sharded_alone_s, gather_s, raw_s, ...}``:
+the sharded sync (each rank sends its own FSDP2 shard to every generator, from the one
+flat buffer per dtype its shards live in; ``sharded_packed``: the same with each shard an
+allocation of its own, packed into buckets; ``sharded_alone``: that with its parts of
+1 MB or more sent unpacked), gather-then-broadcast and a raw broadcast of the same bytes
+(``benchmarks/sharded_sync.py``); the JSON then holds
+``by_trainer_ranks["N"] = {sharded_s, sharded_packed_s, sharded_alone_s, gather_s, raw_s, ...}``:
 
     python benchmarks/weight_sync.py --trainer-ranks 1 2 4 --json benchmarks/results/weight_sync_sharded.json
 
@@ -313,15 +315,17 @@ def sharded_comparison(args: argparse.Namespace) -> None:
     nbytes = sum(p.numel() * p.element_size() for _, p in params)
     del params
     by_ranks = sharded_sync.main(args)
-    print(f"\n{'trainer ranks':<15}{'sharded s':>11}{'alone s':>10}{'gather s':>10}{'raw s':>8}{'p2p s':>8}"
-          f"{'sharded/gather':>16}"
-          f"{'sharded/raw':>13}{'paired s/g':>12}{'paired s/r':>12}{'paired alone/r':>17}")
+    print(f"\n{'trainer ranks':<15}{'sharded s':>11}{'packed s':>10}{'alone s':>10}{'gather s':>10}{'raw s':>8}"
+          f"{'p2p s':>8}{'sharded/gather':>16}"
+          f"{'sharded/raw':>13}{'paired s/g':>12}{'paired s/r':>12}{'paired packed/r':>17}{'paired alone/r':>16}"
+          f"{'paired s/packed':>17}")
     for n, r in by_ranks.items():
-        print(f"{n:<15}{r['sharded_s']:>11.3f}{r['sharded_alone_s']:>10.3f}{r['gather_s']:>10.3f}{r['raw_s']:>8.3f}"
-              f"{r['p2p_s']:>8.3f}"
+        print(f"{n:<15}{r['sharded_s']:>11.3f}{r['sharded_packed_s']:>10.3f}{r['sharded_alone_s']:>10.3f}"
+              f"{r['gather_s']:>10.3f}{r['raw_s']:>8.3f}{r['p2p_s']:>8.3f}"
               f"{r['sharded_vs_gather']:>16.2f}{r['sharded_vs_raw']:>13.2f}"
               f"{r['paired_sharded_vs_gather']:>12.2f}{r['paired_sharded_vs_raw']:>12.2f}"
-              f"{r['paired_sharded_alone_vs_raw']:>17.2f}")
+              f"{r['paired_sharded_packed_vs_raw']:>17.2f}{r['paired_sharded_alone_vs_raw']:>16.2f}"
+              f"{r['paired_sharded_vs_packed']:>17.2f}")
     if args.digest:
         print(f"\n{'trainer ranks':<15}{'digest now s':>14}{'after s':>9}{'gathered s':>12}{'now/after':>11}"
               f"{'now/bare':>10}{'after/bare':>12}   (paired; bare: the sharded sync without a digest)")

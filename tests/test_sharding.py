@@ -179,6 +179,54 @@ def test_no_update_when_no_rank_has_a_rollout():
     assert run_roles(_no_rollouts_anywhere, 2, store.port, 120) == [(0, "{} True"), (1, "{} True")]
 
 
+def _in_one_buffer(model: torch.nn.Module) -> bool:
+    """This rank's shards of ``model`` lie end to end in one storage, in parameter order,
+    each its FSDP2 all-gather input's first elements (the tiny model's rows divide by 2:
+    no padding between them)."""
+    local = [p.to_local() for p in model.parameters()]
+    fsdp = {id(f.sharded_param): f for m in model.modules() if isinstance(m, sharding.FSDPModule)
+            for g in m._get_fsdp_state()._fsdp_param_groups for f in g.fsdp_params}
+    gathered = [fsdp[id(p)]._sharded_param_data for p in model.parameters()]
+    return (len({t.untyped_storage().data_ptr() for t in local}) == 1
+            and all(b.storage_offset() == a.storage_offset() + a.numel() for a, b in zip(local, local[1:]))
+            and all(g.data_ptr() == t.data_ptr() and g.numel() == t.numel() for g, t in zip(gathered, local)))
+
+
+def _flat_and_not(store, rank: int, world_size: int) -> str:
+    """Three AdamW steps on the same rollouts from the same weights, the shards moved into
+    one flat buffer (``shard``'s default) and left where ``fully_shard`` put them."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        groups = _groups(6, seed=rank)
+        after, flat_kept = [], False
+        for flat in (False, True):
+            model = _model()
+            sharding.shard(model, flat=flat)
+            assert _in_one_buffer(model) == flat
+            before = [p.to_local().clone() for p in model.parameters()]
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for k in range(3):
+                rl.train_step(model, optimizer, groups[2 * k] + groups[2 * k + 1], CFG, pad_id=PAD,
+                              ranks=sharding.Ranks())
+            after.append([p.to_local().clone() for p in model.parameters()])
+            flat_kept = _in_one_buffer(model)
+        moved = any(not torch.equal(a, b) for a, b in zip(before, after[1]))
+        return f"{all(torch.equal(a, b) for a, b in zip(*after))} {flat_kept} {moved}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shards_in_one_flat_buffer_train_exactly_as_fully_shard_leaves_them():
+    """``flatten_shards_`` moves each rank's shards, FSDP2's all-gather inputs with them:
+    training is bit for bit the same (a step whose all-gather read the shards' old copy
+    would use stale weights), and the optimizer's updates stay in the buffer."""
+    store = loopback_store(timeout_s=60)
+    assert run_roles(_flat_and_not, 2, store.port, 120) == [(0, "True True True"), (1, "True True True")]
+
+
 def test_decoder_layers_are_the_models_own_blocks():
     model = _model()
     assert sharding.decoder_layers(model) == list(model.model.layers)
@@ -217,6 +265,9 @@ def _save_sharded_then_resume(store, rank: int, world_size: int, path: str, out:
         for m, o in ((model, optimizer), (resumed, resumed_opt)):
             rl.train_step(m, o, groups[3], cfg, pad_id=PAD, ranks=sharding.Ranks())
         same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), resumed.parameters()))
+        # The load and the step wrote into the shards' flat buffer: the weight sync still
+        # sends what the optimizer updates as slices of it, with no packing.
+        same = same and _in_one_buffer(resumed)
         full = _model() if rank == 0 else None
         sharding.gather_full_weights(model, None if full is None else list(full.parameters()))
         if rank == 0:

@@ -28,11 +28,11 @@ flat buffer goes out as one broadcast whatever the bucket size."""
 
 DEFAULT_ALONE_MB = DEFAULT_BUCKET_MB
 """A parameter part of this size or more (a bucket's at most) is a bucket of its own and
-goes out as it is, with no copy; smaller ones are packed. Packing is a copy of the
-bytes on the sender; each broadcast has a fixed cost on every member. On a quiet host
-fewer broadcasts won (every part below a bucket packed), on a loaded one the copy cost
-more (``benchmarks/weight_sync.py --trainer-ranks``: ``sharded`` against
-``sharded_alone``, whose parts of 1 MB or more go as they are)."""
+goes out as it is, with no copy; smaller ones are packed (only in a run that is not one
+flat buffer). Packing is a copy of the bytes on the sender; each broadcast has a fixed
+cost on every member. On a quiet host fewer broadcasts won (every part below a bucket
+packed), on a loaded one the copy cost more (``benchmarks/weight_sync.py --trainer-ranks``:
+``sharded_packed`` against ``sharded_alone``, whose parts of 1 MB or more go as they are)."""
 
 
 @dataclass(frozen=True)

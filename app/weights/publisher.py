@@ -47,8 +47,9 @@ class Publisher:
     per version.
 
     ``params``: the model's parameters as the optimizer updates them (FSDP2 DTensors with
-    several ranks; with one, views of one flat buffer per dtype, ``flatten_parameters_``,
-    so each run goes out with no copy). ``gone``: on rank 0, the membership's lost members
+    several ranks, their local shards in one flat buffer per dtype, ``sharding.flatten_shards_``;
+    with one, views of one flat buffer per dtype, ``flatten_parameters_``), so each run
+    goes out with no copy. ``gone``: on rank 0, the membership's lost members
     (``Membership.gone``), which the plane regroups without; ``None`` on the other ranks.
     ``digest``: sign a digest of every version (``--weight-digest``). ``timeline``: the
     rank's busy and idle intervals, where the sync and the digest wait are recorded.

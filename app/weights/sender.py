@@ -1,11 +1,12 @@
 """The sending end of a weight group (``llamarl.app.weights.group``): a trainer rank
 broadcasts its part of the policy's weights as one version.
 
-A run that is one slice of a ``flatten_parameters_`` buffer goes out whole, with no copy
-(what the one-rank trainer does), in slices of one bucket's bytes (``whole_cuts``: a
-generator hashes each as it lands, ``llamarl.app.weights.digest``, instead of the whole run
-after it); any other run (a trainer rank's FSDP2 shards, one allocation per parameter)
-goes bucket by bucket: a part of ``alone_mb`` or more (``DEFAULT_ALONE_MB``) goes as it
+A run that is one slice of a flat buffer goes out whole, with no copy (what the trainer
+does: one rank's parameters by ``flatten_parameters_``, an FSDP2 rank's shards by
+``llamarl.app.rl.sharding.flatten_shards_``), in slices of one bucket's bytes
+(``whole_cuts``: a generator hashes each as it lands, ``llamarl.app.weights.digest``,
+instead of the whole run after it); any other run (parts in allocations of their own, or
+with FSDP2's padding between them) goes bucket by bucket: a part of ``alone_mb`` or more (``DEFAULT_ALONE_MB``) goes as it
 is, with no copy, and the smaller parts between them are packed, a bucket of them into
 one of two packing buffers kept for the sender's life, while the bucket before it is on
 the wire. Each broadcast has a fixed cost on the sender and on every generator (a

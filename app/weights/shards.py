@@ -10,7 +10,8 @@ parameter FSDP2 left unsharded: every rank holds all of it) is rank 0's whole, t
 ranks' empty.
 
 Each trainer rank sends its part of every parameter in its own ``Layout`` (runs and
-buckets of its local tensors, its small parts packed into large buckets). A generator
+buckets of its local tensors: slices of the flat buffer they lie in, or its small parts
+packed into large buckets where they do not). A generator
 stages each rank's bytes as they come, in that rank's layout; ``Landing`` maps every span
 of a sender's layout to where its bytes go in the full weights (the generator's own
 layout, one flat buffer per dtype): the copies its swap makes into the live model.
