@@ -4,8 +4,7 @@ N steps, over seeds, and the same job synchronous (``max_staleness 0``) beside i
     python benchmarks/real_model.py --json benchmarks/results/real_model.json
     python benchmarks/real_model.py --seeds 0 --sync-seeds 0 --steps 10 --json out.json   # one pair
 
-Every run is the real-model job (``torchx run llamarl.llamarl --policy
-smollm2-135m-instruct``: SmolLM2-135M-Instruct on the shipped GSM8K-format sample with its chat template and
+Every run is the real-model job (the default job, ``torchx run``: SmolLM2-135M-Instruct on the shipped GSM8K-format sample with its chat template and
 system prompt, ``components.llamarl.REAL_MODEL_JOB_ARGS``) with ``--steps N``, one torch
 thread per process, the seed of the data order and of sampling set per run, and
 held-out greedy accuracy (100 problems) at step 0 and step N only. For each seed the
@@ -39,7 +38,7 @@ if not __package__:  # `python benchmarks/real_model.py`: the repository root, f
 from benchmarks import apps  # noqa: E402
 from benchmarks.async_vs_sync import summarise  # noqa: E402
 from llamarl.app.data import sources as data  # noqa: E402
-from llamarl.components.llamarl import REAL_MODEL_JOB_ARGS, REAL_MODEL_POLICY  # noqa: E402
+from llamarl.components.llamarl import DEFAULT_STEPS, REAL_MODEL_JOB_ARGS, REAL_MODEL_POLICY  # noqa: E402
 
 TARGET_SE = 3.0
 
@@ -47,7 +46,7 @@ TARGET_SE = 3.0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--steps", type=int, default=30, help="RL steps per run (the real-model job's)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="RL steps per run (the default job's)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the asynchronous runs")
     p.add_argument("--sync-seeds", type=int, nargs="*", default=[0, 1, 2],
                    help="seeds also run with --max-staleness 0 (none: skip the comparison)")
@@ -58,12 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(seed: int, max_staleness: int, args: argparse.Namespace) -> dict:
-    """One real-model job; its summary (``benchmarks.async_vs_sync.summarise``) and minutes."""
+def run(seed: int, max_staleness: int, args: argparse.Namespace, extra: tuple[str, ...] = ()) -> dict:
+    """One real-model job (``extra``: trainer flags after ``args.extra``); its summary
+    (``benchmarks.async_vs_sync.summarise``) and minutes."""
     options = ["--policy", REAL_MODEL_POLICY, "--steps", str(args.steps), "--max_staleness", str(max_staleness),
                "--threads", "1", "--runs_dir", args.runs_dir]
-    flags = ["--seed", str(seed), "--gen-seed", str(seed), "--eval-every", str(args.steps), *args.extra]
-    mode = f"seed {seed} max_staleness {max_staleness}"
+    flags = ["--seed", str(seed), "--gen-seed", str(seed), "--eval-every", str(args.steps), *args.extra, *extra]
+    mode = f"seed {seed} max_staleness {max_staleness}{''.join(' ' + a for a in extra)}"
     with get_runner() as runner:
         t0 = time.time()
         handle = apps.start(runner, options, flags, log_dir=f"{args.runs_dir}/torchx-logs")

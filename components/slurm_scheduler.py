@@ -205,12 +205,15 @@ REPOSITORY = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
 def _warn_outside_the_repository(submit_dir: str) -> None:
     """Without ``--image`` the job runs where it was submitted: outside the repository,
-    its runs, logs and (the default policy) a warm start trained on first use land
-    there, a wait of minutes nobody asked for. Say so at submit."""
+    its runs, logs and the policy's one-time preparation (the default policy's conversion,
+    ``--policy tiny``'s warm start) land there, a wait nobody asked for. Say so at submit."""
     if os.path.realpath(submit_dir) == os.path.realpath(REPOSITORY):
         return
-    warm = ("" if os.path.isdir(os.path.join(submit_dir, "checkpoints", "warmstart")) else
-            "; with the default --policy warmstart, its first run trains a warm start there (3-6 min on CPUs)")
+    firsts = [what for path, what in (
+        ("smollm2-135m-instruct", "the default policy is converted there (about 30 s, 540 MB)"),
+        ("warmstart", "--policy tiny trains a warm start there (3-6 min on CPUs)"))
+        if not os.path.isdir(os.path.join(submit_dir, "checkpoints", path))]
+    warm = "; on its first run " + " and ".join(firsts) if firsts else ""
     log.warning("no --image: the job runs in the submit directory %s, not in the repository %s: its runs/ and "
                 "logs go there%s. Pass --image %s to run it in the repository", submit_dir, REPOSITORY, warm,
                 REPOSITORY)

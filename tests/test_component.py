@@ -101,22 +101,23 @@ def _trainer_config(app: specs.AppDef):
     return cli.parse(tokens[tokens.index("--steps"):], TrainerConfig, GeneratorConfig)
 
 
-def test_the_default_job_is_tiny_and_the_real_model_job_brings_its_flags():
-    """``torchx run`` with no options trains the tiny policy on the built-in task;
-    ``--policy smollm2-135m-instruct`` trains SmolLM2-135M-Instruct on the shipped
-    GSM8K-format sample with its chat template and the shipped system prompt (newlines and
-    all, through bash); the user's trainer flags and --dataset override the job's."""
+def test_the_default_job_is_the_real_model_and_tiny_is_the_plain_loop():
+    """``torchx run`` with no options trains SmolLM2-135M-Instruct for 15 steps on the
+    shipped GSM8K-format sample with its chat template, the shipped system prompt (newlines
+    and all, through bash) and bf16, evaluated at the start and the end; the user's trainer
+    flags and --dataset override the job's; ``--policy tiny`` gets none of them."""
     cfg, gen = _trainer_config(llamarl())
-    assert (cfg.policy, cfg.dataset, cfg.chat_template, gen.max_new_tokens) == ("tiny", "", False, 48)
-    real = component_module.REAL_MODEL_POLICY
-    cfg, gen = _trainer_config(llamarl(policy=real))
     assert (cfg.policy, cfg.dataset, cfg.chat_template) == ("smollm2-135m-instruct", "gsm8k-sample", True)
     assert cfg.system_prompt == component_module.DEFAULT_SYSTEM_PROMPT.replace("\\n", "\n")
     assert "\n#### 12" in cfg.system_prompt and gen.max_new_tokens == component_module.DEFAULT_MAX_NEW_TOKENS
-    assert gen.temperature == 0.7
+    assert (gen.temperature, cfg.steps, cfg.eval_every, cfg.eval_size) == (0.7, 15, 15, 100)
+    assert (cfg.train_precision, gen.gen_precision) == ("bf16", "bf16")
     cfg, gen = _trainer_config(llamarl("--lr", "1e-6", "--no-chat-template", "--system-prompt", "",
-                                       policy=real, dataset="mine.jsonl"))
-    assert (cfg.lr, cfg.chat_template, cfg.dataset) == (1e-6, False, "mine.jsonl")
+                                       "--train-precision", "fp32", dataset="mine.jsonl"))
+    assert (cfg.lr, cfg.chat_template, cfg.dataset, cfg.train_precision) == (1e-6, False, "mine.jsonl", "fp32")
+    cfg, gen = _trainer_config(llamarl(policy="tiny", steps=30))
+    assert (cfg.policy, cfg.dataset, cfg.chat_template, gen.max_new_tokens) == ("tiny", "", False, 48)
+    assert (cfg.steps, cfg.train_precision, gen.gen_precision) == (30, "auto", "fp32")
 
 
 def test_default_store_port_is_derived_by_each_role_from_the_app_id():
@@ -131,8 +132,8 @@ def test_dataset_option_reaches_the_trainer_quoted():
     path = "/data/my gsm8k/train.jsonl"
     cmd = llamarl("--answer-format", "gsm8k", dataset=path).roles[0].args[-1]
     assert "--dataset '/data/my gsm8k/train.jsonl' --answer-format gsm8k" in cmd
-    assert "--dataset gsm8k-sample" in llamarl(policy="smollm2-135m-instruct").roles[0].args[-1]  # the real-model job's sample
-    assert "--dataset" not in llamarl().roles[0].args[-1]  # empty, the default tiny policy: the built-in task
+    assert "--dataset gsm8k-sample" in llamarl().roles[0].args[-1]  # the default real-model job's sample
+    assert "--dataset" not in llamarl(policy="tiny").roles[0].args[-1]  # empty, the tiny policy: the built-in task
     assert "--dataset" not in llamarl(dataset=path).roles[1].args[-1]  # generators read the trainer's
 
 

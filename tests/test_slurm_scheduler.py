@@ -200,6 +200,7 @@ def test_a_submit_from_outside_the_repository_without_an_image_warns(tmp_path, m
     dryrun()
     assert f"the job runs in the submit directory {tmp_path}, not in the repository {REPOSITORY}" in caplog.text
     assert "trains a warm start there" in caplog.text and f"--image {REPOSITORY}" in caplog.text
+    assert "the default policy is converted there" in caplog.text
     caplog.clear()
     dryrun("--image", str(tmp_path))
     monkeypatch.chdir(REPOSITORY)
