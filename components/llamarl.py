@@ -67,7 +67,7 @@ override them) when the policy is ``REAL_MODEL_POLICY``: the shipped sample with
 split, the model's chat template and a system prompt that works for it, room for a few
 steps of working, a temperature at which more samples are right (more groups to learn
 from), a batch of half a minute a step on two CPU cores in bf16 (trainer and generators:
-on a CPU with native bf16 about twice as fast as fp32, benchmarks/real_model_precision.py),
+2.78x fp32's step on a CPU with native bf16, benchmarks/real_model_precision.py),
 a cautious learning rate, and the held-out split evaluated at the start and the end of the
 default run (benchmarks/real_model.py measures what it gains; docs/data.md)."""
 

@@ -101,7 +101,7 @@ def _trainer_config(app: specs.AppDef):
     return cli.parse(tokens[tokens.index("--steps"):], TrainerConfig, GeneratorConfig)
 
 
-def test_the_default_job_is_the_real_model_and_tiny_is_the_plain_loop():
+def test_the_default_job_is_the_real_model_with_its_flags_and_tiny_gets_none():
     """``torchx run`` with no options trains SmolLM2-135M-Instruct for 15 steps on the
     shipped GSM8K-format sample with its chat template, the shipped system prompt (newlines
     and all, through bash) and bf16, evaluated at the start and the end; the user's trainer
