@@ -290,6 +290,9 @@ class Controller:
         if step % cfg.eval_every == 0 or step == cfg.steps:
             self.evaluate(step)
         if done.checkpoint is not None:
+            # A checkpoint on disk says its step happened: the step's metrics reach the
+            # database first, so a kill after the save cannot leave a resumed run without them.
+            self._drain_metrics()
             self.save_checkpoint(step, done.checkpoint)
         health.check_health(self.rt.control)
         self._drain_metrics()
@@ -333,7 +336,7 @@ class Controller:
             checkpoint.record_latest(self.run_dir / "config.json", step, path)
         seconds = time.time() - t0
         self.writer.set_meta(metrics.LAST_CHECKPOINT, json.dumps({"step": step, "path": str(path)}))
-        self.rt.emit(metrics.scalars({names.CHECKPOINT_SAVE_S: seconds, names.CHECKPOINT_STEP: step,
+        self._record(metrics.scalars({names.CHECKPOINT_SAVE_S: seconds, names.CHECKPOINT_STEP: step,
                                       names.DATA_SLOT: snap.ledger.frontier}, role="trainer", step=step))
         log.info("saved checkpoint %s in %.2f s%s", path, seconds,
                  f" (deleted {', '.join(p.name for p in pruned)})" if pruned else "")
