@@ -198,6 +198,10 @@ class TrainerConfig:
     """Held-out greedy accuracy every N steps (and at the start and the end)."""
     eval_size: int = 200
     """Held-out problems per evaluation."""
+    eval_samples: int = 1
+    """Samples per held-out problem for the sampled accuracy (the policy's, at the
+    generators' temperature), averaged over all of them: K samples divide the binomial
+    variance of that accuracy by K, for K times the sampled pass's time."""
     micro_batch: int = 64
     """Rollouts per forward/backward pass (gradient accumulation above it)."""
     trainer_pass: Literal["packed", "padded"] = "packed"
@@ -243,7 +247,8 @@ class TrainerConfig:
     it is refused."""
 
     def __post_init__(self) -> None:
-        check_at_least(self, 1, "steps", "prompts_per_step", "group_size", "eval_every", "eval_size", "micro_batch")
+        check_at_least(self, 1, "steps", "prompts_per_step", "group_size", "eval_every", "eval_size", "eval_samples",
+                       "micro_batch")
         if self.group_size < 2:
             raise ValueError("group_size must be >= 2: group-relative advantages need a group")
         check_at_least(self, 0, "lr", "rho_max", "clip_eps", strict=True)

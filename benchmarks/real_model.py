@@ -11,12 +11,19 @@ held-out greedy accuracy (100 problems) at step 0 and step N only. For each seed
 asynchronous run (``max_staleness 1``, the default) and, for ``--sync-seeds``, the
 synchronous one run back to back, so that the machine's load falls on both alike.
 
-``acc_start`` and ``acc_end`` are means over the asynchronous seeds; ``acc_se`` is the
-standard error of the mean gain over them (the spread of the gains, over sqrt(seeds));
-``acc_se_eval`` the binomial standard error of one accuracy on the held-out set, the
-floor that sampling 100 problems puts under any comparison. The target: ``acc_end -
-acc_start >= 3 * acc_se``. ``step_ratio`` is the synchronous median step time over the
-asynchronous one, per seed and its median.
+``acc_start`` and ``acc_end`` are the policy's held-out accuracy: one sample per problem
+at the job's temperature (the distribution RL trains; pass@1 sampled, as DeepSeek-R1
+reports its results, where greedy decoding of small models is the less reliable
+measure), means over the asynchronous seeds; ``acc_se`` is the standard error of the
+mean gain over them (the spread of the gains, over sqrt(seeds)); ``acc_se_eval`` the
+binomial standard error of one accuracy on the held-out set, the floor that sampling 100
+problems puts under any comparison. The target: ``acc_end - acc_start >= 3 * acc_se``.
+``greedy`` holds the same for greedy decoding. ``step_ratio`` is the synchronous median
+step time over the asynchronous one, per seed and its median.
+
+``--reuse OUT.json`` takes the runs of an earlier output for the seeds it has and this
+invocation does not run (refused unless it ran the same steps, job flags and extras): a
+long measurement can be finished in parts.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sqlite3
 import statistics
 import sys
 import time
@@ -37,6 +45,7 @@ if not __package__:  # `python benchmarks/real_model.py`: the repository root, f
 
 from benchmarks import apps  # noqa: E402
 from benchmarks.async_vs_sync import summarise  # noqa: E402
+from llamarl.app import names  # noqa: E402
 from llamarl.app.data import sources as data  # noqa: E402
 from llamarl.components.llamarl import DEFAULT_STEPS, REAL_MODEL_JOB_ARGS, REAL_MODEL_POLICY  # noqa: E402
 
@@ -52,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seeds also run with --max-staleness 0 (none: skip the comparison)")
     p.add_argument("--runs-dir", default="runs/bench-real-model")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
+    p.add_argument("--reuse", type=Path, nargs="*", default=[],
+                   help="earlier --json outputs whose runs stand in for seeds not run now")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="more trainer flags for every run (after the real-model job's)")
     return p.parse_args(argv)
@@ -71,10 +82,57 @@ def run(seed: int, max_staleness: int, args: argparse.Namespace, extra: tuple[st
         if state != AppState.SUCCEEDED:
             raise RuntimeError(f"{mode}: the run ended {state}: see {args.runs_dir}/torchx-logs")
     minutes = (time.time() - t0) / 60
-    out = {**summarise(Path(args.runs_dir) / handle.rsplit("/", 1)[-1]), "minutes": minutes}
-    print(f"{mode}: accuracy {out['acc_start']:.3f} -> {out['acc']:.3f}, median step {out['median_step_s']:.1f} s, "
-          f"{minutes:.1f} min", file=sys.stderr, flush=True)
+    out = {**summary(Path(args.runs_dir) / handle.rsplit("/", 1)[-1]), "minutes": minutes}
+    print(f"{mode}: accuracy {out['sampled_start']:.3f} -> {out['sampled']:.3f} sampled, {out['acc_start']:.3f} -> "
+          f"{out['acc']:.3f} greedy, median step {out['median_step_s']:.1f} s, {minutes:.1f} min",
+          file=sys.stderr, flush=True)
     return out
+
+
+def summary(run_dir: Path) -> dict:
+    """``benchmarks.async_vs_sync.summarise`` (greedy accuracy at the first and last
+    evaluation) and the sampled accuracy at both, and the share of the first and last
+    step's completions with no readable answer."""
+    out = summarise(run_dir)
+    db = sqlite3.connect(f"file:{run_dir / 'metrics.db'}?mode=ro", uri=True)
+
+    def first_last(name: str) -> tuple[float, float]:
+        values = [v for (v,) in db.execute("SELECT value FROM scalars WHERE name = ? ORDER BY step", [name])]
+        return values[0], values[-1]
+
+    (out["sampled_start"], out["sampled"]) = first_last(names.eval_metric("sampled_accuracy"))
+    (out["no_answer_first"], out["no_answer_last"]) = first_last(names.FRAC_NO_ANSWER)
+    db.close()
+    return out
+
+
+def reused(paths: list[Path], args: argparse.Namespace) -> dict[int, dict]:
+    """The runs of earlier outputs, by seed, summarised again from their metrics databases
+    (which must still be there); refused unless they ran what this run runs."""
+    runs: dict[int, dict] = {}
+    for path in paths:
+        earlier = json.loads(path.read_text())
+        ran = (earlier["steps"], earlier["default_job_args"], earlier["extra"])
+        if ran != (args.steps, list(REAL_MODEL_JOB_ARGS), args.extra):
+            raise SystemExit(f"--reuse {path}: it ran steps, job flags and extras {ran}, this run "
+                             f"{(args.steps, list(REAL_MODEL_JOB_ARGS), args.extra)}")
+        for seed, modes in earlier["runs"].items():
+            for mode, r in modes.items():
+                if not (Path(r["run_dir"]) / "metrics.db").is_file():
+                    raise SystemExit(f"--reuse {path}: seed {seed}'s {mode} run {r['run_dir']} has no metrics.db")
+            runs[int(seed)] = {mode: {**r, **summary(Path(r["run_dir"]))} for mode, r in modes.items()}
+    return runs
+
+
+def gain(runs: list[dict], start: str, end: str) -> dict:
+    """Mean ``start`` and ``end`` accuracy over ``runs``, the gain, the standard error of
+    the mean gain and the gain in those."""
+    gains = [r[end] - r[start] for r in runs]
+    se = statistics.stdev(gains) / math.sqrt(len(gains)) if len(gains) > 1 else float("nan")
+    mean_gain = statistics.mean(gains)
+    return {"start": statistics.mean(r[start] for r in runs), "end": statistics.mean(r[end] for r in runs),
+            "gain": mean_gain, "se": se, "gain_in_se": mean_gain / se if se and se > 0 else None,
+            "per_seed": [r[end] for r in runs]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,33 +144,39 @@ def main(argv: list[str] | None = None) -> None:
         runs[seed] = {"async": run(seed, 1, args)}
         if seed in args.sync_seeds:
             runs[seed]["sync"] = run(seed, 0, args)
-    gains = [r["async"]["acc"] - r["async"]["acc_start"] for r in runs.values()]
-    acc_start = statistics.mean(r["async"]["acc_start"] for r in runs.values())
-    acc_end = statistics.mean(r["async"]["acc"] for r in runs.values())
-    acc_se = statistics.stdev(gains) / math.sqrt(len(gains)) if len(gains) > 1 else float("nan")
+    runs = {**{s: r for s, r in reused(args.reuse, args).items() if s not in runs}, **runs}
+    runs = dict(sorted(runs.items()))
+    done = [r["async"] for r in runs.values()]
+    policy, greedy = gain(done, "sampled_start", "sampled"), gain(done, "acc_start", "acc")
     flags = [*REAL_MODEL_JOB_ARGS, *args.extra]  # the last --eval-size is the one the runs used
     eval_size = int(flags[len(flags) - 1 - flags[::-1].index("--eval-size") + 1])
     pairs = [r for r in runs.values() if "sync" in r]
     ratios = [r["sync"]["median_step_s"] / r["async"]["median_step_s"] for r in pairs]
     result = {
-        "acc_start": acc_start, "acc_end": acc_end, "gain": acc_end - acc_start, "acc_se": acc_se,
-        "gain_in_se": (acc_end - acc_start) / acc_se if acc_se and acc_se > 0 else None,
-        "acc_se_eval": math.sqrt(acc_end * (1 - acc_end) / eval_size), "eval_size": eval_size,
-        "steps": args.steps, "minutes": statistics.mean(r["async"]["minutes"] for r in runs.values()),
+        "acc_start": policy["start"], "acc_end": policy["end"], "gain": policy["gain"], "acc_se": policy["se"],
+        "gain_in_se": policy["gain_in_se"],
+        "acc_se_eval": math.sqrt(policy["end"] * (1 - policy["end"]) / eval_size), "eval_size": eval_size,
+        "greedy": {**greedy, "se_eval": math.sqrt(greedy["end"] * (1 - greedy["end"]) / eval_size)},
+        "steps": args.steps, "minutes": statistics.mean(r["minutes"] for r in done),
         "minutes_all": (time.time() - t0) / 60,
         "step_ratio": statistics.median(ratios) if ratios else None, "step_ratios": ratios,
-        "acc_end_sync": statistics.mean(r["sync"]["acc"] for r in pairs) if pairs else None,
-        "acc_end_async_same_seeds": statistics.mean(r["async"]["acc"] for r in pairs) if pairs else None,
+        "acc_end_sync": statistics.mean(r["sync"]["sampled"] for r in pairs) if pairs else None,
+        "acc_end_async_same_seeds": statistics.mean(r["async"]["sampled"] for r in pairs) if pairs else None,
+        "greedy_end_sync": statistics.mean(r["sync"]["acc"] for r in pairs) if pairs else None,
+        "greedy_end_async_same_seeds": statistics.mean(r["async"]["acc"] for r in pairs) if pairs else None,
         "default_job_args": list(REAL_MODEL_JOB_ARGS), "extra": args.extra,
         "runs": {str(s): r for s, r in runs.items()},
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"held-out accuracy {acc_start:.3f} -> {acc_end:.3f} over {len(gains)} seeds, gain SE {acc_se:.3f} "
-          f"(target: gain >= {TARGET_SE:g} SE); {args.steps} steps, {result['minutes']:.1f} min a run")
+    for what, g in (("sampled (the policy)", policy), ("greedy", greedy)):
+        print(f"held-out accuracy, {what}: {g['start']:.3f} -> {g['end']:.3f} over {len(done)} seeds, gain "
+              f"{g['gain']:+.3f}, SE {g['se']:.3f} ({g['gain_in_se'] or float('nan'):.1f} SE; target >= {TARGET_SE:g})")
+    print(f"{args.steps} steps, {result['minutes']:.1f} min a run")
     if ratios:
-        print(f"sync/async median step time {result['step_ratio']:.2f}x; accuracy sync {result['acc_end_sync']:.3f}, "
-              f"async {result['acc_end_async_same_seeds']:.3f} (eval SE {result['acc_se_eval']:.3f})")
+        print(f"sync/async median step time {result['step_ratio']:.2f}x; sampled accuracy sync "
+              f"{result['acc_end_sync']:.3f}, async {result['acc_end_async_same_seeds']:.3f} "
+              f"(eval SE {result['acc_se_eval']:.3f})")
 
 
 if __name__ == "__main__":

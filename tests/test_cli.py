@@ -140,6 +140,7 @@ def test_trainer_and_generator_flags_parse_together():
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "steps must be >= 1"),
+    (["--eval-samples", "0"], "eval_samples must be >= 1"),
     (["--group-size", "1"], "group_size must be >= 2"),
     (["--lr", "0"], "lr must be > 0, got 0.0"),
     (["--rho-max", "-2"], "rho_max must be > 0, got -2.0"),

@@ -322,6 +322,42 @@ def test_evaluate_counts_per_level(default_policy, monkeypatch):
     assert m["format"] == pytest.approx(6 / 9)
 
 
+def test_the_sampled_accuracy_is_the_mean_over_eval_samples_per_problem(default_policy, monkeypatch):
+    """``--eval-samples K``: each held-out problem is sampled K times and the sampled
+    accuracy is the mean over all K x problems; the greedy pass runs once. A stand-in
+    sampler answers right greedily and on a problem's first sample only: greedy 1, sampled 1/K."""
+    from llamarl.app.config import GeneratorConfig
+    from llamarl.app.rl import steps
+
+    model, tok = default_policy
+    problems = tasks.make_split("eval", 5, seed=0)
+    by_prompt = {tasks.format_prompt(p.question): p for p in problems}
+    seen: dict[str, int] = {}
+
+    def fake_sample(model, prompts, params, *, eos_id, pad_id, generator=None):
+        rows = []
+        for ids in prompts:
+            text = tok.decode(ids, skip_special_tokens=True)
+            p, k = by_prompt[text], seen.get(text, 0)
+            if params.temperature > 0:
+                seen[text] = k + 1
+            right = params.temperature == 0 or k == 0
+            rows.append(tok(f" #### {p.answer if right else p.answer + 1}", add_special_tokens=False)["input_ids"]
+                        + [tok.eos_token_id])
+        T = max(len(r) for r in rows)
+        tokens = torch.tensor([r + [pad_id] * (T - len(r)) for r in rows])
+        return Samples(tokens_BT=tokens, logprobs_BT=torch.zeros(tokens.shape),
+                       lengths_B=torch.tensor([len(r) for r in rows]))
+
+    monkeypatch.setattr(rl, "sample", fake_sample)
+    gen = GeneratorConfig(max_new_tokens=8, temperature=0.7)
+    m = steps.evaluate(model, tok, problems, gen, step=0, samples=4)
+    assert (m["accuracy"], m["format"]) == (1.0, 1.0)
+    assert m["sampled_accuracy"] == pytest.approx(1 / 4) and set(seen.values()) == {4}
+    seen.clear()
+    assert steps.evaluate(model, tok, problems, gen, step=0)["sampled_accuracy"] == 1.0  # one sample each
+
+
 
 
 def test_batched_evaluation_gives_the_one_by_one_verdicts(default_policy):

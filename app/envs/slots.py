@@ -43,20 +43,21 @@ def step_workers(episodes: int) -> int:
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: TrainerConfig, gen: GeneratorConfig,
              step: int) -> dict[str, float]:
     """Held-out accuracy through ``gen.env`` (see the module): the mean episode reward over
-    ``cfg.eval_size`` test rows, greedy and sampled (at the generators' temperature,
-    seeded by ``step``), an episode that could not start counting 0; and the greedy
-    episodes' mean turns and tool calls."""
+    ``cfg.eval_size`` test rows, greedy and sampled (``cfg.eval_samples`` episodes a row
+    at the generators' temperature, seeded by ``step``), an episode that could not start
+    counting 0; and the greedy episodes' mean turns and tool calls."""
     make = build_env(gen.env)
     rows = make().rows("test", cfg.eval_size, seed=cfg.seed)
     out: dict[str, float] = {}
     for key, greedy in (("accuracy", True), ("sampled_accuracy", False)):
-        runner = EpisodeRunner(model, tokenizer, make, gen, greedy=greedy, workers=step_workers(len(rows)))
+        played = rows if greedy else rows * cfg.eval_samples
+        runner = EpisodeRunner(model, tokenizer, make, gen, greedy=greedy, workers=step_workers(len(played)))
         rng = None if greedy else torch.Generator(next(model.parameters()).device).manual_seed(step)
         try:
-            episodes = [ep for g in runner.run(rows, group_size=1, version=lambda: step, rng=rng) for ep in g]
+            episodes = [ep for g in runner.run(played, group_size=1, version=lambda: step, rng=rng) for ep in g]
         finally:
             runner.close()
-        out[key] = sum(episode_reward(ep) for ep in episodes) / max(1, len(rows))
+        out[key] = sum(episode_reward(ep) for ep in episodes) / max(1, len(played))
         if greedy:
             out["episode_turns"] = runner.stats.turns / max(1, len(episodes))
             out["tool_calls"] = runner.stats.tool_calls / max(1, len(episodes))

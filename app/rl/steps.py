@@ -162,11 +162,12 @@ def summary(step: int, steps: int, groups: list[RolloutGroup], values: dict[str,
 
 def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
              problems: Sequence[tasks.Problem], gen: GeneratorConfig, step: int,
-             format_prompt: Callable[[str], str] = tasks.format_prompt) -> dict[str, float]:
-    """Held-out accuracy, greedy and sampled (one sample per problem at the generators'
-    temperature, seeded by ``step``), per level and the share of well-formed answers."""
+             format_prompt: Callable[[str], str] = tasks.format_prompt, *, samples: int = 1) -> dict[str, float]:
+    """Held-out accuracy, greedy and sampled (``samples`` per problem at the generators'
+    temperature, seeded by ``step``: the mean over all of them), per level and the share
+    of well-formed answers (greedy)."""
     m = rl.evaluate(model, tokenizer, problems, max_new_tokens=gen.max_new_tokens, format_prompt=format_prompt)
-    sampled = rl.evaluate(model, tokenizer, problems, max_new_tokens=gen.max_new_tokens,
+    sampled = rl.evaluate(model, tokenizer, list(problems) * samples, max_new_tokens=gen.max_new_tokens,
                           temperature=gen.temperature, generator=devices.seeded_generator(next(model.parameters()).device, step),
                           format_prompt=format_prompt)
     return {**m, "sampled_accuracy": sampled["accuracy"]}

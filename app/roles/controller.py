@@ -313,7 +313,7 @@ class Controller:
         with self.timeline.busy("eval"):
             m = (env_slots.evaluate(self.full_model, self.tokenizer, self.cfg, self.gen, step) if self.gen.env else
                  steps.evaluate(self.full_model, self.tokenizer, self.data.held_out, self.gen, step,
-                                self.data.format_prompt))
+                                self.data.format_prompt, samples=self.cfg.eval_samples))
         self.rt.emit(steps.eval_events(m, step=step, role="trainer"))
         log.info("step %d held-out accuracy %.3f (greedy), %.3f (sampled)", step, m["accuracy"], m["sampled_accuracy"])
         return m

@@ -75,7 +75,8 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
 
     def evaluate(step: int) -> None:
         with timeline.busy("eval"):
-            m = steps.evaluate(model, tokenizer, prompts.held_out, gen, step, prompts.format_prompt)
+            m = steps.evaluate(model, tokenizer, prompts.held_out, gen, step, prompts.format_prompt,
+                               samples=cfg.eval_samples)
         evals.append((step, m))
         writer.write(steps.eval_events(m, step=step, role="trainer"))
         log(f"step {step:4d}  held-out accuracy {m['accuracy']:.3f} (greedy), "
