@@ -288,3 +288,33 @@ def test_held_out_evaluation_plays_the_environment_s_test_rows_with_its_reward(p
     m = evaluate(*policy, TrainerConfig(eval_size=6), gen, step=2)
     # Rows 0 and 3 of six score 1, whatever the policy wrote (the math verifier would give 0).
     assert m == {"accuracy": 2 / 6, "sampled_accuracy": 2 / 6, "episode_turns": 2.0, "tool_calls": 0.0}
+
+
+class GradedOnce(Graded):
+    """Graded, but a test row scores only the first time it is played (a class-wide
+    count): the sampled accuracy's mean over ``--eval-samples`` shows in the result."""
+
+    played: dict[int, int] = {}
+
+    def rows(self, split, n, *, seed):
+        return [{**r, "i": i} for i, r in enumerate(super().rows(split, n, seed=seed))]
+
+    def step(self, turn):
+        out = super().step(turn)
+        if out.done and self.row["split"] == "test":
+            k = GradedOnce.played[self.row["i"]] = GradedOnce.played.get(self.row["i"], 0) + 1
+            return Step(reward=out.reward if k == 1 else 0.0, done=True)
+        return out
+
+
+def test_the_sampled_evaluation_plays_each_test_row_eval_samples_times(policy):
+    from llamarl.app.config import TrainerConfig
+    from llamarl.app.envs.slots import evaluate
+
+    gen = GeneratorConfig(env="test_episodes:GradedOnce", max_new_tokens=3, max_turns=3, max_episode_tokens=32)
+    GradedOnce.played.clear()
+    m = evaluate(*policy, TrainerConfig(eval_size=6, eval_samples=3), gen, step=2)
+    # Greedy plays each row once (rows 0 and 3 score); sampled plays each 3 times more,
+    # scoring none of them again: 0 of 18.
+    assert (m["accuracy"], m["sampled_accuracy"]) == (2 / 6, 0.0)
+    assert GradedOnce.played == {i: 4 for i in range(6)}
