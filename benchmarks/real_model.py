@@ -1,25 +1,26 @@
 """Does the real-model job teach SmolLM2-135M-Instruct? Held-out accuracy before and after
 N steps, over seeds, and the same job synchronous (``max_staleness 0``) beside it.
 
-    python benchmarks/real_model.py --json benchmarks/results/real_model.json
+    python benchmarks/real_model.py --sync-seeds --json benchmarks/results/real_model.json --extra --eval-samples 4
     python benchmarks/real_model.py --seeds 0 --sync-seeds 0 --steps 10 --json out.json   # one pair
 
-Every run is the real-model job (the default job, ``torchx run``: SmolLM2-135M-Instruct on the shipped GSM8K-format sample with its chat template and
-system prompt, ``components.llamarl.REAL_MODEL_JOB_ARGS``) with ``--steps N``, one torch
-thread per process, the seed of the data order and of sampling set per run, and
-held-out greedy accuracy (100 problems) at step 0 and step N only. For each seed the
-asynchronous run (``max_staleness 1``, the default) and, for ``--sync-seeds``, the
-synchronous one run back to back, so that the machine's load falls on both alike.
+Every run is the real-model job (the default job, ``torchx run``: SmolLM2-135M-Instruct on
+the shipped GSM8K-format sample with its chat template and system prompt,
+``components.llamarl.REAL_MODEL_JOB_ARGS``) with ``--steps N``, one torch thread per
+process, the seed of the data order and of sampling set per run, and held-out accuracy
+(100 problems) at step 0 and step N only. For each seed the asynchronous run
+(``max_staleness 1``, the default) and, for ``--sync-seeds``, the synchronous one run back
+to back, so that the machine's load falls on both alike.
 
-``acc_start`` and ``acc_end`` are the policy's held-out accuracy: one sample per problem
-at the job's temperature (the distribution RL trains; pass@1 sampled, as DeepSeek-R1
-reports its results, where greedy decoding of small models is the less reliable
-measure), means over the asynchronous seeds; ``acc_se`` is the standard error of the
-mean gain over them (the spread of the gains, over sqrt(seeds)); ``acc_se_eval`` the
-binomial standard error of one accuracy on the held-out set, the floor that sampling 100
-problems puts under any comparison. The target: ``acc_end - acc_start >= 3 * acc_se``.
-``greedy`` holds the same for greedy decoding. ``step_ratio`` is the synchronous median
-step time over the asynchronous one, per seed and its median.
+``acc_start`` and ``acc_end`` are the policy's held-out accuracy: the share of right
+answers among samples at the job's temperature (``--eval-samples`` per problem), the
+distribution RL trains (pass@1 of samples, as DeepSeek-R1 reports its results), means
+over the asynchronous seeds; ``acc_se`` is the standard error of the mean gain over them
+(the spread of the gains, over sqrt(seeds)); ``acc_se_eval`` the binomial standard error
+of one such accuracy (every sample counted), the floor that the held-out set puts under
+any comparison. The target: ``acc_end - acc_start >= 3 * acc_se``. ``greedy`` holds the
+same for greedy decoding. ``step_ratio`` is the synchronous median step time over the
+asynchronous one, per seed and its median.
 
 ``--reuse OUT.json`` takes the runs of an earlier output for the seeds it has and this
 invocation does not run (refused unless it ran the same steps, job flags and extras): a
@@ -56,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="RL steps per run (the default job's)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the asynchronous runs")
+    p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2],
+                   help="seeds of the asynchronous runs (none: only --reuse's)")
     p.add_argument("--sync-seeds", type=int, nargs="*", default=[0, 1, 2],
                    help="seeds also run with --max-staleness 0 (none: skip the comparison)")
     p.add_argument("--runs-dir", default="runs/bench-real-model")
@@ -148,17 +150,23 @@ def main(argv: list[str] | None = None) -> None:
     runs = dict(sorted(runs.items()))
     done = [r["async"] for r in runs.values()]
     policy, greedy = gain(done, "sampled_start", "sampled"), gain(done, "acc_start", "acc")
-    flags = [*REAL_MODEL_JOB_ARGS, *args.extra]  # the last --eval-size is the one the runs used
-    eval_size = int(flags[len(flags) - 1 - flags[::-1].index("--eval-size") + 1])
+    flags = [*REAL_MODEL_JOB_ARGS, *args.extra]  # the last of a flag is the one the runs used
+
+    def last(flag: str, default: int) -> int:
+        return int(flags[len(flags) - flags[::-1].index(flag)]) if flag in flags else default
+
+    eval_size, eval_samples = last("--eval-size", 0), last("--eval-samples", 1)
     pairs = [r for r in runs.values() if "sync" in r]
     ratios = [r["sync"]["median_step_s"] / r["async"]["median_step_s"] for r in pairs]
     result = {
         "acc_start": policy["start"], "acc_end": policy["end"], "gain": policy["gain"], "acc_se": policy["se"],
         "gain_in_se": policy["gain_in_se"],
-        "acc_se_eval": math.sqrt(policy["end"] * (1 - policy["end"]) / eval_size), "eval_size": eval_size,
+        "acc_se_eval": math.sqrt(policy["end"] * (1 - policy["end"]) / (eval_size * eval_samples)),
+        "eval_size": eval_size, "eval_samples": eval_samples,
         "greedy": {**greedy, "se_eval": math.sqrt(greedy["end"] * (1 - greedy["end"]) / eval_size)},
         "steps": args.steps, "minutes": statistics.mean(r["minutes"] for r in done),
         "minutes_all": (time.time() - t0) / 60,
+        "minutes_runs": sum(r["minutes"] for modes in runs.values() for r in modes.values()),
         "step_ratio": statistics.median(ratios) if ratios else None, "step_ratios": ratios,
         "acc_end_sync": statistics.mean(r["sync"]["sampled"] for r in pairs) if pairs else None,
         "acc_end_async_same_seeds": statistics.mean(r["async"]["sampled"] for r in pairs) if pairs else None,
