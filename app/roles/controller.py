@@ -290,9 +290,7 @@ class Controller:
         if step % cfg.eval_every == 0 or step == cfg.steps:
             self.evaluate(step)
         if done.checkpoint is not None:
-            # A checkpoint on disk says its step happened: the step's metrics reach the
-            # database first, so a kill after the save cannot leave a resumed run without them.
-            self._drain_metrics()
+            self._drain_metrics()  # the step's metrics in the DB before a checkpoint says it happened
             self.save_checkpoint(step, done.checkpoint)
         health.check_health(self.rt.control)
         self._drain_metrics()
@@ -319,9 +317,8 @@ class Controller:
         return m
 
     def save_checkpoint(self, step: int, snap: Snapshot) -> None:
-        """With every other rank (the training state is a collective): the policy and the
-        training state after ``step`` steps to ``checkpoints/step-<step>/``; deletes the
-        oldest beyond ``keep_last`` and names it in config.json and the metrics DB."""
+        """With every other rank (the training state is a collective): the policy and training state
+        after ``step`` to ``checkpoints/step-<step>/``, pruned to ``keep_last``, named in config.json and the DB."""
         t0 = time.time()
         root = self.run_dir / checkpoint.DIR_NAME
 
