@@ -122,7 +122,12 @@ up() {
     status
     return 0
   fi
-  [[ ! -f $STATE/pids ]] || die "a previous cluster is half up ($STATE/pids): run 'down' first"
+  if [[ -f $STATE/pids ]]; then
+    # A run that was killed before its `down` (a CI job cut off) leaves its state behind:
+    # stop exactly what it recorded and undo its files, then start afresh.
+    say "a previous cluster is half up ($STATE/pids): taking it down first"
+    down
+  fi
   for f in /etc/slurm/slurm.conf /etc/slurm/slurmdbd.conf; do
     ours "$f" || die "$f exists and was not written by this script: another SLURM setup; not touching it"
   done
