@@ -476,8 +476,11 @@ def check_app_run(t: Target) -> dict[str, Any]:
 
     runs, logs = t.work / "runs", t.work / "torchx-logs"
     gpu = "0" if t.dry_run else "1"
+    # One thread a process on the CPU: two processes of two threads on two cores spin in
+    # each other's OpenMP barriers, 10x slower (``--threads``: threads x processes <= cores).
+    threads = "1" if t.dry_run else "2"
     options = ["--policy", str(t.policy), "--runs_dir", str(runs), "--steps", str(APP_STEPS), "--num_generators", "1",
-               "--trainer_gpu", gpu, "--generator_gpu", gpu, "--threads", "2"]
+               "--trainer_gpu", gpu, "--generator_gpu", gpu, "--threads", threads]
     # The dry run takes bf16 too (auto is fp32 on the CPU): the flag reaches the trainer.
     flags = [*SMALL_APP, *(["--train-precision", "bf16"] if t.dry_run else [])]
     t0 = time.monotonic()

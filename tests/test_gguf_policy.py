@@ -24,8 +24,23 @@ NAME = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
-    return gguf_policy.ensure_converted(NAME, root=tmp_path_factory.mktemp("checkpoints"), log=lambda _: None)
+def race(tmp_path_factory) -> tuple[Path, str]:
+    """The module's one conversion, by two processes at once into a fresh ``checkpoints/``
+    (one converts, the other waits for it and reuses its directory): the directory and
+    what both printed (``test_converts_once_and_reuses_the_directory`` reads it)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    code = ("import sys; from llamarl.app.model import gguf_policy; "
+            f"gguf_policy.ensure_converted({NAME!r}, root=sys.argv[1], log=lambda m: print(m, flush=True))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    return root / NAME, "".join(out for out, _ in outs)
+
+
+@pytest.fixture(scope="module")
+def converted(race) -> Path:
+    return race[0]
 
 
 @pytest.fixture(scope="module")
@@ -223,23 +238,13 @@ def test_at_lag_0_the_trainer_scores_the_real_job_s_samples_as_the_sampler_drew_
 
 
 @pytest.mark.slow
-def test_converts_once_and_reuses_the_directory(converted, tmp_path):
+def test_converts_once_and_reuses_the_directory(race):
+    converted, logs = race  # two processes at once: one converted, the other waited and reused
+    assert logs.count("converting") == 1, logs
+    assert sorted(p.name for p in converted.parent.iterdir()) == [f".{NAME}.lock", NAME]  # no partial left
     lines: list[str] = []
     again = gguf_policy.ensure_converted(NAME, root=converted.parent, log=lines.append)
     assert again == converted and lines == []  # no second conversion, nothing to say
-
-    # two processes at once: one converts, the other waits for it and reuses its directory
-    code = ("import sys; from llamarl.app.model import gguf_policy; "
-            f"gguf_policy.ensure_converted({NAME!r}, root=sys.argv[1], log=lambda m: print(m, flush=True))")
-    root = tmp_path / "checkpoints"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
-    logs = "".join(out for out, _ in outs)
-    assert logs.count("converting") == 1, logs
-    assert sorted(p.name for p in root.iterdir()) == [f".{NAME}.lock", NAME]  # no partial left
-    assert (root / NAME / "model.safetensors").read_bytes() == (converted / "model.safetensors").read_bytes()
 
 
 @pytest.mark.slow

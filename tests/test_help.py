@@ -33,6 +33,12 @@ def test_every_entry_point_prints_its_help(tmp_path):
     for role in ROLES:
         out, code = outputs[f"python -m llamarl.app.roles.{role}"]
         assert code == 0 and out.startswith("usage:") and MUST_SAY[role] in out, (role, out[-2000:])
+    # The single-process loop's usage lists the trainer's flags, each field's docstring as its help.
+    out = outputs["python -m llamarl.app.roles.local"][0]
+    for flag in ("--policy", "--steps", "--rho-max", "--normaliser", "--max-staleness", "--rewards",
+                 "--temperature", "--max-new-tokens", "--normalize-std", "--no-normalize-std"):
+        assert flag in out, flag
+    assert "AIPO truncation" in out
     out, code = outputs["torchx run llamarl.llamarl --help"]
     assert code == 0, out[-2000:]
     assert "--num_generators" in out and "--store_port" in out and "crc32" in out, out[-2000:]

@@ -4,8 +4,6 @@ determinism. A few seconds each on two CPU cores."""
 from __future__ import annotations
 
 import sqlite3
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -146,16 +144,6 @@ def test_a_first_step_without_any_answer_logs_the_warning(tiny_warmstart, tmp_pa
 
 
 @pytest.mark.integration
-def test_local_help_lists_the_flags():
-    out = subprocess.run([sys.executable, "-m", "llamarl.app.roles.local", "--help"], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    for flag in ("--policy", "--steps", "--rho-max", "--normaliser", "--max-staleness", "--rewards",
-                 "--temperature", "--max-new-tokens", "--normalize-std", "--no-normalize-std"):
-        assert flag in out.stdout
-    assert "AIPO truncation" in out.stdout
-
-
 def test_warmstart_is_deterministic(tmp_path):
     def train(name: str, seed: int = 0) -> dict[str, torch.Tensor]:
         cfg = WarmStartConfig(out=str(tmp_path / name), steps=3, batch_size=8, train_size=40, eval_size=2,

@@ -31,14 +31,20 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from llamarl.app.errors import ConfigError
 from llamarl.app.control.replica_lock import ERROR_FILE_ENV, REPLICA_ERROR_FILE_ENV, sibling_replica_dirs  # noqa: F401 (read as health.*)
 from llamarl.app.control.replica_lock import released as lock_released
-from llamarl.app.control.transport import Control
+
+if TYPE_CHECKING:  # a type only: the trainer's launcher reads this module without torch
+    from llamarl.app.control.transport import Control
 
 log = logging.getLogger("llamarl")
+
+FAILED_RANK_LINE = "torchrun: rank {rank} failed first, exit code {exitcode}"
+"""What ``llamarl.app.roles.torchrun`` prints to stderr when a rank failed;
+``llamarl.app.roles.launch`` reads the rank back from it."""
 
 HEARTBEAT_TIMEOUT_S = 10.0
 """A member whose heartbeat (one per ``runtime.HEARTBEAT_S``) has not moved for this long

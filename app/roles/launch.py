@@ -36,7 +36,6 @@ from typing import IO
 from llamarl.app import cli
 from llamarl.app.control import health
 from llamarl.app import names
-from llamarl.app.roles import torchrun
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +105,7 @@ def crash_cause(crash_dir: Path) -> str | None:
     return "; ".join(causes) or None
 
 
-FAILED_RANK = re.compile(re.escape(torchrun.FAILED_RANK_LINE).replace(r"\{rank\}", r"(\d+)")
+FAILED_RANK = re.compile(re.escape(health.FAILED_RANK_LINE).replace(r"\{rank\}", r"(\d+)")
                          .replace(r"\{exitcode\}", r"(-?\d+)"))
 """``llamarl.app.roles.torchrun``'s line naming the first failed rank and its exit code."""
 STDERR_TAIL_BYTES = 64 * 1024

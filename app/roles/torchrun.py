@@ -5,7 +5,7 @@ which ``llamarl.app.roles.launch`` prints last from the rank's own error file).
 
     python -m llamarl.app.roles.torchrun --nproc_per_node 2 --standalone --nnodes 1 -m llamarl.app.roles.trainer ...
 
-The line, ``FAILED_RANK_LINE``, names the first failed rank and its exit code, from which
+The line, ``health.FAILED_RANK_LINE``, names the first failed rank and its exit code, from which
 ``llamarl.app.roles.launch`` names a rank that a signal killed with no Python error. torchrun's error
 file (the failed rank's, copied by its ``@record``) is written as before. A stop signal
 (``SignalException``, raised in the agent by its SIGTERM/SIGINT handler, after it stopped
@@ -26,8 +26,7 @@ from torch.distributed.elastic.multiprocessing import api as elastic_api
 from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-FAILED_RANK_LINE = "torchrun: rank {rank} failed first, exit code {exitcode}"
-"""Printed to stderr when a rank failed (``llamarl.app.roles.launch.FAILED_RANK`` reads it back)."""
+from llamarl.app.control.health import FAILED_RANK_LINE
 
 
 def _stop_once(signum: int, frame: FrameType | None) -> None:
