@@ -202,6 +202,10 @@ class TrainerConfig:
     """Samples per held-out problem for the sampled accuracy (the policy's, at the
     generators' temperature), averaged over all of them: K samples divide the binomial
     variance of that accuracy by K, for K times the sampled pass's time."""
+    eval_precision: Literal["gen", "fp32", "bf16", "int8", "fp8"] = "gen"
+    """Precision of the held-out evaluation's linear layers (LM head excepted): gen runs
+    the policy as the generators do (their --gen-precision), fp32 from the trainer's
+    full-precision weights as they are."""
     micro_batch: int = 64
     """Rollouts per forward/backward pass (gradient accumulation above it)."""
     trainer_pass: Literal["packed", "padded"] = "packed"
@@ -249,6 +253,9 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         check_at_least(self, 1, "steps", "prompts_per_step", "group_size", "eval_every", "eval_size", "eval_samples",
                        "micro_batch")
+        if self.eval_precision not in ("gen", *GEN_PRECISIONS):
+            raise ValueError(f"eval_precision must be gen or one of {', '.join(GEN_PRECISIONS)}, "
+                             f"got {self.eval_precision!r}")
         if self.group_size < 2:
             raise ValueError("group_size must be >= 2: group-relative advantages need a group")
         check_at_least(self, 0, "lr", "rho_max", "clip_eps", strict=True)
@@ -317,6 +324,10 @@ class TrainerConfig:
                           normaliser=self.normaliser, kl_coef=self.kl_coef,
                           temperature=gen.temperature, top_p=gen.top_p,
                           micro_batch=self.micro_batch, trainer_pass=self.trainer_pass)
+
+    def eval_at(self, gen: GeneratorConfig) -> str:
+        """The held-out evaluation's precision: ``eval_precision``, ``gen``'s for gen."""
+        return gen.gen_precision if self.eval_precision == "gen" else self.eval_precision
 
 
 @dataclass(kw_only=True)

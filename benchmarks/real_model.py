@@ -46,7 +46,8 @@ if not __package__:  # `python benchmarks/real_model.py`: the repository root, f
 
 from benchmarks import apps  # noqa: E402
 from benchmarks.async_vs_sync import summarise  # noqa: E402
-from llamarl.app import names  # noqa: E402
+from llamarl.app import cli, names  # noqa: E402
+from llamarl.app.config import GeneratorConfig, TrainerConfig  # noqa: E402
 from llamarl.app.data import sources as data  # noqa: E402
 from llamarl.components.llamarl import DEFAULT_STEPS, REAL_MODEL_JOB_ARGS, REAL_MODEL_POLICY  # noqa: E402
 
@@ -108,16 +109,24 @@ def summary(run_dir: Path) -> dict:
     return out
 
 
+def eval_precision(extra: list[str]) -> str:
+    """The precision the runs' held-out evaluation samples at (``--eval-precision``)."""
+    cfg, gen = cli.parse([*REAL_MODEL_JOB_ARGS, *extra], TrainerConfig, GeneratorConfig)
+    return cfg.eval_at(gen)
+
+
 def reused(paths: list[Path], args: argparse.Namespace) -> dict[int, dict]:
     """The runs of earlier outputs, by seed, summarised again from their metrics databases
-    (which must still be there); refused unless they ran what this run runs."""
+    (which must still be there); refused unless they ran what this run runs (an output
+    without ``eval_precision`` was evaluated in fp32, before ``--eval-precision``)."""
     runs: dict[int, dict] = {}
     for path in paths:
         earlier = json.loads(path.read_text())
-        ran = (earlier["steps"], earlier["default_job_args"], earlier["extra"])
-        if ran != (args.steps, list(REAL_MODEL_JOB_ARGS), args.extra):
-            raise SystemExit(f"--reuse {path}: it ran steps, job flags and extras {ran}, this run "
-                             f"{(args.steps, list(REAL_MODEL_JOB_ARGS), args.extra)}")
+        ran = (earlier["steps"], earlier["default_job_args"], earlier["extra"], earlier.get("eval_precision", "fp32"))
+        now = (args.steps, list(REAL_MODEL_JOB_ARGS), args.extra, eval_precision(args.extra))
+        if ran != now:
+            raise SystemExit(f"--reuse {path}: it ran steps, job flags, extras and evaluation precision {ran}, "
+                             f"this run {now}")
         for seed, modes in earlier["runs"].items():
             for mode, r in modes.items():
                 if not (Path(r["run_dir"]) / "metrics.db").is_file():
@@ -172,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         "acc_end_async_same_seeds": statistics.mean(r["async"]["sampled"] for r in pairs) if pairs else None,
         "greedy_end_sync": statistics.mean(r["sync"]["acc"] for r in pairs) if pairs else None,
         "greedy_end_async_same_seeds": statistics.mean(r["async"]["acc"] for r in pairs) if pairs else None,
-        "default_job_args": list(REAL_MODEL_JOB_ARGS), "extra": args.extra,
+        "default_job_args": list(REAL_MODEL_JOB_ARGS), "extra": args.extra, "eval_precision": eval_precision(args.extra),
         "runs": {str(s): r for s, r in runs.items()},
     }
     if args.json:

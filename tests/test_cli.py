@@ -133,6 +133,9 @@ def test_trainer_and_generator_flags_parse_together():
                           "--top-p", "0.9", "--levels", "1,3"], TrainerConfig, GeneratorConfig)
     assert (cfg.steps, cfg.loss, cfg.normalize_std, cfg.levels) == (5, "ppo", True, "1,3")
     assert gen.temperature == 0.7
+    assert cfg.eval_at(gen) == "fp32"  # the generators' precision by default
+    assert TrainerConfig().eval_at(GeneratorConfig(gen_precision="bf16")) == "bf16"
+    assert TrainerConfig(eval_precision="fp32").eval_at(GeneratorConfig(gen_precision="bf16")) == "fp32"
     step = cfg.step_config(gen)
     assert (step.loss, step.rho_max, step.normaliser, step.temperature, step.top_p) == (
         "ppo", cfg.rho_max, "token", 0.7, 0.9)
@@ -141,6 +144,7 @@ def test_trainer_and_generator_flags_parse_together():
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "0"], "steps must be >= 1"),
     (["--eval-samples", "0"], "eval_samples must be >= 1"),
+    (["--eval-precision", "fp16"], "invalid choice"),
     (["--group-size", "1"], "group_size must be >= 2"),
     (["--lr", "0"], "lr must be > 0, got 0.0"),
     (["--rho-max", "-2"], "rho_max must be > 0, got -2.0"),

@@ -184,3 +184,39 @@ def test_recorded_logprobs_are_the_quantized_models():
     own_gap = ((out.logprobs_BT - own_BT) * mask_BT).abs().max()
     fp32_gap = ((out.logprobs_BT - ref_BT) * mask_BT).abs().max()
     assert own_gap < fp32_gap / 10
+
+
+@pytest.mark.parametrize("make", [llama, gpt2], ids=["llama-fast-path", "gpt2-own-forward"])
+def test_sampling_at_a_precision_is_the_quantized_models_and_leaves_the_model_as_it_was(make):
+    """The trainer's held-out evaluation at the generators' precision: inside the block
+    the model samples exactly what a ``quantize_``d copy samples (same tokens, same
+    log-probs); after it, the same modules and parameters, fp32 logits bit for bit."""
+    model, generator_copy = make(), make()
+    precision.quantize_(generator_copy, "bf16").refresh()
+    params = SamplingParams(max_new_tokens=6, temperature=0.7)
+    ids = [torch.tensor([p]) for p in PROMPTS]
+    with torch.no_grad():
+        before = [model(input_ids=x).logits for x in ids]
+    modules, parameters = dict(model.named_modules()), dict(model.named_parameters())
+
+    def draw(m):
+        return sample(m, PROMPTS, params, eos_id=-1, pad_id=PAD, generator=torch.Generator().manual_seed(3))
+
+    with precision.sampling_at(model, "bf16"):
+        inside = draw(model)
+    expected, fp32 = draw(generator_copy), draw(model)
+    assert torch.equal(inside.tokens_BT, expected.tokens_BT)
+    assert torch.equal(inside.logprobs_BT, expected.logprobs_BT)
+    assert not torch.equal(inside.logprobs_BT, fp32.logprobs_BT)  # bf16 it was
+    assert dict(model.named_modules()) == modules and dict(model.named_parameters()) == parameters
+    assert precision.fast_linears(model) is None
+    with torch.no_grad():
+        assert all(torch.equal(model(input_ids=x).logits, b) for x, b in zip(ids, before))
+    with precision.sampling_at(model, "fp32"):  # nothing changes
+        assert dict(model.named_modules()) == modules
+    with pytest.raises(ValueError, match="already runs at a precision"):
+        with precision.sampling_at(generator_copy, "bf16"):
+            pass
+    with pytest.raises(ValueError, match="--eval-precision 'fp8' cannot run on cpu"):
+        with precision.sampling_at(model, "fp8"):
+            pass

@@ -43,7 +43,7 @@ def _run_dir(tmp_path, name, *, greedy, sampled, no_answer):
 
 def test_reuse_summarises_the_earlier_runs_again_and_refuses_other_settings(tmp_path):
     run_dir = _run_dir(tmp_path, "a", greedy=(0.13, 0.2), sampled=(0.07, 0.17), no_answer=(0.3, 0.0))
-    earlier = {"steps": 2, "default_job_args": list(REAL_MODEL_JOB_ARGS), "extra": [],
+    earlier = {"steps": 2, "default_job_args": list(REAL_MODEL_JOB_ARGS), "extra": [], "eval_precision": "bf16",
                "runs": {"4": {"async": {"run_dir": str(run_dir), "minutes": 3.0}}}}
     path = tmp_path / "earlier.json"
     path.write_text(json.dumps(earlier))
@@ -54,10 +54,16 @@ def test_reuse_summarises_the_earlier_runs_again_and_refuses_other_settings(tmp_
     assert (r["no_answer_first"], r["no_answer_last"], r["minutes"]) == (0.3, 0.0, 3.0)
     assert r["median_step_s"] == 20.0  # step 1 (start-up) left out
 
-    with pytest.raises(SystemExit, match="ran steps, job flags and extras"):
+    refused = "ran steps, job flags, extras and evaluation precision"
+    with pytest.raises(SystemExit, match=refused):
         real_model.reused([path], real_model.parse_args(["--steps", "3"]))
-    with pytest.raises(SystemExit, match="ran steps, job flags and extras"):
+    with pytest.raises(SystemExit, match=refused):
         real_model.reused([path], real_model.parse_args(["--steps", "2", "--extra", "--lr", "1e-4"]))
+    # An output from before --eval-precision was evaluated in fp32: not mixed with bf16's.
+    path.write_text(json.dumps({k: v for k, v in earlier.items() if k != "eval_precision"}))
+    with pytest.raises(SystemExit, match=r"\(2, \[.*\], \[\], 'fp32'\), this run \(2, \[.*\], \[\], 'bf16'\)"):
+        real_model.reused([path], args)
+    path.write_text(json.dumps(earlier))
     earlier["runs"]["4"]["async"]["run_dir"] = str(tmp_path / "gone")
     path.write_text(json.dumps(earlier))
     with pytest.raises(SystemExit, match="has no metrics.db"):

@@ -323,8 +323,8 @@ def test_evaluate_counts_per_level(default_policy, monkeypatch):
 
 
 def test_the_sampled_accuracy_is_the_mean_over_eval_samples_per_problem(default_policy, monkeypatch):
-    """``--eval-samples K``: each held-out problem is sampled K times and the sampled
-    accuracy is the mean over all K x problems; the greedy pass runs once. A stand-in
+    """``--eval-samples K``: each held-out problem is sampled K times (its samples side by
+    side) and the sampled accuracy is the mean over all K x problems; the greedy pass runs once. A stand-in
     sampler answers right greedily and on a problem's first sample only: greedy 1, sampled 1/K."""
     from llamarl.app.config import GeneratorConfig
     from llamarl.app.rl import steps
@@ -333,6 +333,7 @@ def test_the_sampled_accuracy_is_the_mean_over_eval_samples_per_problem(default_
     problems = tasks.make_split("eval", 5, seed=0)
     by_prompt = {tasks.format_prompt(p.question): p for p in problems}
     seen: dict[str, int] = {}
+    order: list[tasks.Problem] = []
 
     def fake_sample(model, prompts, params, *, eos_id, pad_id, generator=None):
         rows = []
@@ -341,6 +342,7 @@ def test_the_sampled_accuracy_is_the_mean_over_eval_samples_per_problem(default_
             p, k = by_prompt[text], seen.get(text, 0)
             if params.temperature > 0:
                 seen[text] = k + 1
+                order.append(p)
             right = params.temperature == 0 or k == 0
             rows.append(tok(f" #### {p.answer if right else p.answer + 1}", add_special_tokens=False)["input_ids"]
                         + [tok.eos_token_id])
@@ -354,6 +356,7 @@ def test_the_sampled_accuracy_is_the_mean_over_eval_samples_per_problem(default_
     m = steps.evaluate(model, tok, problems, gen, step=0, samples=4)
     assert (m["accuracy"], m["format"]) == (1.0, 1.0)
     assert m["sampled_accuracy"] == pytest.approx(1 / 4) and set(seen.values()) == {4}
+    assert order == [p for p in problems for _ in range(4)]  # side by side: one prefill a problem
     seen.clear()
     assert steps.evaluate(model, tok, problems, gen, step=0)["sampled_accuracy"] == 1.0  # one sample each
 

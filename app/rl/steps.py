@@ -167,7 +167,9 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     temperature, seeded by ``step``: the mean over all of them), per level and the share
     of well-formed answers (greedy)."""
     m = rl.evaluate(model, tokenizer, problems, max_new_tokens=gen.max_new_tokens, format_prompt=format_prompt)
-    sampled = rl.evaluate(model, tokenizer, list(problems) * samples, max_new_tokens=gen.max_new_tokens,
+    # A problem's samples side by side: one ``sample`` call prefills each prompt once.
+    repeated = [p for p in problems for _ in range(samples)]
+    sampled = rl.evaluate(model, tokenizer, repeated, max_new_tokens=gen.max_new_tokens,
                           temperature=gen.temperature, generator=devices.seeded_generator(next(model.parameters()).device, step),
                           format_prompt=format_prompt)
     return {**m, "sampled_accuracy": sampled["accuracy"]}

@@ -13,10 +13,10 @@ in ``Controller``:
 - watches which executors are alive (``llamarl.app.control.membership``) and waits for
   every generator's check of the prompts;
 - keeps a whole copy of the policy (with several ranks; with one it is the policy): what held-out
-  evaluation samples from (the environment's episodes with ``--env``) and what a checkpoint's policy is written from;
-- after every step: the losses and executors alive, evaluation, the checkpoint's
-  directory, the health check, and the metrics: it is the only writer of the metrics
-  database (and the TensorBoard mirror), draining every role's events;
+  evaluation samples from (at ``--eval-precision``) and what a checkpoint's policy is written from;
+- after every step: the losses and executors alive, evaluation, the checkpoint's directory, the
+  health check, and the metrics: it is the only writer of the metrics database (and the
+  TensorBoard mirror), draining every role's events;
 - ends the app: asks every role to stop (or publishes the failure), waits for their
   acknowledgements, writes the last metrics.
 
@@ -51,15 +51,14 @@ from llamarl.app.metrics.tensorboard import TensorBoardMirror, summary_writer_cl
 from llamarl.app.model.policy import load_tokenizer
 from llamarl.app.rl import steps
 from llamarl.app.rl.contract import Rejections, RolloutGroup
-from llamarl.app.sampling.precision import check_precision
+from llamarl.app.sampling.precision import check_precision, sampling_at
 from llamarl.app.state import checkpoint, train_state
 from llamarl.app.weights.layout import flatten_parameters_
 
 log = logging.getLogger("llamarl")
 
 START_TIMEOUT_S = 900.0
-"""How long the start waits for the config (a follower), the members to register and the
-generators' check of the prompts."""
+"""How long the start waits for the config, the members and the generators' check of the prompts."""
 
 
 @dataclasses.dataclass
@@ -73,8 +72,8 @@ class Carried:
 
 @dataclasses.dataclass
 class Snapshot:
-    """What one trainer rank's part of a checkpoint holds: its model and optimizer (a
-    shard of them with several ranks) and the loop's counters."""
+    """One trainer rank's part of a checkpoint: its model and optimizer (shards of them
+    with several ranks) and the loop's counters."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -113,9 +112,8 @@ def wait_for_members(rt: runtime.Runtime, num_generators: int, num_reward: int, 
 
 
 class Controller:
-    """Trainer replica 0's duties (module docstring), in the order the trainer calls them:
-    ``prepare``, ``open_run``, ``wait_for_members``, then ``before_steps``, ``after_step``
-    once per step, and ``close``."""
+    """Trainer replica 0's duties (module docstring), in the order the trainer calls them: ``prepare``,
+    ``open_run``, ``wait_for_members``, then ``before_steps``, ``after_step`` once per step, ``close``."""
 
     def __init__(self, rt: runtime.Runtime, cfg: TrainerConfig, gen: GeneratorConfig, *, num_generators: int,
                  num_reward: int, world: int, timeline: metrics.Timeline, rejections: Rejections) -> None:
@@ -149,9 +147,11 @@ class Controller:
         store is up, so the error is the app's failure cause for every role. The prompts
         read and prepared; the policy's path."""
         cfg = self.cfg = data.absolute_paths(self.cfg)
-        # The generators' precision, against this machine's kind of device; each generator
-        # checks its own device again before it loads weights.
-        check_precision(self.gen.gen_precision, "cuda" if torch.cuda.is_available() else "cpu")
+        # The generators' and the evaluation's precision, against this machine's kind of
+        # device; each generator checks its own device again before it loads weights.
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        check_precision(self.gen.gen_precision, device)
+        check_precision(cfg.eval_at(self.gen), device, "--eval-precision")
         if cfg.tensorboard:
             summary_writer_class()  # a missing package fails here, before the run directory
         self.resume = train_state.find_resume(cfg.runs_dir, cfg.run_id, cfg.resume)
@@ -308,7 +308,7 @@ class Controller:
     def evaluate(self, step: int) -> dict[str, float]:
         if not self.data.held_out and not self.gen.env:  # a dataset without --eval-dataset or --eval-fraction
             return {}
-        with self.timeline.busy("eval"):
+        with self.timeline.busy("eval"), sampling_at(self.full_model, self.cfg.eval_at(self.gen)):
             m = (env_slots.evaluate(self.full_model, self.tokenizer, self.cfg, self.gen, step) if self.gen.env else
                  steps.evaluate(self.full_model, self.tokenizer, self.data.held_out, self.gen, step,
                                 self.data.format_prompt, samples=self.cfg.eval_samples))

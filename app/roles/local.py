@@ -31,7 +31,7 @@ from llamarl.app.rl import steps
 from llamarl.app.config import GeneratorConfig, TrainerConfig
 from llamarl.app.model.policy import load_policy
 from llamarl.app.rewards import build_reward
-from llamarl.app.sampling import quantize_
+from llamarl.app.sampling import quantize_, sampling_at
 
 
 @dataclass
@@ -74,7 +74,7 @@ def run(cfg: TrainerConfig, gen: GeneratorConfig, *, log: Callable[[str], None] 
     evals: list[tuple[int, dict[str, float]]] = []
 
     def evaluate(step: int) -> None:
-        with timeline.busy("eval"):
+        with timeline.busy("eval"), sampling_at(model, cfg.eval_at(gen)):
             m = steps.evaluate(model, tokenizer, prompts.held_out, gen, step, prompts.format_prompt,
                                samples=cfg.eval_samples)
         evals.append((step, m))

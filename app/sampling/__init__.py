@@ -56,12 +56,12 @@ from llamarl.app.sampling.generic import cache_kwarg, prefill_groups
 from llamarl.app.sampling.kv_cache import TESTED_TRANSFORMERS, KVBufferLayer, Prefixes, ReusedStorage, new_cache
 from llamarl.app.sampling.llama_fast import LlamaFastPath
 from llamarl.app.sampling.logits import draw, process_logits, token_logprobs
-from llamarl.app.sampling.precision import GEN_PRECISIONS, GenPrecision, GenWeights, quantize_
+from llamarl.app.sampling.precision import GEN_PRECISIONS, GenPrecision, GenWeights, quantize_, sampling_at
 
 __all__ = ["SamplingParams", "Samples", "Then", "sample", "process_logits", "token_logprobs", "draw",
            "cache_kwarg", "prefill_groups", "KVBufferLayer", "Prefixes", "ReusedStorage", "new_cache",
            "LlamaFastPath", "TESTED_TRANSFORMERS", "GEN_PRECISIONS", "GenPrecision", "GenWeights",
-           "quantize_", "Decoder", "DEFAULT_DECODER"]
+           "quantize_", "sampling_at", "Decoder", "DEFAULT_DECODER"]
 
 Decoder = Literal["auto", "eager", "static", "compiled"]
 """How ``sample`` decodes: ``eager`` the loop of ``decode.run``; ``static`` the

@@ -26,7 +26,8 @@ machine supports.
 from __future__ import annotations
 
 import time
-from typing import Callable, Literal, get_args
+from contextlib import contextmanager
+from typing import Callable, Iterator, Literal, get_args
 
 import torch
 from torch import nn
@@ -61,13 +62,13 @@ def supported_precisions(device: torch.device | str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def check_precision(precision: str, device: torch.device | str) -> None:
+def check_precision(precision: str, device: torch.device | str, flag: str = "--gen-precision") -> None:
     """``ValueError`` naming what this machine supports unless ``device`` runs ``precision``."""
     supported = supported_precisions(device)
     if precision in supported:
         return
     why = "is not a generator precision" if precision not in GEN_PRECISIONS else f"cannot run on {device}"
-    raise ValueError(f"--gen-precision {precision!r} {why}; this machine ({torch.device(device).type}) "
+    raise ValueError(f"{flag} {precision!r} {why}; this machine ({torch.device(device).type}) "
                      f"supports: {', '.join(supported)}")
 
 
@@ -125,9 +126,17 @@ class GenWeights:
 
     def __init__(self, model: PreTrainedModel, precision: str) -> None:
         self.model, self.precision = model, precision
-        self.layers = _replace_linears(model, precision)
+        self.layers, self._originals = _replace_linears(model, precision)
         self.fast_linears: FusedLinears | None = None
         setattr(model, _ATTACHED, self)
+
+    def remove(self) -> None:
+        """Put the model's own linear layers back: it runs at full precision again."""
+        for layer, (parent, child, original) in zip(self.layers, self._originals, strict=True):
+            assert getattr(parent, child) is layer, f"{child} was replaced again"
+            setattr(parent, child, original)
+        delattr(self.model, _ATTACHED)
+        self.layers, self._originals, self.fast_linears = [], [], None
 
     @torch.no_grad()
     def refresh(self) -> float:
@@ -153,6 +162,27 @@ def quantize_(model: PreTrainedModel, precision: str) -> GenWeights | None:
     change of the weights."""
     check_precision(precision, next(model.parameters()).device)
     return None if precision == "fp32" else GenWeights(model, precision)
+
+
+@contextmanager
+def sampling_at(model: PreTrainedModel, precision: str) -> Iterator[None]:
+    """``model`` samples at ``precision`` inside the block, from its current weights, and
+    is the same model after it: its linear layers stand in as ``quantize_`` makes them
+    (the same parameters; the kernels are the only new memory) and are put back at the
+    end. The trainer's held-out evaluation runs the policy as the generators run it
+    (``--eval-precision``). fp32 changes nothing."""
+    if precision == "fp32":
+        yield
+        return
+    check_precision(precision, next(model.parameters()).device, "--eval-precision")
+    if getattr(model, _ATTACHED, None) is not None:
+        raise ValueError("the model already runs at a precision of its own (quantize_)")
+    weights = GenWeights(model, precision)
+    try:
+        weights.refresh()
+        yield
+    finally:
+        weights.remove()
 
 
 def fast_linears(model: PreTrainedModel) -> FusedLinears | None:
@@ -182,17 +212,20 @@ def fast_kernel(model: PreTrainedModel) -> Callable[[torch.Tensor], LinearKernel
     return lambda w: make_kernel(w, weights.precision)
 
 
-def _replace_linears(model: PreTrainedModel, precision: str) -> list[QuantizedLinear]:
+def _replace_linears(model: PreTrainedModel, precision: str
+                     ) -> tuple[list[QuantizedLinear], list[tuple[nn.Module, str, nn.Module]]]:
     head = model.get_output_embeddings()
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, (nn.Linear, Conv1D)) and module is not head]
     if not targets:
         raise ValueError(f"--gen-precision {precision}: the policy ({type(model).__name__}) has no linear "
                          "layer to run at that precision")
-    replaced = []
+    replaced, originals = [], []
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
         quantized = QuantizedLinear(module, precision)
-        setattr(model.get_submodule(parent_name), child, quantized)
+        setattr(parent, child, quantized)
         replaced.append(quantized)
-    return replaced
+        originals.append((parent, child, module))
+    return replaced, originals
