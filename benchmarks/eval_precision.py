@@ -45,6 +45,7 @@ from llamarl.app.data import sources as data  # noqa: E402
 from llamarl.app.model import gguf_policy  # noqa: E402
 from llamarl.app.model.policy import load_policy  # noqa: E402
 from llamarl.app.rl import step as rl  # noqa: E402
+from llamarl.app.rl import steps  # noqa: E402
 from llamarl.app.sampling import sampling_at  # noqa: E402
 from llamarl.components.llamarl import REAL_MODEL_JOB_ARGS, REAL_MODEL_POLICY  # noqa: E402
 from benchmarks.real_model_precision import cpu_bf16_flags  # noqa: E402
@@ -62,16 +63,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def evaluate(model, tokenizer, problems, gen: GeneratorConfig, format_prompt, *, samples: int, strided: bool,
              precision: str) -> tuple[dict[str, float], float]:
-    """``steps.evaluate``'s two passes, the sampled one's problems in either order; the
-    greedy and sampled accuracy and the seconds both took."""
-    repeated = list(problems) * samples if strided else [p for p in problems for _ in range(samples)]
+    """One evaluation at ``precision``: the trainer's own (``steps.evaluate``), or, with
+    ``strided``, its passes with the sampled problems in the order before; the greedy and
+    sampled accuracy and the seconds it took."""
     t0 = time.perf_counter()
     with sampling_at(model, precision):
-        greedy = rl.evaluate(model, tokenizer, problems, max_new_tokens=gen.max_new_tokens, format_prompt=format_prompt)
-        sampled = rl.evaluate(model, tokenizer, repeated, max_new_tokens=gen.max_new_tokens,
-                              temperature=gen.temperature, generator=devices.seeded_generator(torch.device("cpu"), 0),
-                              format_prompt=format_prompt)
-    return {"greedy": greedy["accuracy"], "sampled": sampled["accuracy"]}, time.perf_counter() - t0
+        if strided:
+            m = rl.evaluate(model, tokenizer, problems, max_new_tokens=gen.max_new_tokens, format_prompt=format_prompt)
+            m["sampled_accuracy"] = rl.evaluate(
+                model, tokenizer, list(problems) * samples, max_new_tokens=gen.max_new_tokens,
+                temperature=gen.temperature, generator=devices.seeded_generator(torch.device("cpu"), 0),
+                format_prompt=format_prompt)["accuracy"]
+        else:
+            m = steps.evaluate(model, tokenizer, problems, gen, 0, format_prompt, samples=samples)
+    return {"greedy": m["accuracy"], "sampled": m["sampled_accuracy"]}, time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> dict:
